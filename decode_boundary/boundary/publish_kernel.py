@@ -1,0 +1,129 @@
+"""Publish: store this rank's partial sum into its slot of every peer's mailbox.
+
+The mailbox layout is the one of docs/CONTRACTS.md: rank p owns BF16
+``[3, tp, capacity, hidden]`` filled with -0 (0x8000, "not yet written");
+``peer_ptrs[p]`` is its base address as seen from here; ``stage_state`` is this
+rank's int32 {NEXT, ACTIVE}. ``publish_row`` is the device function the
+publish kernel and the MoE finalize kernel share, so both store identical bits.
+
+**Memory consistency.** Stores are plain (weak) unicast stores over NVLink; no
+fence and no flag. The consumer polls the data itself with volatile loads
+until no element is the sentinel: a BF16 element is written by one 2-byte
+piece of a 16-byte store, so an element is either still -0 or final, and no
+other data depends on it (the value is its own flag). -0 is turned into +0
+here so a published value can never look unwritten. NEXT is read with a plain
+load after the grid-dependency wait: the previous consumer wrote it and its
+grid has completed (kernel boundary), so the load sees it. ACTIVE is written
+with a plain store by one program; the consumer reads it only after its own
+grid wait, i.e. after this whole grid completed and its stores were flushed.
+
+**What the caller must guarantee.** The consumer of the previous step has run
+on this rank (it advanced NEXT); the consumer of this step runs next on the
+same stream (a publish without its consumer desynchronises the mailbox). ``x``
+is contiguous [M, hidden] BF16 with M <= capacity, hidden % 8 == 0, and is
+written by the preceding kernel at the latest (read after the grid wait).
+
+**Why it is CUDA-graph safe.** Every address (peer table, stage words) is a
+device tensor that lives as long as the mailbox, and the stage is read on the
+device, so a replay needs no host step; the grid depends only on M, which a
+captured graph fixes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import env
+
+PUBLISH_BLOCK_H = 512  # columns per program: 64 threads x one 16-byte store per peer
+PUBLISH_WARPS = 2
+
+
+@triton.jit
+def to_bf16_rne(x):
+    """FP32 -> BF16, round to nearest even, done in integers so the Triton
+    interpreter (whose cast truncates) and the GPU produce the same bits.
+    NaN stays a quiet NaN."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    rounded = tl.where(x != x, (bits >> 16) | 0x40, rounded)
+    return rounded.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def publish_row(x, peer_ptrs_ptr, stage, rank, m, cols, mask, capacity,
+                TP: tl.constexpr, HIDDEN: tl.constexpr):
+    """Store BF16 ``x`` (columns ``cols`` of token ``m``) into slot
+    [stage][rank][m] of every peer's mailbox, -0 turned into +0."""
+    bits = x.to(tl.int16, bitcast=True)
+    clean = tl.where(bits == -32768, 0, bits).to(tl.bfloat16, bitcast=True)
+    row = ((stage * TP + rank).to(tl.int64) * capacity + m) * HIDDEN
+    for p in tl.static_range(TP):
+        base = tl.load(peer_ptrs_ptr + p).to(tl.pointer_type(tl.bfloat16))
+        # Mailboxes are 16-byte aligned and HIDDEN % 8 == 0: let Triton emit v4 stores.
+        ptrs = tl.multiple_of(base + row + cols, 16)
+        tl.store(ptrs, clean, mask=mask)
+
+
+@triton.jit
+def publish_kernel(
+    x_ptr,
+    peer_ptrs_ptr,
+    stage_ptr,
+    rank,
+    capacity,
+    TP: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    m = tl.program_id(0)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < HIDDEN
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # x and NEXT come from earlier kernels
+    x = tl.load(x_ptr + m.to(tl.int64) * HIDDEN + cols, mask=mask)
+    stage = tl.load(stage_ptr)
+    if USE_PDL:
+        # The consumer's pre-wait loads (residual, post, comb, gamma) are not ours.
+        tl.extra.cuda.gdc_launch_dependents()
+    publish_row(x, peer_ptrs_ptr, stage, rank, m, cols, mask, capacity, TP=TP, HIDDEN=HIDDEN)
+    if (m == 0) & (chunk == 0):
+        tl.store(stage_ptr + 1, stage)
+
+
+def publish_block(hidden: int) -> int:
+    return min(PUBLISH_BLOCK_H, triton.next_power_of_2(hidden))
+
+
+def publish(x: torch.Tensor, peer_ptrs: torch.Tensor, stage_state: torch.Tensor, rank: int,
+            capacity: int) -> None:
+    """Launch the publish kernel for ``x`` [M, hidden] (see the module docstring)."""
+    if x.dtype != torch.bfloat16 or x.ndim != 2 or not x.is_contiguous():
+        raise ValueError(f"x must be contiguous bf16 [M, hidden], got {x.dtype} "
+                         f"{tuple(x.shape)} contiguous={x.is_contiguous()}")
+    m, hidden = x.shape
+    if hidden % 8:
+        raise ValueError(f"hidden must be a multiple of 8 (16-byte stores), got {hidden}")
+    if m > capacity:
+        raise ValueError(f"x has {m} rows, more than the mailbox capacity {capacity}")
+    if m == 0:
+        return
+    block = publish_block(hidden)
+    grid = (m, triton.cdiv(hidden, block))
+    pdl = env.use_pdl(x.device)
+    publish_kernel[grid](
+        x, peer_ptrs, stage_state, rank, capacity,
+        TP=peer_ptrs.numel(), HIDDEN=hidden, BLOCK_H=block, USE_PDL=pdl,
+        num_warps=PUBLISH_WARPS, launch_pdl=pdl,
+    )
+
+
+def publish_ref(mailboxes: list[torch.Tensor], x: torch.Tensor, stage: int, rank: int) -> None:
+    """What a publish does to the (simulated) mailboxes of all ranks, in torch."""
+    clean = torch.where(x.view(torch.int16) == -32768, 0, x.view(torch.int16))
+    for box in mailboxes:
+        box.view(torch.int16)[stage, rank, : x.shape[0]] = clean

@@ -94,11 +94,27 @@ def _upcast(x, s, R: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETER: tl.conste
 
 
 @triton.jit
+def _to_bf16(x, INTERPRETER: tl.constexpr):
+    """FP32 -> BF16, round to nearest even (subnormals kept), as ``cvt.rn.bf16.f32``.
+
+    The interpreter's cast truncates, so there the rounding is done on the bits.
+    """
+    if INTERPRETER:
+        bits = x.to(tl.int32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(x != x, 0x7FC0, rounded)  # a NaN stays NaN
+        return rounded.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(tl.bfloat16)
+
+
+@triton.jit
 def _write_block(vals, out_ptr, rows, cols, M, N: tl.constexpr, is_first_block,
                  peer_ptrs_ptr, stage_ptr, PUBLISH: tl.constexpr, TP: tl.constexpr,
-                 RANK: tl.constexpr, CAPACITY: tl.constexpr, HIDDEN: tl.constexpr):
+                 RANK: tl.constexpr, CAPACITY: tl.constexpr, HIDDEN: tl.constexpr,
+                 INTERPRETER: tl.constexpr):
     """Store FP32 ``vals`` [BLOCK_N, ROWS] (out^T) as BF16; publish when PUBLISH."""
-    out = vals.to(tl.bfloat16)
+    out = _to_bf16(vals, INTERPRETER)
     mask = rows[None, :] < M
     tl.store(out_ptr + rows[None, :].to(tl.int64) * N + cols[:, None], out, mask=mask)
     if PUBLISH:
@@ -175,7 +191,7 @@ def mxfp8_gemm_kernel(
     is_first_block = (pid_n == 0) & (pid_m == 0)
     if SPLIT_K == 1:
         _write_block(acc, out_ptr, rows, cols, M, N, is_first_block, peer_ptrs_ptr, stage_ptr,
-                     PUBLISH, TP, RANK, CAPACITY, HIDDEN)
+                     PUBLISH, TP, RANK, CAPACITY, HIDDEN, INTERPRETER)
     else:
         # Workspace: FP32 [blocks, SPLIT_K, ROWS_TILE, BLOCK_N], one tile per split.
         block = pid_m * (N // BLOCK_N) + pid_n
@@ -192,7 +208,7 @@ def mxfp8_gemm_kernel(
                 total += tl.load(partials + s * (ROWS_TILE * BLOCK_N) + tile, cache_modifier=".cg")
             tl.store(counter_ptr + block, 0)  # re-armed for the next launch / graph replay
             _write_block(total, out_ptr, rows, cols, M, N, is_first_block, peer_ptrs_ptr,
-                         stage_ptr, PUBLISH, TP, RANK, CAPACITY, HIDDEN)
+                         stage_ptr, PUBLISH, TP, RANK, CAPACITY, HIDDEN, INTERPRETER)
 
 
 class PublishTarget(NamedTuple):
@@ -325,8 +341,8 @@ def _launch_config(layer, a_data, a_scale, out, tactic, publish):
     kwargs = dict(
         N=n, K=k, BLOCK_N=tactic.block_n, BLOCK_K=tactic.block_k, ROWS_TILE=tactic.rows_tile,
         SPLIT_K=tactic.split_k, PREFETCH=tactic.prefetch, USE_PTX=use_ptx(device),
-        USE_PDL=use_pdl(device), INTERPRETER=interpret_mode(), PUBLISH=publish is not None, TP=pub.tp, RANK=pub.rank,
-        CAPACITY=pub.capacity, HIDDEN=pub.hidden,
+        USE_PDL=use_pdl(device), INTERPRETER=interpret_mode(), PUBLISH=publish is not None,
+        TP=pub.tp, RANK=pub.rank, CAPACITY=pub.capacity, HIDDEN=pub.hidden,
         num_warps=tactic.num_warps, num_stages=1, launch_pdl=use_pdl(device),
         enable_fp_fusion=ENABLE_FP_FUSION,
     )

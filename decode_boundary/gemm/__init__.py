@@ -1,0 +1,40 @@
+"""MXFP8 GEMMs for Hopper: the low-latency Triton kernel (<= 8 rows, wide
+tiles to 48, pinned tactics above), its tactics and autotuner, and the
+public entry points (seed 004's functions). See api.py."""
+
+from .api import (
+    compile_pinned,
+    low_latency_mm,
+    mxfp8_eligible,
+    mxfp8_mm,
+    pinned_mm,
+    precompile,
+    projection_mm,
+    run_zeros,
+    selected_tactic,
+    shape_representatives,
+    wide_mm,
+    wide_or_pinned_mm,
+    wide_tactic,
+    zeros_input,
+)
+from .autotune import AUTOTUNER, Autotuner, pinned_tactics
+from .mxfp8_gemm_kernel import PublishTarget, launch_low_latency, warmup_low_latency
+from .reference import check_mxfp8_mm, mxfp8_mm_ref
+from .tactics import (
+    LOW_BATCH_MAX_ROWS,
+    WIDE_LOW_LATENCY_MAX_ROWS,
+    Tactic,
+    default_tactic,
+    row_bucket,
+    valid_tactics,
+)
+
+__all__ = [
+    "AUTOTUNER", "Autotuner", "LOW_BATCH_MAX_ROWS", "PublishTarget", "Tactic",
+    "WIDE_LOW_LATENCY_MAX_ROWS", "check_mxfp8_mm", "compile_pinned", "default_tactic",
+    "launch_low_latency", "low_latency_mm", "mxfp8_eligible", "mxfp8_mm", "mxfp8_mm_ref",
+    "pinned_mm", "pinned_tactics", "precompile", "projection_mm", "row_bucket", "run_zeros",
+    "selected_tactic", "shape_representatives", "valid_tactics", "warmup_low_latency",
+    "wide_mm", "wide_or_pinned_mm", "wide_tactic", "zeros_input",
+]

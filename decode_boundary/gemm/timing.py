@@ -1,0 +1,51 @@
+"""GPU timing the way design.md §9 measures: CUDA graphs of many back-to-back
+calls on rotated weight copies (more bytes than L2 holds), CUDA events, medians."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import torch
+
+L2_FLUSH_BYTES = 64 << 20  # H200 L2 is 50 MB: rotating more than this leaves none cached
+
+
+def rotated_copies(layer, min_bytes: int = L2_FLUSH_BYTES) -> list[SimpleNamespace]:
+    """Copies of ``layer``'s weight and scales (layer-like objects) whose total
+    exceeds ``min_bytes``, so a call on copy i finds none of copy i-1 in L2."""
+    storage = layer.weight.t()
+    per_copy = storage.numel() + layer.weight_scale.numel()
+    count = max(2, -(-min_bytes // per_copy) + 1)
+    return [SimpleNamespace(weight=storage.clone().t(), weight_scale=layer.weight_scale.clone(),
+                            bias=layer.bias) for _ in range(count)]
+
+
+def graph_time_us(call: Callable[[int], object], copies: int, calls: int | None = None,
+                  reps: int = 10) -> float:
+    """Median µs per call of ``call(i)`` (i cycles over ``copies``) inside one
+    CUDA graph of ``calls`` back-to-back calls, replayed ``reps`` times."""
+    calls = calls or max(2 * copies, 40)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(copies):  # compile, allocate workspaces, warm the allocator
+            call(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            call(i % copies)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / calls)
+    return statistics.median(times)

@@ -27,7 +27,6 @@ from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
 from .autotune import AUTOTUNER
 from .mxfp8_gemm_kernel import (
-    PublishTarget,
     launch_low_latency,
     warmup_low_latency,
     weight_operands,
@@ -190,7 +189,7 @@ def run_zeros(layer, rows: int) -> torch.Tensor:
     return mxfp8_mm(layer, zeros_input(layer, rows))
 
 
-def precompile(layer, rows_list: Iterable[int], publish: PublishTarget | None = None) -> None:
+def precompile(layer, rows_list: Iterable[int], publish=None) -> None:
     """Compile the kernels ``mxfp8_mm`` (or, with ``publish``, the publishing
     launch) uses for each row count and allocate their workspaces, launching
     nothing, so CUDA-graph capture never compiles or allocates. Call it

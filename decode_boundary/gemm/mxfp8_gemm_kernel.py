@@ -53,7 +53,7 @@ mailbox for its lifetime); the peer addresses are read at run time from the
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from types import SimpleNamespace
 
 import torch
 import triton
@@ -211,20 +211,13 @@ def mxfp8_gemm_kernel(
                          stage_ptr, PUBLISH, TP, RANK, CAPACITY, HIDDEN, INTERPRETER)
 
 
-class PublishTarget(NamedTuple):
-    """Where a publishing launch writes (CONTRACTS.md, Mailbox): ``peer_ptrs``
-    int64 [tp] mailbox base addresses (16-byte aligned) and ``stage_state``
-    int32 [2] = {NEXT, ACTIVE}, both on the GEMM's device; the mailbox of every
-    rank is BF16 [3, tp, capacity, hidden] with hidden == the GEMM's N."""
-
-    peer_ptrs: torch.Tensor
-    stage_state: torch.Tensor
-    rank: int
-    tp: int
-    capacity: int
-    hidden: int
-
-
+# ``publish`` arguments below: any object with the attributes of
+# ``decode_boundary.boundary.all_reduce.PublishTarget`` (CONTRACTS.md, Mailbox):
+# ``peer_ptrs`` int64 [tp] mailbox base addresses (16-byte aligned) and
+# ``stage_state`` int32 [2] = {NEXT, ACTIVE}, both on the GEMM's device, and
+# ``rank``, ``tp``, ``capacity``, ``hidden`` (== the GEMM's N) of the BF16
+# mailboxes [3, tp, capacity, hidden].
+NO_PUBLISH = SimpleNamespace(peer_ptrs=None, stage_state=None, rank=0, tp=1, capacity=1, hidden=1)
 ENABLE_FP_FUSION = False  # every launch and warmup alike (part of the compiled kernel's key)
 _WORKSPACES: dict[tuple[torch.device, int], torch.Tensor] = {}
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -272,7 +265,7 @@ def _cached(cache: dict, device: torch.device, nbytes: int, make) -> torch.Tenso
     return buf
 
 
-def _buffers(device: torch.device, n: int, rows: int, tactic, publish: PublishTarget | None):
+def _buffers(device: torch.device, n: int, rows: int, tactic, publish=None):
     """(partials, counters, peer_ptrs, stage_state) arguments of one launch."""
     if device not in _DUMMIES:
         _DUMMIES[device] = (torch.zeros(4, dtype=torch.float32, device=device),
@@ -292,7 +285,7 @@ def _buffers(device: torch.device, n: int, rows: int, tactic, publish: PublishTa
     return partials, counters, peer_ptrs, stage_state
 
 
-def _check_publish(publish: PublishTarget, n: int, rows: int, device: torch.device) -> None:
+def _check_publish(publish, n: int, rows: int, device: torch.device) -> None:
     p = publish
     if p.peer_ptrs.dtype != torch.int64 or tuple(p.peer_ptrs.shape) != (p.tp,) or \
             p.peer_ptrs.device != device:
@@ -337,7 +330,7 @@ def _launch_config(layer, a_data, a_scale, out, tactic, publish):
         _check_publish(publish, n, rows, device)
     buffers = _buffers(device, n, rows, tactic, publish)
     grid = (n // tactic.block_n, tactic.split_k, -(-rows // tactic.rows_tile))
-    pub = publish or PublishTarget(None, None, 0, 1, 1, 1)
+    pub = publish or NO_PUBLISH
     kwargs = dict(
         N=n, K=k, BLOCK_N=tactic.block_n, BLOCK_K=tactic.block_k, ROWS_TILE=tactic.rows_tile,
         SPLIT_K=tactic.split_k, PREFETCH=tactic.prefetch, USE_PTX=use_ptx(device),
@@ -350,7 +343,7 @@ def _launch_config(layer, a_data, a_scale, out, tactic, publish):
 
 
 def launch_low_latency(layer, a: QuantizedActivation, out: torch.Tensor, tactic,
-                       publish: PublishTarget | None = None) -> torch.Tensor:
+                       publish=None) -> torch.Tensor:
     """``out`` [rows, N] (BF16) = ``a`` (MXFP8 [rows, K]) @ ``layer.weight`` with
     ``tactic`` on the current stream; with ``publish``, also into the mailbox
     (module docstring). ``a.data`` must be 2-D [rows, K]."""
@@ -360,7 +353,7 @@ def launch_low_latency(layer, a: QuantizedActivation, out: torch.Tensor, tactic,
     return out
 
 
-def warmup_low_latency(layer, rows: int, tactic, publish: PublishTarget | None = None):
+def warmup_low_latency(layer, rows: int, tactic, publish=None):
     """Compile (launch nothing) the kernel ``launch_low_latency`` runs for
     ``rows`` rows and ``tactic``, and allocate its workspace; returns the
     compiled kernel (None in the interpreter). Peer addresses are checked here,

@@ -165,11 +165,12 @@ def valid_tactics(n: int, k: int, rows: int) -> list[Tactic]:
 
 
 def sweep_tactics(n: int, k: int, rows: int) -> list[Tactic]:
-    """A small measured sweep: the default plus split-K and block shape neighbours
-    (warps fixed to the smallest valid count, prefetch on)."""
+    """A small measured sweep: the default plus its split-K and block-shape
+    neighbours (its rows tile, the smallest valid warp count, prefetch on)."""
     keep = []
     for t in valid_tactics(n, k, rows):
         smallest_warps = 4 if t.block_n * t.block_k <= MAX_ELEMS_PER_THREAD * 128 else 8
-        if not keep or (t.prefetch and t.num_warps == smallest_warps):
+        if not keep or (t.prefetch and t.num_warps == smallest_warps
+                        and t.rows_tile == keep[0].rows_tile):
             keep.append(t)
     return keep

@@ -294,8 +294,10 @@ def consume(
     if mode == FULL:
         _need(pre, "pre", torch.float32, (m, hc), device)
         _need(norm_weight, "norm_weight", torch.bfloat16, (hidden,), device)
-        _need(counter, "counter", torch.int32, (capacity,), device)
-        _need(prenorm, "prenorm scratch", torch.bfloat16, (capacity, hidden), device)
+        # Scratch rows: at least one per token (the mailbox capacity in Lamport mode).
+        rows = counter.shape[0] if counter is not None else 0
+        _need(counter, "counter", torch.int32, (max(rows, m),), device)
+        _need(prenorm, "prenorm scratch", torch.bfloat16, (rows, hidden), device)
         layer_input = torch.empty(m, hidden, dtype=torch.bfloat16, device=device)
         if quant:
             if hidden % 32:

@@ -1,0 +1,278 @@
+"""``BoundaryAllReduce``: the Lamport all-reduce of a tensor-parallel decode
+boundary, fused with mHC mixing, RMSNorm and MXFP8 quantization (design.md §5-6).
+
+One call = publish kernel (this rank's partial into every peer's mailbox) +
+consumer kernel (wait, rank-ordered sum, mHC, norm, quantize, re-arm). A
+producer that publishes itself (the publishing ``wo_b`` GEMM, the MoE
+finalize) calls :meth:`mark_published`; the next call with that tensor then
+launches only the consumer.
+
+Bounded waits: a consumer gives up after ``wait_timeout_s`` and records the
+ranks that never arrived in a device status word. Outside CUDA-graph capture
+every call reads that word (one device sync per call, acceptable only there)
+and raises ``RuntimeError`` naming the ranks; under capture nothing is read
+(no host sync may happen), so graph users call :meth:`check` after replays.
+After such an error, every rank calls ``reset(collective=True)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .. import env
+from .consumer_kernel import FULL, PLAIN, RESIDUAL_ONLY, consume
+from .finalize_kernel import check_finalize_inputs, finalize_publish
+from .mailbox import Mailbox, local_words, peers_reachable, simulated_mailboxes, symmetric_mailbox
+from .publish_kernel import publish
+
+# Wait bound without %globaltimer, as spins: one spin takes ~1 us on a GPU and
+# ~1 ms in the Triton interpreter.
+SPINS_PER_SECOND = 1_000_000
+INTERPRETER_SPINS_PER_SECOND = 1_000
+TRANSPORTS = ("auto", "mailbox", "nccl")
+
+
+@dataclass(frozen=True)
+class PublishTarget:
+    """What a producer needs to publish into this all-reduce itself: the peer
+    mailbox table (int64 [tp] on the device), this rank's stage words (int32
+    {NEXT, ACTIVE}), and the slot geometry. Valid for the instance's lifetime."""
+
+    peer_ptrs: torch.Tensor
+    stage_state: torch.Tensor
+    rank: int
+    tp: int
+    capacity: int
+    hidden: int
+
+
+class BoundaryAllReduce:
+    """All-reduce of [M, hidden] BF16 partials over ``group`` with the mHC consumer.
+
+    ``capacity``: the largest M of any call (mailbox slots per rank).
+    ``residual_only``: allow ``pre=None`` calls. ``quantize_layer_input``: allow
+    ``mxfp8_out``. ``transport``: "mailbox" (peer stores), "nccl" (all-gather +
+    the same consumer; identical results), or "auto" (mailbox where every rank
+    reaches every other's memory). ``group=None``: a single rank.
+    """
+
+    def __init__(self, hidden_size: int, hc_mult: int, capacity: int, top_k: int,
+                 group: dist.ProcessGroup | None = None, quantize_layer_input: bool = False,
+                 residual_only: bool = True, device: torch.device | str | None = None,
+                 wait_timeout_s: float = 1.0, transport: str = "auto",
+                 _mailbox: Mailbox | None = None) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if hc_mult < 1 or top_k < 1:
+            raise ValueError(f"hc_mult and top_k must be positive, got {hc_mult}, {top_k}")
+        if wait_timeout_s <= 0:
+            raise ValueError(f"wait_timeout_s must be positive, got {wait_timeout_s}")
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = torch.device(device)
+        self.hidden_size, self.hc_mult, self.capacity, self.top_k = (
+            hidden_size, hc_mult, capacity, top_k)
+        self.quantize_layer_input = quantize_layer_input
+        self.residual_only = residual_only
+        self.wait_timeout_s = wait_timeout_s
+        self.group = group
+        if _mailbox is None:
+            if group is None or dist.get_world_size(group) == 1:
+                _mailbox = simulated_mailboxes(1, capacity, hidden_size, self.device)[0]
+                transport = "mailbox"
+            else:
+                if transport == "auto":
+                    reachable = peers_reachable(group, self.device)
+                    transport = "mailbox" if reachable else "nccl"
+                if transport == "mailbox":
+                    _mailbox = symmetric_mailbox(group, capacity, hidden_size, self.device)
+                else:
+                    _mailbox = local_words(group, capacity, hidden_size, self.device)
+        elif transport == "auto":
+            transport = "mailbox"
+        self.transport = transport
+        self._box: Mailbox | None = _mailbox
+        self.tp, self.rank = _mailbox.tp, _mailbox.rank
+        self._published: torch.Tensor | None = None
+        if env.use_ptx(self.device):
+            self._wait_bound = int(wait_timeout_s * 1e9)  # %globaltimer nanoseconds
+        else:
+            rate = INTERPRETER_SPINS_PER_SECOND if env.interpret_mode() else SPINS_PER_SECOND
+            self._wait_bound = max(1, int(wait_timeout_s * rate))
+
+    @classmethod
+    def simulated(cls, tp: int, hidden_size: int, hc_mult: int, capacity: int, top_k: int,
+                  device: torch.device | str = "cpu", **kwargs) -> list[BoundaryAllReduce]:
+        """tp instances in this process sharing simulated mailboxes: publish from
+        every instance first (:meth:`publish`), then call each one."""
+        boxes = simulated_mailboxes(tp, capacity, hidden_size, device)
+        return [cls(hidden_size, hc_mult, capacity, top_k, device=device, _mailbox=box, **kwargs)
+                for box in boxes]
+
+    # -- publishing ------------------------------------------------------------------------
+
+    def publish_target(self) -> PublishTarget:
+        box = self._open()
+        if self.transport != "mailbox":
+            raise RuntimeError("this all-reduce runs over NCCL (peers unreachable): "
+                               "there is no mailbox to publish into")
+        return PublishTarget(box.peer_ptrs, box.stage_state, self.rank, self.tp, self.capacity,
+                             self.hidden_size)
+
+    def mark_published(self, x: torch.Tensor) -> None:
+        """Record that ``x``'s kernel published it; the next ``__call__`` must be
+        with ``x`` and then launches only the consumer."""
+        self._open()
+        if self._published is not None:
+            raise RuntimeError("a published contribution is still unreduced")
+        self._published = x
+
+    def publish(self, x: torch.Tensor) -> None:
+        """Launch the publish kernel for ``x`` and mark it published."""
+        self._check_x(x)
+        if self._published is not None:
+            raise RuntimeError("a published contribution is still unreduced")
+        self._launch_publish(x)
+        self._published = x
+
+    def publish_finalize(self, gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx,
+                         shared_output) -> torch.Tensor:
+        """MoE finalize fused with the publish; returns (and marks published) the partial."""
+        box = self._open()
+        if self._published is not None:
+            raise RuntimeError("a published contribution is still unreduced")
+        idx = expanded_idx_to_permuted_idx
+        check_finalize_inputs(gemm2_permuted, expert_weights, idx, shared_output,
+                              self.hidden_size, self.top_k, self.device, self.capacity)
+        if not self._capturing() and idx.numel() and int(idx.max()) >= gemm2_permuted.shape[0]:
+            raise ValueError(f"expanded_idx_to_permuted_idx holds {int(idx.max())}, but "
+                             f"gemm2_permuted has {gemm2_permuted.shape[0]} rows")
+        mailbox = self.transport == "mailbox"
+        partial = finalize_publish(gemm2_permuted, expert_weights, idx, shared_output,
+                                   box.peer_ptrs, box.stage_state,
+                                   self.rank, self.capacity, publish=mailbox)
+        self._published = partial
+        return partial
+
+    # -- reducing --------------------------------------------------------------------------
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
+                 comb: torch.Tensor, pre: torch.Tensor | None, norm_weight: torch.Tensor | None,
+                 norm_eps: float, mxfp8_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Reduce ``x`` over the group and apply design.md §5. Returns
+        (residual_out [M, hc, H], layer_input [M, H] or None when ``pre`` is None);
+        the MXFP8 layer input goes into ``mxfp8_out`` = (data, swizzled scales)."""
+        if pre is None and not self.residual_only:
+            raise ValueError("pre is None (residual-only call) but residual_only=False")
+        if mxfp8_out is not None and not self.quantize_layer_input:
+            raise ValueError("mxfp8_out given but quantize_layer_input=False")
+        if residual is None or residual.ndim != 3 or residual.shape[1] != self.hc_mult:
+            raise ValueError(f"residual must be bf16 [M, {self.hc_mult}, {self.hidden_size}], got "
+                             f"{None if residual is None else list(residual.shape)}")
+        return self._reduce(x, FULL if pre is not None else RESIDUAL_ONLY, residual=residual,
+                            post=post, comb=comb, pre=pre, norm_weight=norm_weight,
+                            eps=norm_eps, mxfp8_out=mxfp8_out)
+
+    def finalize(self, gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx,
+                 shared_output, residual, post, comb, pre, norm_weight, norm_eps,
+                 mxfp8_out=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """MoE finalize + publish in one kernel, then the consumer (as ``__call__``)."""
+        partial = self.publish_finalize(gemm2_permuted, expert_weights,
+                                        expanded_idx_to_permuted_idx, shared_output)
+        return self(partial, residual, post, comb, pre, norm_weight, norm_eps, mxfp8_out)
+
+    def plain_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """The same two kernels with mHC, norm and quantization switched off:
+        ``bf16(sum_r x_r)`` (the fusion's baseline in the benchmark)."""
+        return self._reduce(x, PLAIN)[0]
+
+    # -- errors and lifetime ---------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raise RuntimeError if a wait of this rank gave up (device sync)."""
+        status = int(self._open().status.item())
+        if status:
+            missing = [p for p in range(self.tp) if status >> p & 1]
+            raise RuntimeError(
+                f"BoundaryAllReduce rank {self.rank}: rank(s) {missing} did not publish within "
+                f"{self.wait_timeout_s} s; call reset(collective=True) on every rank")
+
+    def reset(self, collective: bool = False) -> None:
+        """Drop an unreduced publish. ``collective=True`` (every rank must call
+        it): also re-arm the mailbox (-0), the stage words, counters and status."""
+        box = self._open()
+        self._published = None
+        if not collective:
+            return
+        self._barrier()
+        box.rearm()
+        self._barrier()
+
+    def close(self) -> None:
+        """Free the mailbox (its buffers go when the last reference does)."""
+        self._box = None
+        self._published = None
+
+    def __enter__(self) -> BoundaryAllReduce:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _open(self) -> Mailbox:
+        if self._box is None:
+            raise RuntimeError("BoundaryAllReduce is closed")
+        return self._box
+
+    def _capturing(self) -> bool:
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+    def _barrier(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            dist.barrier(group=self.group)
+
+    def _check_x(self, x: torch.Tensor) -> None:
+        self._open()
+        h = self.hidden_size
+        if x.dtype != torch.bfloat16 or x.ndim != 2 or x.shape[1] != h:
+            raise ValueError(f"x must be bf16 [M, {h}], got {x.dtype} {list(x.shape)}")
+        if x.device != self.device:
+            raise ValueError(f"x is on {x.device}, the all-reduce on {self.device}")
+        if not x.is_contiguous():
+            raise ValueError("x must be contiguous")
+        if not 0 < x.shape[0] <= self.capacity:
+            raise ValueError(f"x has {x.shape[0]} rows; expected 1..capacity = {self.capacity}")
+
+    def _launch_publish(self, x: torch.Tensor) -> None:
+        if self.transport == "mailbox":
+            box = self._box
+            publish(x, box.peer_ptrs, box.stage_state, self.rank, self.capacity)
+
+    def _reduce(self, x: torch.Tensor, mode: int, **inputs):
+        self._check_x(x)
+        published, self._published = self._published, None
+        if published is None:
+            self._launch_publish(x)
+        elif published is not x:
+            raise RuntimeError("reducing a tensor other than the published one")
+        box = self._box
+        if self.transport == "mailbox":
+            out = consume(box.buffer, self.tp, x.shape[0], mode=mode,
+                          stage_state=box.stage_state, status=box.status, counter=box.counter,
+                          prenorm=box.prenorm, wait_bound=self._wait_bound, **inputs)
+        else:
+            gathered = torch.empty(self.tp, *x.shape, dtype=x.dtype, device=x.device)
+            dist.all_gather_into_tensor(gathered, x, group=self.group)
+            out = consume(gathered, self.tp, x.shape[0], mode=mode, counter=box.counter,
+                          prenorm=box.prenorm, lamport=False, **inputs)
+        if not self._capturing():
+            self.check()
+        return out

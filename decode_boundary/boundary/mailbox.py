@@ -1,0 +1,136 @@
+"""Mailbox allocation (design.md §6, docs/CONTRACTS.md).
+
+Each rank owns ``buffer`` BF16 [3, tp, capacity, hidden] that every peer can
+store into, filled with -0 (0x8000, "not yet written"); ``peer_ptrs`` int64
+[tp] on the device holds every rank's buffer address as seen from this rank;
+``stage_state`` int32 {NEXT, ACTIVE}; ``status`` int32 [1] (bit p: rank p never
+arrived within the wait bound). ``counter`` / ``prenorm`` are the consumer's
+per-token scratch for the RMSNorm hand-off.
+
+Peer memory comes from PyTorch symmetric memory with multicast disabled
+(``symm_mem.empty`` + ``rendezvous``; peers reached by unicast stores only).
+Where ranks cannot reach each other's memory, :func:`peers_reachable` says so
+and the all-reduce falls back to NCCL (no mailbox buffer at all).
+:func:`simulated_mailboxes` builds tp mailboxes in one process (CPU tests:
+the "peer addresses" are ``data_ptr()`` of separate buffers).
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..env import disable_multicast, logger
+
+STAGES = 3
+NEG_ZERO = -0.0
+
+
+@dataclass
+class Mailbox:
+    """One rank's mailbox and device words (``buffer``/``peer_ptrs`` are None in
+    NCCL-fallback mode). ``keepalive`` holds what must outlive the addresses."""
+
+    rank: int
+    tp: int
+    capacity: int
+    hidden: int
+    buffer: torch.Tensor | None
+    peer_ptrs: torch.Tensor | None
+    stage_state: torch.Tensor
+    status: torch.Tensor
+    counter: torch.Tensor
+    prenorm: torch.Tensor
+    keepalive: object = None
+
+    def rearm(self) -> None:
+        """-0 fill, stage words and status cleared, counters zeroed (stream-ordered)."""
+        if self.buffer is not None:
+            self.buffer.fill_(NEG_ZERO)
+        self.stage_state.zero_()
+        self.status.zero_()
+        self.counter.zero_()
+
+
+def _words(rank, tp, capacity, hidden, device, buffer, peer_ptrs, keepalive=None) -> Mailbox:
+    box = Mailbox(
+        rank, tp, capacity, hidden, buffer, peer_ptrs,
+        stage_state=torch.zeros(2, dtype=torch.int32, device=device),
+        status=torch.zeros(1, dtype=torch.int32, device=device),
+        counter=torch.zeros(capacity, dtype=torch.int32, device=device),
+        prenorm=torch.empty(capacity, hidden, dtype=torch.bfloat16, device=device),
+        keepalive=keepalive,
+    )
+    box.rearm()
+    return box
+
+
+def _shape(tp, capacity, hidden):
+    if tp < 1 or capacity < 1 or hidden < 1:
+        raise ValueError(f"tp, capacity and hidden must be positive, got {tp}, {capacity}, "
+                         f"{hidden}")
+    if hidden % 8:
+        raise ValueError(f"hidden must be a multiple of 8 (16-byte mailbox stores), got {hidden}")
+    return (STAGES, tp, capacity, hidden)
+
+
+def simulated_mailboxes(tp: int, capacity: int, hidden: int,
+                        device: torch.device | str = "cpu") -> list[Mailbox]:
+    """tp mailboxes in this process, each able to "reach" the others by address
+    (CPU interpreter tests, or tp = 1 on one GPU)."""
+    device = torch.device(device)
+    buffers = [torch.empty(_shape(tp, capacity, hidden), dtype=torch.bfloat16, device=device)
+               for _ in range(tp)]
+    ptrs = [b.data_ptr() for b in buffers]
+    return [
+        _words(r, tp, capacity, hidden, device, buffers[r],
+               torch.tensor(ptrs, dtype=torch.int64, device=device), keepalive=buffers)
+        for r in range(tp)
+    ]
+
+
+def peers_reachable(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether every rank of ``group`` can store into every other rank's GPU
+    memory (same host and ``can_device_access_peer``). All ranks get the same answer."""
+    me = (socket.gethostname(), device.index if device.index is not None else 0)
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, me, group=group)
+    ok = all(host == me[0] for host, _ in everyone) and all(
+        idx == me[1] or torch.cuda.can_device_access_peer(me[1], idx) for _, idx in everyone
+    )
+    flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def symmetric_mailbox(group: dist.ProcessGroup, capacity: int, hidden: int,
+                      device: torch.device) -> Mailbox:
+    """This rank's mailbox in PyTorch symmetric memory (multicast disabled),
+    with the peers' addresses from the rendezvous handle. Collective."""
+    disable_multicast()
+    import torch.distributed._symmetric_memory as symm_mem
+
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    buffer = symm_mem.empty(_shape(tp, capacity, hidden), dtype=torch.bfloat16, device=device)
+    handle = symm_mem.rendezvous(buffer, group.group_name)
+    ptrs = [int(p) for p in handle.buffer_ptrs]
+    if any(p % 16 for p in ptrs):
+        raise RuntimeError(f"symmetric-memory mailbox not 16-byte aligned: {ptrs}")
+    box = _words(rank, tp, capacity, hidden, device, buffer,
+                 torch.tensor(ptrs, dtype=torch.int64, device=device), keepalive=handle)
+    torch.cuda.synchronize(device)
+    dist.barrier(group=group)  # every -0 fill lands before any peer publishes
+    logger.debug("rank %d: symmetric mailbox %s, peers %s", rank, tuple(buffer.shape), ptrs)
+    return box
+
+
+def local_words(group: dist.ProcessGroup | None, capacity: int, hidden: int,
+                device: torch.device) -> Mailbox:
+    """Device words and scratch without a mailbox (NCCL-fallback mode)."""
+    tp = dist.get_world_size(group) if group is not None else 1
+    rank = dist.get_rank(group) if group is not None else 0
+    _shape(tp, capacity, hidden)
+    return _words(rank, tp, capacity, hidden, device, None, None)

@@ -1,0 +1,257 @@
+"""BoundaryAllReduce in the Triton interpreter: tp ranks simulated in one
+process (their mailboxes are separate CPU buffers reached by address).
+
+Exactness promised and checked: reduced / residual_out bit for bit against the
+reference, layer_input within 1 BF16 ulp (length-H sum and rsqrt), the MXFP8
+bytes equal to quantize_mxfp8_ref of the kernel's own layer_input, and all
+ranks bit-identical.
+"""
+
+import pytest
+import torch
+
+from decode_boundary.boundary.all_reduce import BoundaryAllReduce
+from decode_boundary.boundary.consumer_kernel import FULL, consume
+from decode_boundary.boundary.reference import consumer_ref, moe_finalize_ref, reduce_ref
+from decode_boundary.mxfp8.format import (
+    mxfp8_scale_bytes,
+    quantize_mxfp8_ref,
+    swizzled_scale_offset,
+    unswizzle_scales,
+)
+
+H, HC, CAP, TOP_K, EPS = 128, 4, 4, 2, 1e-6
+
+
+def bits(t):
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.uint8)
+
+
+def step_inputs(m, tp, seed, hc=HC, h=H):
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(m, h, generator=g).bfloat16() for _ in range(tp)]
+    xs[0][0, :3] = -0.0  # a published -0 must read as +0, never as "unwritten"
+    return dict(
+        xs=xs,
+        residual=torch.randn(m, hc, h, generator=g).bfloat16(),
+        post=torch.rand(m, hc, generator=g) * 2,
+        comb=torch.rand(m, hc, hc, generator=g),
+        pre=torch.rand(m, hc, generator=g),
+        gamma=(1 + 0.1 * torch.randn(h, generator=g)).bfloat16(),
+    )
+
+
+def mxfp8_buffers(m, h=H):
+    data = torch.full((m, h), 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)  # poison: NaN
+    return data, torch.full((mxfp8_scale_bytes(m, h),), 0xAB, dtype=torch.uint8)
+
+
+def check_layer_input(layer_input, ref):
+    diff = (layer_input.float() - ref.float()).abs()
+    ulp = torch.exp2(torch.floor(torch.log2(ref.float().abs().clamp(min=2.0**-126))) - 7)
+    assert bool((diff <= ulp).all())
+
+
+def run_step(ars, d, residual_only=False, quantize=False):
+    for ar, x in zip(ars, d["xs"]):
+        ar.publish(x)
+    outs = []
+    for ar, x in zip(ars, d["xs"]):
+        q = mxfp8_buffers(x.shape[0]) if quantize else None
+        pre = None if residual_only else d["pre"]
+        res_out, layer = ar(x, d["residual"], d["post"], d["comb"], pre, d["gamma"], EPS, q)
+        outs.append((res_out, layer, q))
+    return outs
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("variant", ["full", "residual_only", "mxfp8"])
+def test_variants_match_reference(tp, variant):
+    m = 3 if tp < 4 else 2
+    ars = BoundaryAllReduce.simulated(tp, H, HC, CAP, TOP_K, quantize_layer_input=True)
+    d = step_inputs(m, tp, seed=tp * 7 + len(variant))
+    outs = run_step(ars, d, residual_only=variant == "residual_only", quantize=variant == "mxfp8")
+    pre = None if variant == "residual_only" else d["pre"]
+    ref_res, ref_layer, _ = consumer_ref(d["xs"], d["residual"], d["post"], d["comb"], pre,
+                                         d["gamma"], EPS)
+    for res_out, layer, q in outs:
+        assert torch.equal(bits(res_out), bits(ref_res))
+        assert torch.equal(bits(res_out), bits(outs[0][0]))
+        if variant == "residual_only":
+            assert layer is None
+            continue
+        check_layer_input(layer, ref_layer)
+        assert torch.equal(bits(layer), bits(outs[0][1]))
+        if q is not None:
+            want = quantize_mxfp8_ref(layer)
+            assert torch.equal(bits(q[0]), bits(want.data))
+            m_rows = layer.shape[0]
+            assert torch.equal(unswizzle_scales(q[1], m_rows, H),
+                               unswizzle_scales(want.scale, m_rows, H))
+            real = torch.zeros_like(q[1], dtype=torch.bool)
+            real[swizzled_scale_offset(torch.arange(m_rows)[:, None],
+                                       torch.arange(H // 32)[None, :], H).reshape(-1)] = True
+            assert q[1][~real].eq(0xAB).all(), "scale padding belongs to the caller"
+    for ar in ars:
+        assert ar._box.buffer.view(torch.int16).eq(-32768).all(), "slots not re-armed"
+
+
+def test_plain_sum_and_several_steps_with_a_fast_peer():
+    """Rank 0 publishes step k+1 before rank 1 consumed step k: the stages keep
+    them apart; every step exact, stages rotate through 0, 1, 2, 0."""
+    ars = BoundaryAllReduce.simulated(2, H, HC, CAP, TOP_K)
+    steps = [step_inputs(1 + k % 3, 2, seed=100 + k) for k in range(4)]
+    steps[0]["xs"][1][0, 0] = -0.0
+    results = {}
+    ars[0].publish(steps[0]["xs"][0])
+    ars[1].publish(steps[0]["xs"][1])
+    for k, d in enumerate(steps):
+        results[k, 0] = ars[0].plain_sum(d["xs"][0])
+        if k + 1 < len(steps):
+            ars[0].publish(steps[k + 1]["xs"][0])  # rank 0 runs ahead into stage k+1
+        results[k, 1] = ars[1].plain_sum(d["xs"][1])
+        if k + 1 < len(steps):
+            ars[1].publish(steps[k + 1]["xs"][1])
+        for r in range(2):
+            assert torch.equal(bits(results[k, r]), bits(reduce_ref(d["xs"])))
+            assert int(ars[r]._box.stage_state[0]) == (k + 1) % 3
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_finalize_matches_reference(tp):
+    m, rows = 2, 5
+    g = torch.Generator().manual_seed(tp)
+    ars = BoundaryAllReduce.simulated(tp, H, HC, CAP, TOP_K, quantize_layer_input=True)
+    d = step_inputs(m, tp, seed=tp + 50)
+    moe = []
+    for _ in range(tp):
+        idx = torch.randint(-1, rows, (m, TOP_K), generator=g, dtype=torch.int32)
+        moe.append((torch.randn(rows, H, generator=g).bfloat16(),
+                    torch.rand(m, TOP_K, generator=g), idx,
+                    torch.randn(m, H, generator=g).bfloat16()))
+    partials = [ar.publish_finalize(*args) for ar, args in zip(ars, moe)]
+    want_partials = [moe_finalize_ref(*args) for args in moe]
+    for p, w in zip(partials, want_partials):
+        assert torch.equal(bits(p), bits(w))
+    q = mxfp8_buffers(m)
+    res_out, layer = ars[0](partials[0], d["residual"], d["post"], d["comb"], d["pre"],
+                            d["gamma"], EPS, q)
+    for ar, p in zip(ars[1:], partials[1:]):
+        ar(p, d["residual"], d["post"], d["comb"], d["pre"], d["gamma"], EPS)
+    ref_res, ref_layer, _ = consumer_ref(want_partials, d["residual"], d["post"], d["comb"],
+                                         d["pre"], d["gamma"], EPS)
+    assert torch.equal(bits(res_out), bits(ref_res))
+    check_layer_input(layer, ref_layer)
+    assert torch.equal(bits(q[0]), bits(quantize_mxfp8_ref(layer).data))
+
+
+def test_missing_peer_is_named_then_reset_recovers():
+    ars = BoundaryAllReduce.simulated(4, H, HC, CAP, TOP_K, wait_timeout_s=3e-6)
+    d = step_inputs(2, 4, seed=9)
+    for r in (0, 2):  # ranks 1 and 3 never publish
+        ars[r].publish(d["xs"][r])
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1, 3\]"):
+        ars[0].plain_sum(d["xs"][0])
+    assert int(ars[0]._box.status[0]) == 0b1010
+    with pytest.raises(RuntimeError, match=r"\[1, 3\]"):
+        ars[0].check()  # sticky until reset
+    for ar in ars:
+        ar.reset(collective=True)
+    ars[0].check()
+    d = step_inputs(2, 4, seed=10)
+    outs = run_step(ars, d)
+    ref_res, _, _ = consumer_ref(d["xs"], d["residual"], d["post"], d["comb"], d["pre"],
+                                 d["gamma"], EPS)
+    for res_out, _, _ in outs:
+        assert torch.equal(bits(res_out), bits(ref_res))
+
+
+def test_gathered_mode_matches_mailbox_mode():
+    """The NCCL fallback's consumer path (already gathered partials) gives the
+    same bits as the mailbox path."""
+    d = step_inputs(3, 2, seed=21)
+    gathered = torch.stack(d["xs"])
+    counter = torch.zeros(CAP, dtype=torch.int32)
+    prenorm = torch.empty(CAP, H, dtype=torch.bfloat16)
+    res_out, layer = consume(gathered, 2, 3, mode=FULL, counter=counter, prenorm=prenorm,
+                             residual=d["residual"], post=d["post"], comb=d["comb"],
+                             pre=d["pre"], norm_weight=d["gamma"], eps=EPS, lamport=False)
+    ars = BoundaryAllReduce.simulated(2, H, HC, CAP, TOP_K)
+    (want_res, want_layer, _), _ = run_step(ars, d)
+    assert torch.equal(bits(res_out), bits(want_res))
+    assert torch.equal(bits(layer), bits(want_layer))
+
+
+def test_split_rows_equal_whole_rows():
+    """The last-program RMSNorm hand-off gives the same bits however H is split."""
+    d = step_inputs(2, 2, seed=33, h=256)
+    outs = []
+    for tactic in [(32, 1), (256, 1)]:
+        counter = torch.zeros(CAP, dtype=torch.int32)
+        prenorm = torch.full((CAP, 256), float("nan"), dtype=torch.bfloat16)
+        outs.append(consume(torch.stack(d["xs"]), 2, 2, mode=FULL, counter=counter,
+                            prenorm=prenorm, residual=d["residual"], post=d["post"],
+                            comb=d["comb"], pre=d["pre"], norm_weight=d["gamma"], eps=EPS,
+                            lamport=False, tactic=tactic))
+        assert counter.eq(0).all(), "per-token counters must be re-armed"
+    assert torch.equal(bits(outs[0][0]), bits(outs[1][0]))
+    assert torch.equal(bits(outs[0][1]), bits(outs[1][1]))
+
+
+def test_publish_protocol_errors():
+    ar = BoundaryAllReduce.simulated(1, H, HC, CAP, TOP_K)[0]
+    d = step_inputs(2, 1, seed=1)
+    x = d["xs"][0]
+    args = (d["residual"], d["post"], d["comb"], d["pre"], d["gamma"], EPS)
+    ar.mark_published(x)
+    with pytest.raises(RuntimeError, match="still unreduced"):
+        ar.mark_published(x)
+    with pytest.raises(RuntimeError, match="still unreduced"):
+        ar.finalize(torch.zeros(1, H).bfloat16(), torch.ones(2, TOP_K),
+                    torch.zeros(2, TOP_K, dtype=torch.int32), x, *args)
+    with pytest.raises(RuntimeError, match="other than the published"):
+        ar(x.clone(), *args)
+    ar.reset()
+    target = ar.publish_target()
+    assert (target.rank, target.tp, target.capacity, target.hidden) == (0, 1, CAP, H)
+    assert target.peer_ptrs.dtype == torch.int64 and target.stage_state.dtype == torch.int32
+    ar.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        ar(x, *args)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("dtype", "x must be bf16"),
+    ("hidden", "x must be bf16"),
+    ("capacity", "capacity"),
+    ("noncontig", "contiguous"),
+    ("device", "is on meta"),
+    ("post", "post must be"),
+    ("comb", "comb must be"),
+    ("gamma", "norm_weight"),
+    ("residual_only", "residual_only=False"),
+    ("quant", "quantize_layer_input=False"),
+    ("scale", "mxfp8_out scale"),
+])
+def test_bad_input_errors(case, match):
+    ar = BoundaryAllReduce.simulated(1, H, HC, CAP, TOP_K, quantize_layer_input=case != "quant",
+                                     residual_only=case != "residual_only")[0]
+    d = step_inputs(2, 1, seed=2)
+    kw = dict(x=d["xs"][0], residual=d["residual"], post=d["post"], comb=d["comb"],
+              pre=d["pre"], norm_weight=d["gamma"], norm_eps=EPS, mxfp8_out=None)
+    changes = {
+        "dtype": dict(x=kw["x"].float()),
+        "hidden": dict(x=torch.zeros(2, H // 2, dtype=torch.bfloat16)),
+        "capacity": dict(x=torch.zeros(CAP + 1, H, dtype=torch.bfloat16)),
+        "noncontig": dict(x=torch.zeros(H, 2, dtype=torch.bfloat16).t()),
+        "device": dict(x=torch.zeros(2, H, dtype=torch.bfloat16, device="meta")),
+        "post": dict(post=d["post"][:, :2]),
+        "comb": dict(comb=d["comb"].bfloat16()),
+        "gamma": dict(norm_weight=d["gamma"][:8]),
+        "residual_only": dict(pre=None),
+        "quant": dict(mxfp8_out=mxfp8_buffers(2)),
+        "scale": dict(mxfp8_out=(mxfp8_buffers(2)[0], torch.zeros(16, dtype=torch.uint8))),
+    }
+    kw.update(changes[case])
+    with pytest.raises(ValueError, match=match):
+        ar(**kw)

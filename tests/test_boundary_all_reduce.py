@@ -53,10 +53,10 @@ def check_layer_input(layer_input, ref):
 
 
 def run_step(ars, d, residual_only=False, quantize=False):
-    for ar, x in zip(ars, d["xs"]):
+    for ar, x in zip(ars, d["xs"], strict=True):
         ar.publish(x)
     outs = []
-    for ar, x in zip(ars, d["xs"]):
+    for ar, x in zip(ars, d["xs"], strict=True):
         q = mxfp8_buffers(x.shape[0]) if quantize else None
         pre = None if residual_only else d["pre"]
         res_out, layer = ar(x, d["residual"], d["post"], d["comb"], pre, d["gamma"], EPS, q)
@@ -129,14 +129,14 @@ def test_finalize_matches_reference(tp):
         moe.append((torch.randn(rows, H, generator=g).bfloat16(),
                     torch.rand(m, TOP_K, generator=g), idx,
                     torch.randn(m, H, generator=g).bfloat16()))
-    partials = [ar.publish_finalize(*args) for ar, args in zip(ars, moe)]
+    partials = [ar.publish_finalize(*args) for ar, args in zip(ars, moe, strict=True)]
     want_partials = [moe_finalize_ref(*args) for args in moe]
-    for p, w in zip(partials, want_partials):
+    for p, w in zip(partials, want_partials, strict=True):
         assert torch.equal(bits(p), bits(w))
     q = mxfp8_buffers(m)
     res_out, layer = ars[0](partials[0], d["residual"], d["post"], d["comb"], d["pre"],
                             d["gamma"], EPS, q)
-    for ar, p in zip(ars[1:], partials[1:]):
+    for ar, p in zip(ars[1:], partials[1:], strict=True):
         ar(p, d["residual"], d["post"], d["comb"], d["pre"], d["gamma"], EPS)
     ref_res, ref_layer, _ = consumer_ref(want_partials, d["residual"], d["post"], d["comb"],
                                          d["pre"], d["gamma"], EPS)

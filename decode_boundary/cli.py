@@ -1,0 +1,249 @@
+"""The ``decode-boundary`` command.
+
+* ``bench``: verify, then time baseline / unfused / fused boundaries on every
+  local GPU (one process per GPU, started here; ``torchrun`` works too); a
+  table, JSON and a PNG in an output folder named at the end.
+* ``verify``: correctness only. Without a GPU it runs the kernels in the Triton
+  interpreter on CPU at the ``tiny`` size with tp = 1, and says so.
+* ``gemm``: our MXFP8 GEMM vs cuBLAS BF16 / FP8 row-wise vs the HBM floor.
+
+Exit codes: 0 success, 1 a check failed or a rank failed, 2 bad arguments or
+no GPU for a command that needs one.
+
+Kernel modules are imported inside the commands, never at the top: ``triton.jit``
+reads ``TRITON_INTERPRET`` when a kernel is decorated, so ``verify`` without a
+GPU must set it before the first kernel module loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from decode_boundary import report
+from decode_boundary.launch import RankError, in_torchrun, launch
+from decode_boundary.model.config import MODELS, BoundaryConfig
+
+DEFAULT_MODEL = "v4.1-flash"
+DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 48)
+INTERPRETER_MODEL = "tiny"
+INTERPRETER_ROWS = (1, 5)  # 5: a row count that is not a power of two
+GEMM_TP = 4  # the GEMM table shows per-rank shapes at the TP V4.1-Flash is served with
+NO_GPU = (
+    "decode-boundary {cmd}: no CUDA GPU is visible. Run `decode-boundary verify` to check "
+    "correctness without one (Triton interpreter on CPU)."
+)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _shapes(text: str) -> list[tuple[str, int, int]]:
+    shapes = []
+    for item in text.split(","):
+        try:
+            n, k = (int(v) for v in item.lower().split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"shape {item!r} is not NxK") from None
+        if n < 1 or k < 1 or k % 32:
+            raise argparse.ArgumentTypeError(f"shape {item!r}: need N, K >= 1 and K % 32 == 0")
+        shapes.append((f"{n}x{k}", n, k))
+    return shapes
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--model", choices=list(MODELS), help=f"default {DEFAULT_MODEL}")
+    common.add_argument("--hidden", type=_positive, help="override the model's hidden size")
+    common.add_argument("--hc", type=_positive, help="override the model's hc_mult")
+    common.add_argument("--tp", type=_positive, help="tensor-parallel ranks")
+    common.add_argument("--rows", type=_positive, nargs="+", help="token counts M per step")
+    common.add_argument("--out", type=Path, help="folder for the JSON (and PNG)")
+    common.add_argument("--json", action="store_true", help="also print the JSON to stdout")
+    common.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds before a run with a silent rank is ended (default 600)")
+    boundary = argparse.ArgumentParser(add_help=False)
+    boundary.add_argument("--weights", type=Path,
+                          help="DSV4.1-format safetensors folder (default: synthetic weights)")
+    boundary.add_argument("--seed", type=int, default=0)
+
+    parser = argparse.ArgumentParser(
+        prog="decode-boundary",
+        description="Run, verify and benchmark a DeepSeek V4.1 attention boundary.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("bench", parents=[common, boundary],
+                   help="verify, then time baseline / unfused / fused on all local GPUs")
+    sub.add_parser("verify", parents=[common, boundary],
+                   help="correctness only (Triton interpreter when there is no GPU)")
+    gemm = sub.add_parser("gemm", parents=[common],
+                          help="our MXFP8 GEMM vs cuBLAS BF16 / FP8 row-wise vs the floor")
+    gemm.add_argument("--shapes", type=_shapes, help="NxK,... instead of the model's projections")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        args.command_line = shlex.join(["decode-boundary", *argv])
+        return _gemm(parser, args) if args.command == "gemm" else _boundary(parser, args)
+    except SystemExit as exc:  # --help and parser.error(): return argparse's code
+        return int(exc.code or 0)
+
+
+def _config(parser: argparse.ArgumentParser, args, default_model: str) -> BoundaryConfig:
+    config = MODELS[args.model or default_model]
+    overrides = {k: v for k, v in (("hidden", args.hidden), ("hc_mult", args.hc)) if v}
+    if overrides:
+        config = dataclasses.replace(config, name=f"{config.name}-custom", **overrides)
+    if config.hidden % 32:
+        parser.error(f"--hidden must be a multiple of 32 (MXFP8 groups), got {config.hidden}")
+    return config
+
+
+def _boundary(parser: argparse.ArgumentParser, args) -> int:
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    interpreter = gpus == 0
+    if interpreter:
+        if args.command == "bench":
+            print(NO_GPU.format(cmd="bench"), file=sys.stderr)
+            return 2
+        if args.tp not in (None, 1):
+            parser.error("without a GPU, verify runs tp=1 only")
+        os.environ["TRITON_INTERPRET"] = "1"
+    config = _config(parser, args, INTERPRETER_MODEL if interpreter else DEFAULT_MODEL)
+    tp = args.tp or max(1, gpus)
+    if in_torchrun():
+        tp = int(os.environ["WORLD_SIZE"])
+    try:
+        config.check_tp(tp)
+    except ValueError as exc:
+        parser.error(str(exc))
+    rows = tuple(args.rows or (INTERPRETER_ROWS if interpreter else DEFAULT_ROWS))
+    from decode_boundary.model.bench import BenchSpec, run_rank  # after TRITON_INTERPRET
+
+    out = Console(stderr=args.json)
+    if interpreter:
+        out.print(f"No CUDA GPU: running the kernels in the Triton interpreter on CPU, "
+                  f"model {config.name}, tp=1, M={list(rows)} (reduced size; no timings).")
+    unreachable = _unreachable_pairs(min(tp, gpus))
+    for i, j in unreachable:
+        out.print(f"GPU {i} cannot access GPU {j} (no peer access): "
+                  "the all-reduce falls back to NCCL for the sum.")
+    spec = BenchSpec(config, rows, time=args.command == "bench", seed=args.seed,
+                     weights_dir=str(args.weights) if args.weights else None)
+    try:
+        per_rank = launch(run_rank, tp, (spec,), timeout_s=args.timeout)
+    except RankError as exc:
+        print(f"decode-boundary {args.command}: {exc}", file=sys.stderr)
+        return 1
+    ok = all(c["ok"] for res in per_rank.values() for c in res["verify"])
+    if 0 not in per_rank:  # a non-zero torchrun rank: rank 0 reports
+        return 0 if ok else 1
+
+    result = report.new_result(
+        args.command, args.command_line, report.environment(interpreter, unreachable),
+        {"model": config.name, **dataclasses.asdict(config), "tp": tp, "rows": list(rows),
+         "weights": spec.weights_dir, "seed": args.seed},
+    )
+    result["verify"] = merge_verify(per_rank)
+    out.print(report.verify_table(result))
+    first = per_rank[0]
+    if "timings" in first:
+        result.update({k: first[k] for k in ("copy_rate_gbps", "floor_us", "weight_copies")})
+        result["timings"] = report.add_speedups(first["timings"])
+        out.print(report.bench_table(result))
+    elif args.command == "bench":
+        out.print("[red]Correctness failed: nothing was timed.[/]")
+    _save(args, result, out, plot="timings" in result)
+    return 0 if ok else 1
+
+
+def _gemm(parser: argparse.ArgumentParser, args) -> int:
+    if not torch.cuda.is_available():
+        print(NO_GPU.format(cmd="gemm"), file=sys.stderr)
+        return 2
+    config = _config(parser, args, DEFAULT_MODEL)
+    tp = args.tp or GEMM_TP
+    try:
+        config.check_tp(tp)
+    except ValueError as exc:
+        parser.error(str(exc))
+    from decode_boundary.model.bench import gemm_table  # kernels: import only once needed
+
+    shapes = args.shapes or [
+        ("wo_b", *config.wo_b_shape(tp)),
+        ("wq_b", *config.wq_b_shape(tp)),
+        ("fused_wqa_wkv", *config.fused_wqa_wkv_shape()),
+        ("wo_a", *config.wo_a_shape()),
+    ]
+    rows = list(args.rows or DEFAULT_ROWS)
+    result = report.new_result(
+        "gemm", args.command_line, report.environment(False, []),
+        {"model": config.name, "tp": tp, "rows": rows, "shapes": [list(s) for s in shapes]},
+    )
+    result.update(gemm_table(shapes, rows, torch.device("cuda", torch.cuda.current_device())))
+    out = Console(stderr=args.json)
+    out.print(report.gemm_table(result))
+    _save(args, result, out, plot=False)
+    return 0
+
+
+def _unreachable_pairs(gpus: int) -> list[tuple[int, int]]:
+    return [(i, j) for i in range(gpus) for j in range(gpus)
+            if i != j and not torch.cuda.can_device_access_peer(i, j)]
+
+
+def merge_verify(per_rank: dict) -> list[dict]:
+    """One check per row count over all ranks (failures prefixed by rank when tp > 1)."""
+    merged = []
+    for i, check in enumerate(per_rank[0]["verify"]):
+        rank_checks = [(r, res["verify"][i]) for r, res in sorted(per_rank.items())]
+        failures = [f if len(per_rank) == 1 else f"rank {r}: {f}"
+                    for r, c in rank_checks for f in c["failures"]]
+        merged.append({
+            "rows": check["rows"],
+            "ok": all(c["ok"] for _, c in rank_checks),
+            "failures": failures,
+            "ranks_identical": all(c["ranks_identical"] for _, c in rank_checks),
+        })
+    return merged
+
+
+def default_out_dir(cwd: Path, stamp: str) -> Path:
+    """``benchmarks/results`` of a checkout when run from its root, else a new
+    ``decode-boundary-results/<stamp>`` folder here."""
+    if (cwd / "decode_boundary").is_dir() and (cwd / "benchmarks" / "results").is_dir():
+        return cwd / "benchmarks" / "results"
+    return cwd / "decode-boundary-results" / stamp
+
+
+def _save(args, result: dict, out: Console, plot: bool) -> None:
+    """Write JSON (+ PNG) where they belong and name the folder; ``verify``
+    writes only when given ``--out``. ``--json`` also prints the JSON to stdout."""
+    if args.command != "verify" or args.out:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        folder = args.out or default_out_dir(Path.cwd(), stamp)
+        cfg = result["config"]
+        stem = f"{args.command}-{cfg['model']}-tp{cfg['tp']}-{stamp}"
+        written = [report.write_json(result, folder / f"{stem}.json")]
+        if plot:
+            written.append(report.plot_latency(result, folder / f"{stem}.png"))
+        out.print(f"Results in {folder}: {', '.join(p.name for p in written)}")
+    if args.json:
+        print(json.dumps(result, indent=2))

@@ -1,0 +1,265 @@
+"""Per-rank verification and timing of the attention boundary, and the GEMM table.
+
+Measuring follows design.md §9: every time is the median, over several graph
+replays, of one call inside a CUDA graph of many back-to-back calls that
+rotate through enough weight copies (> 2x L2 in all) that no call finds its
+weights in L2; ranks are barriered before each replay; floors use the HBM
+rate measured in the same run (a 1 GiB copy, read + write counted).
+
+Correctness comes first: per row count, fused and unfused outputs must be
+bit-identical, both must pass the chain's reference check, and every rank must
+hold the same bits (SHA-256 of the outputs compared over the group).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import statistics
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.progress import Progress
+
+from decode_boundary.gemm import mxfp8_mm
+from decode_boundary.gemm.timing import graph_time_us, rotated_copies
+from decode_boundary.launch import RankContext
+from decode_boundary.model.baseline import RowwiseFp8Linear, rowwise_fp8
+from decode_boundary.model.chain import (
+    PATHS,
+    AttentionBoundary,
+    BoundaryOutputs,
+    check_outputs,
+    outputs_identical,
+)
+from decode_boundary.model.config import BoundaryConfig
+from decode_boundary.mxfp8.format import mxfp8_scale_bytes
+from decode_boundary.mxfp8.linear import Mxfp8Linear
+from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
+
+# Timing constants (design.md §9), in one place.
+L2_MULTIPLE = 2  # rotated weights exceed this many L2s
+MIN_GRAPH_STEPS = 20  # calls per graph: dilutes the replay launch and rank skew
+WARMUP_REPLAYS = 3
+REPLAYS = 15
+COPY_BYTES = 1 << 30  # smaller buffers read slower than HBM can (design.md §9)
+FP8_ROW_ALIGN = 16  # cuBLASLt FP8 needs every dimension a multiple of 16
+OUTPUT_NAMES = ("residual_out", "layer_input", "q")
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """What every rank does: verify ``rows``, then (``time``) time every path."""
+
+    config: BoundaryConfig
+    rows: tuple[int, ...]
+    time: bool
+    seed: int = 0
+    weights_dir: str | None = None
+
+
+def mxfp8_weight_bytes(n: int, k: int) -> int:
+    """Bytes a GEMM must read for an MXFP8 [N, K] weight: elements + swizzled scales."""
+    return n * k + mxfp8_scale_bytes(n, k)
+
+
+def boundary_weight_bytes(config: BoundaryConfig, tp: int) -> int:
+    """MXFP8 weight bytes one rank reads per boundary (wo_a groups, wo_b, fused_wqa_wkv)."""
+    groups = config.o_groups // tp
+    return (
+        groups * mxfp8_weight_bytes(*config.wo_a_shape())
+        + mxfp8_weight_bytes(*config.wo_b_shape(tp))
+        + mxfp8_weight_bytes(*config.fused_wqa_wkv_shape())
+    )
+
+
+def copies_for_cold_l2(weight_bytes: int, device: torch.device) -> int:
+    """Weight copies to rotate through so that all of them exceed L2_MULTIPLE x L2."""
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    return max(2, L2_MULTIPLE * l2 // weight_bytes + 1)
+
+
+def _barrier(group: dist.ProcessGroup | None, device: torch.device) -> None:
+    torch.cuda.synchronize(device)
+    if group is not None:
+        dist.barrier(group=group, device_ids=[device.index])
+        torch.cuda.synchronize(device)
+
+
+def step_time_us(steps: Sequence[Callable[[], object]], device: torch.device,
+                 group: dist.ProcessGroup | None = None) -> float:
+    """Median µs of one call, from a CUDA graph of back-to-back calls.
+
+    ``steps`` holds one callable per weight copy; the graph calls them
+    round-robin, MIN_GRAPH_STEPS times or more. Each is run once eagerly first
+    so that nothing compiles or allocates lazily during capture. With a group,
+    every rank must call this with the same steps (the graph holds collectives)."""
+    for step in steps:
+        step()
+    calls = len(steps) * -(-MIN_GRAPH_STEPS // len(steps))
+    _barrier(group, device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            steps[i % len(steps)]()
+    for _ in range(WARMUP_REPLAYS):
+        graph.replay()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(REPLAYS):
+        _barrier(group, device)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def copy_rate(device: torch.device) -> float:
+    """HBM bytes/s of a COPY_BYTES device copy after warm-up, read + write counted."""
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    seconds = []
+    for _ in range(5):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        seconds.append(start.elapsed_time(end) / 1e3)
+    return 2 * COPY_BYTES / statistics.median(seconds)
+
+
+def _digest(out: BoundaryOutputs) -> str:
+    h = hashlib.sha256()
+    for name in OUTPUT_NAMES:
+        h.update(getattr(out, name).detach().contiguous().view(torch.uint8).cpu().numpy())
+    return h.hexdigest()
+
+
+def verify_rows(ab: AttentionBoundary, rows: int, group: dist.ProcessGroup | None) -> dict:
+    """Correctness of one row count: ``{"rows", "ok", "failures", "ranks_identical"}``.
+
+    Must be called on every rank (it gathers the output digests)."""
+    inputs = ab.make_inputs(rows, seed=rows)
+    fused = ab.run(inputs, "fused")
+    unfused = ab.run(inputs, "unfused")
+    ref = ab.reference(inputs)
+    failures = [] if outputs_identical(fused, unfused) else ["fused and unfused outputs differ"]
+    failures += [f"fused {f}" for f in check_outputs(fused, ref)]
+    failures += [f"unfused {f}" for f in check_outputs(unfused, ref)]
+    identical = True
+    if group is not None:
+        digests = [None] * dist.get_world_size(group)
+        dist.all_gather_object(digests, _digest(fused), group=group)
+        identical = len(set(digests)) == 1
+        if not identical:
+            failures.append("ranks hold different outputs")
+    return {"rows": rows, "ok": not failures, "failures": failures, "ranks_identical": identical}
+
+
+@contextlib.contextmanager
+def _progress(show: bool, total: int) -> Iterator[Callable[[str], None]]:
+    """A progress bar on stderr (stdout may carry JSON); ``advance(label)`` steps it."""
+    if not show:
+        yield lambda label: None
+        return
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("verifying", total=total)
+        yield lambda label: bar.update(task, advance=1, description=label)
+
+
+def run_rank(ctx: RankContext, spec: BenchSpec) -> dict:
+    """One rank's part of ``verify`` / ``bench``: verification of every row
+    count, then (when all pass and ``spec.time``) timings of every path.
+
+    Returns ``{"rank", "device", "transport", "verify": [...]}`` plus, when timed,
+    ``{"copy_rate_gbps", "floor_us", "weight_copies", "timings": [{"rows", "us": {path: µs}}]}``.
+    """
+    ab = AttentionBoundary(spec.config, ctx.world_size, ctx.rank, ctx.group, ctx.device,
+                           max(spec.rows), seed=spec.seed, weights_dir=spec.weights_dir)
+    total = len(spec.rows) * (1 + (len(PATHS) if spec.time else 0))
+    try:
+        with _progress(ctx.rank == 0, total) as advance:
+            checks = []
+            for rows in spec.rows:
+                checks.append(verify_rows(ab, rows, ctx.group))
+                advance(f"verified M={rows}")
+            result = {"rank": ctx.rank, "device": str(ctx.device),
+                      "transport": ab.all_reduce.transport, "verify": checks}
+            if spec.time and all(c["ok"] for c in checks):
+                result.update(_time_paths(ab, spec, ctx, advance))
+    finally:
+        ab.close()
+    return result
+
+
+def _time_paths(ab: AttentionBoundary, spec: BenchSpec, ctx: RankContext,
+                advance: Callable[[str], None]) -> dict:
+    per_copy = boundary_weight_bytes(spec.config, ctx.world_size)
+    views = ab.weight_copies(copies_for_cold_l2(per_copy, ctx.device))
+    rate = copy_rate(ctx.device)
+    timings = []
+    for rows in spec.rows:
+        inputs = ab.make_inputs(rows, seed=rows)
+        us = {}
+        for path in PATHS:
+            steps = [functools.partial(v.run, inputs, path) for v in views]
+            us[path] = step_time_us(steps, ctx.device, ctx.group)
+            advance(f"timed {path} M={rows}")
+        timings.append({"rows": rows, "us": us})
+    return {
+        "copy_rate_gbps": rate / 1e9,
+        "floor_us": mxfp8_weight_bytes(*spec.config.wo_b_shape(ctx.world_size)) / rate * 1e6,
+        "weight_copies": len(views),
+        "timings": timings,
+    }
+
+
+def gemm_table(shapes: Sequence[tuple[str, int, int]], rows: Sequence[int],
+               device: torch.device) -> dict:
+    """Per (shape, rows): our MXFP8 GEMM, cuBLAS BF16 and cuBLAS FP8 row-wise
+    (GEMM only: activations quantized beforehand), in µs, and the floor. Timed
+    with the GEMM module's graph timer on weight copies exceeding L2_MULTIPLE x L2.
+
+    Returns ``{"copy_rate_gbps", "gemms": [{"name", "n", "k", "rows", "floor_us", "us"}]}``."""
+    rate = copy_rate(device)
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    entries = []
+    with _progress(True, len(shapes) * len(rows)) as advance:
+        for name, n, k in shapes:
+            layer = Mxfp8Linear.from_float(torch.randn(n, k, device=device).mul_(0.02).bfloat16())
+            ours = rotated_copies(layer, min_bytes=L2_MULTIPLE * l2)
+            copies = len(ours)
+            bf16 = [layer.dequantized_weight().bfloat16() for _ in range(copies)]
+            fp8 = [RowwiseFp8Linear(layer) for _ in range(copies)]
+            for m in rows:
+                us = _gemm_times(ours, bf16, fp8, m, k, device)
+                entries.append({"name": name, "n": n, "k": k, "rows": m,
+                                "floor_us": mxfp8_weight_bytes(n, k) / rate * 1e6, "us": us})
+                advance(f"{name} M={m}")
+    return {"copy_rate_gbps": rate / 1e9, "gemms": entries}
+
+
+def _gemm_times(ours: list, bf16: list, fp8: list, m: int, k: int, device: torch.device) -> dict:
+    """µs per call of the three GEMMs on M random rows, each over its own weight copies."""
+    x = torch.randn(m, k, device=device).bfloat16()
+    qx = quantize_mxfp8(x)
+    x8, s8 = rowwise_fp8(torch.nn.functional.pad(x, (0, 0, 0, -m % FP8_ROW_ALIGN)))
+    return {
+        "ours": graph_time_us(lambda i: mxfp8_mm(ours[i], qx), len(ours)),
+        "cublas_bf16": graph_time_us(lambda i: x @ bf16[i].t(), len(bf16)),
+        "cublas_fp8_rowwise": graph_time_us(
+            lambda i: torch._scaled_mm(x8, fp8[i].weight_t, scale_a=s8, scale_b=fp8[i].scale_t,
+                                       out_dtype=torch.bfloat16),
+            len(fp8),
+        ),
+    }

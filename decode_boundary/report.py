@@ -1,0 +1,175 @@
+"""Turning a run's result dict into a table, a JSON file and a latency plot.
+
+The result dict (schema ``SCHEMA``) is what ``decode-boundary`` writes:
+
+* ``schema`` int, ``kind`` ("bench" / "verify" / "gemm"), ``command`` str,
+  ``created`` ISO-8601 UTC str;
+* ``environment``: ``gpu`` (name or None), ``gpu_count``, ``torch``, ``triton``,
+  ``python``, ``git_commit`` (None outside a checkout), ``git_dirty``,
+  ``interpreter`` (kernels ran in the Triton interpreter), ``unreachable_pairs``
+  (GPU pairs without peer access: the all-reduce used its NCCL fallback);
+* ``config``: the model's sizes, ``tp``, ``rows``, ...;
+* bench / verify: ``verify`` [{``rows``, ``ok``, ``failures``, ``ranks_identical``}];
+  bench adds ``copy_rate_gbps``, ``floor_us`` (wo_b MXFP8 weight bytes / copy
+  rate), ``weight_copies`` and ``timings`` [{``rows``, ``us`` {path: µs},
+  ``speedup`` {"baseline/fused", "unfused/fused"}}];
+* gemm: ``copy_rate_gbps`` and ``gemms`` [{``name``, ``n``, ``k``, ``rows``,
+  ``floor_us``, ``us`` {"ours", "cublas_bf16", "cublas_fp8_rowwise"}}].
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import json
+import platform
+import subprocess
+from pathlib import Path
+
+import matplotlib
+import torch
+import triton
+from rich.console import Console
+from rich.table import Table
+
+matplotlib.use("Agg")  # files only: no display on GPU hosts or CI
+import matplotlib.pyplot as plt  # noqa: E402
+
+SCHEMA = 1
+SPEEDUPS = (("baseline", "fused"), ("unfused", "fused"))
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", "-C", str(PACKAGE_ROOT), *args], capture_output=True,
+                              text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def environment(interpreter: bool, unreachable_pairs: list[tuple[int, int]]) -> dict:
+    """Where the numbers come from (design.md §9: GPU, versions, commit)."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return {
+        "gpu": torch.cuda.get_device_name(0) if gpus else None,
+        "gpu_count": gpus,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "interpreter": interpreter,
+        "unreachable_pairs": [list(p) for p in unreachable_pairs],
+    }
+
+
+def new_result(kind: str, command: str, env: dict, config: dict) -> dict:
+    return {
+        "schema": SCHEMA,
+        "kind": kind,
+        "command": command,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "environment": env,
+        "config": config,
+    }
+
+
+def add_speedups(timings: list[dict]) -> list[dict]:
+    """Each timing row gets ``speedup``: slower path's µs / fused µs."""
+    for row in timings:
+        row["speedup"] = {f"{a}/{b}": row["us"][a] / row["us"][b] for a, b in SPEEDUPS}
+    return timings
+
+
+def verify_table(result: dict) -> Table:
+    table = Table(title=_title(result, "correctness"))
+    for col in ("M", "fused = unfused, vs reference", "ranks identical", "result"):
+        table.add_column(col)
+    for check in result["verify"]:
+        table.add_row(
+            str(check["rows"]),
+            "; ".join(check["failures"]) or "bit-identical, within tolerance",
+            "yes" if check["ranks_identical"] else "NO",
+            "[green]ok[/]" if check["ok"] else "[red]FAIL[/]",
+        )
+    return table
+
+
+def bench_table(result: dict) -> Table:
+    table = Table(title=_title(result, "µs per boundary (median, cold L2)"))
+    paths = list(result["timings"][0]["us"]) if result["timings"] else []
+    table.add_column("M", justify="right")
+    for path in paths:
+        table.add_column(f"{path} µs", justify="right")
+    table.add_column("floor µs", justify="right")
+    for a, b in SPEEDUPS:
+        table.add_column(f"{a}/{b}", justify="right")
+    for row in result["timings"]:
+        table.add_row(
+            str(row["rows"]),
+            *(f"{row['us'][p]:.1f}" for p in paths),
+            f"{result['floor_us']:.1f}",
+            *(f"{row['speedup'][f'{a}/{b}']:.2f}x" for a, b in SPEEDUPS),
+        )
+    table.caption = (f"floor = wo_b MXFP8 weight bytes / copy rate "
+                     f"({result['copy_rate_gbps']:.0f} GB/s, read + write)")
+    return table
+
+
+def gemm_table(result: dict) -> Table:
+    table = Table(title=_title(result, "GEMM µs (median, cold L2)"))
+    for col in ("GEMM", "N x K", "M", "ours", "cuBLAS BF16", "cuBLAS FP8 row-wise", "floor",
+                "ours / floor", "FP8 / ours"):
+        table.add_column(col, justify="right")
+    for g in result["gemms"]:
+        us = g["us"]
+        table.add_row(
+            g["name"], f"{g['n']} x {g['k']}", str(g["rows"]),
+            f"{us['ours']:.1f}", f"{us['cublas_bf16']:.1f}", f"{us['cublas_fp8_rowwise']:.1f}",
+            f"{g['floor_us']:.1f}", f"{us['ours'] / g['floor_us']:.2f}",
+            f"{us['cublas_fp8_rowwise'] / us['ours']:.2f}x",
+        )
+    return table
+
+
+def _title(result: dict, what: str) -> str:
+    cfg, env = result["config"], result["environment"]
+    where = env["gpu"] or "CPU (Triton interpreter)"
+    return f"{cfg.get('model', 'custom')} tp={cfg.get('tp')} on {where}: {what}"
+
+
+def render(table: Table, width: int = 140) -> str:
+    """The table as plain text (what the terminal shows, without colour codes)."""
+    console = Console(file=io.StringIO(), width=width, color_system=None)
+    console.print(table)
+    return console.file.getvalue()
+
+
+def write_json(result: dict, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path
+
+
+def plot_latency(result: dict, path: Path) -> Path:
+    """PNG of µs per boundary vs M, one line per path, the floor dashed."""
+    timings = result["timings"]
+    rows = [t["rows"] for t in timings]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for p in timings[0]["us"]:
+        ax.plot(rows, [t["us"][p] for t in timings], marker="o", label=p)
+    ax.axhline(result["floor_us"], linestyle="--", color="grey", label="floor (wo_b weights)")
+    ax.set_xlabel("M (tokens per decode step)")
+    ax.set_ylabel("µs per boundary")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(rows, [str(r) for r in rows])
+    ax.set_ylim(bottom=0)
+    ax.set_title(_title(result, "attention boundary latency"))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path

@@ -1,0 +1,252 @@
+"""The ``decode-boundary`` command: argument handling, the launcher, the report
+files, and ``verify`` end to end in the Triton interpreter (tiny model, tp = 1).
+On a multi-GPU machine: ``bench`` end to end within 5 minutes."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+import torch
+import torch.distributed as dist
+
+from decode_boundary import cli, report
+from decode_boundary.env import NO_MULTICAST_ENV
+from decode_boundary.launch import RankError, launch
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------- arguments
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["frobnicate"], "invalid choice"),
+        ([], "required"),
+        (["verify", "--model", "v5"], "invalid choice"),
+        (["bench", "--rows", "0"], "must be >= 1"),
+        (["verify", "--rows", "two"], "invalid"),
+        (["gemm", "--shapes", "5120x100"], "K % 32"),
+        (["gemm", "--shapes", "5120by2048"], "not NxK"),
+    ],
+)
+def test_argument_errors_exit_2(capsys, argv, message):
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_exits_0(capsys):
+    assert cli.main(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
+    for option in ("--model", "--tp", "--rows", "--weights", "--out", "--json", "--hidden"):
+        assert option in out
+
+
+@pytest.mark.parametrize("command", ["bench", "gemm"])
+def test_timing_commands_without_gpu_point_to_verify(capsys, monkeypatch, command):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main([command]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA GPU" in err and "decode-boundary verify" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["verify", "--tp", "2"], "tp=1 only"),
+        (["verify", "--hidden", "100"], "multiple of 32"),
+    ],
+)
+def test_verify_without_gpu_rejects_what_it_cannot_run(capsys, monkeypatch, argv, message):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_default_out_dir(tmp_path):
+    assert cli.default_out_dir(tmp_path, "S") == tmp_path / "decode-boundary-results" / "S"
+    (tmp_path / "decode_boundary").mkdir()
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    assert cli.default_out_dir(tmp_path, "S") == tmp_path / "benchmarks" / "results"
+
+
+def test_merge_verify_names_the_failing_rank():
+    ok = {"rows": 4, "ok": True, "failures": [], "ranks_identical": True}
+    bad = {"rows": 4, "ok": False, "failures": ["q: relative error"], "ranks_identical": True}
+    merged = cli.merge_verify({0: {"verify": [ok]}, 1: {"verify": [bad]}})
+    assert merged == [{"rows": 4, "ok": False, "failures": ["rank 1: q: relative error"],
+                       "ranks_identical": True}]
+
+
+# ---------------------------------------------------------------- launcher (gloo on CPU)
+
+
+def _all_reduce_rank(ctx, base):
+    t = torch.tensor([ctx.rank + base])
+    dist.all_reduce(t, group=ctx.group)
+    return {"sum": t.item(), "env": {k: os.environ.get(k) for k in NO_MULTICAST_ENV}}
+
+
+def _rank_1_raises(ctx):
+    if ctx.rank == 1:
+        raise ValueError("injected failure")
+    dist.barrier(group=ctx.group)  # rank 0 would wait here forever for rank 1
+
+
+def _rank_1_dies(ctx):
+    if ctx.rank == 1:
+        os._exit(3)
+    dist.barrier(group=ctx.group)
+
+
+def _sleeps(ctx):
+    time.sleep(120)
+
+
+def test_launch_runs_every_rank_without_multicast():
+    results = launch(_all_reduce_rank, 2, (10,), timeout_s=60)
+    assert sorted(results) == [0, 1]
+    for res in results.values():
+        assert res["sum"] == 10 + 11
+        assert res["env"] == NO_MULTICAST_ENV
+
+
+@pytest.mark.parametrize(
+    ("fn", "timeout_s", "rank", "message"),
+    [
+        (_rank_1_raises, 60, 1, "injected failure"),
+        (_rank_1_dies, 60, 1, "exited with code 3"),
+        (_sleeps, 3, None, "timed out"),
+    ],
+)
+def test_launch_never_hangs_and_names_the_rank(fn, timeout_s, rank, message):
+    start = time.monotonic()
+    with pytest.raises(RankError, match=message) as info:
+        launch(fn, 2, timeout_s=timeout_s)
+    assert info.value.rank == rank
+    assert time.monotonic() - start < 45
+
+
+# ---------------------------------------------------------------- report
+
+
+def _synthetic_bench() -> dict:
+    env = report.environment(interpreter=False, unreachable_pairs=[(0, 1)])
+    result = report.new_result("bench", "decode-boundary bench --rows 1 8", env,
+                               {"model": "v4.1-flash", "tp": 2, "rows": [1, 8]})
+    result["verify"] = [{"rows": m, "ok": True, "failures": [], "ranks_identical": True}
+                        for m in (1, 8)]
+    result.update(copy_rate_gbps=4200.0, floor_us=2.5, weight_copies=3)
+    result["timings"] = report.add_speedups([
+        {"rows": 1, "us": {"baseline": 30.0, "unfused": 12.0, "fused": 8.0}},
+        {"rows": 8, "us": {"baseline": 33.0, "unfused": 14.0, "fused": 11.0}},
+    ])
+    return result
+
+
+def test_bench_table_shows_times_floor_and_speedups():
+    text = report.render(report.bench_table(_synthetic_bench()))
+    row_1 = next(line for line in text.splitlines() if line.strip("│ ").startswith("1 "))
+    for cell in ("30.0", "12.0", "8.0", "2.5", "3.75x", "1.50x"):
+        assert cell in row_1
+    assert "baseline/fused" in text and "unfused/fused" in text and "4200 GB/s" in text
+
+
+def test_verify_table_shows_failures():
+    result = _synthetic_bench()
+    result["verify"][1] = {"rows": 8, "ok": False, "failures": ["q: relative error 3e-02"],
+                           "ranks_identical": False}
+    text = report.render(report.verify_table(result))
+    assert "q: relative error 3e-02" in text and "FAIL" in text and "NO" in text
+
+
+def test_json_schema(tmp_path):
+    path = report.write_json(_synthetic_bench(), tmp_path / "sub" / "r.json")
+    data = json.loads(path.read_text())
+    assert data["schema"] == report.SCHEMA and data["kind"] == "bench"
+    env = data["environment"]
+    for key, types in {"gpu": (str, type(None)), "gpu_count": int, "torch": str, "triton": str,
+                       "python": str, "git_commit": (str, type(None)), "git_dirty": bool,
+                       "interpreter": bool, "unreachable_pairs": list}.items():
+        assert isinstance(env[key], types), key
+    assert env["unreachable_pairs"] == [[0, 1]]
+    assert env["git_commit"] is None or len(env["git_commit"]) == 40
+    assert isinstance(data["created"], str) and isinstance(data["command"], str)
+    for row in data["timings"]:
+        assert set(row["us"]) == {"baseline", "unfused", "fused"}
+        assert row["speedup"]["baseline/fused"] == pytest.approx(
+            row["us"]["baseline"] / row["us"]["fused"])
+
+
+def test_plot_is_a_valid_png(tmp_path):
+    path = report.plot_latency(_synthetic_bench(), tmp_path / "plot.png")
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    image = matplotlib.image.imread(path)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+def test_gemm_table():
+    result = report.new_result("gemm", "decode-boundary gemm", report.environment(False, []),
+                               {"model": "v4.1-flash", "tp": 4})
+    result["gemms"] = [{"name": "wo_b", "n": 5120, "k": 2048, "rows": 1, "floor_us": 2.5,
+                        "us": {"ours": 3.0, "cublas_bf16": 8.0, "cublas_fp8_rowwise": 9.0}}]
+    text = report.render(report.gemm_table(result))
+    for cell in ("wo_b", "5120 x 2048", "3.0", "8.0", "9.0", "2.5", "1.20", "3.00x"):
+        assert cell in text
+
+
+# ---------------------------------------------------------------- end to end
+
+
+def test_verify_in_the_interpreter(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["verify", "--rows", "3", "--out", str(tmp_path), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "Triton interpreter" in captured.err and "tiny" in captured.err
+    assert "ok" in captured.err and "FAIL" not in captured.err
+    printed = json.loads(captured.out)
+    assert printed["kind"] == "verify" and printed["environment"]["interpreter"] is True
+    assert printed["config"]["tp"] == 1 and printed["config"]["hidden"] == 256
+    assert printed["verify"] == [{"rows": 3, "ok": True, "failures": [],
+                                  "ranks_identical": True}]
+    (written,) = tmp_path.glob("verify-tiny-tp1-*.json")
+    assert json.loads(written.read_text()) == printed
+
+
+def test_verify_fails_with_exit_1_on_a_wrong_answer(capsys, monkeypatch):
+    import decode_boundary.model.bench as bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(bench, "check_outputs", lambda out, ref: ["q: injected"])
+    assert cli.main(["verify", "--rows", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "fused q: injected" in err and "FAIL" in err
+
+
+@pytest.mark.multigpu
+def test_bench_end_to_end_within_5_minutes(tmp_path):
+    repo = Path(__file__).resolve().parent.parent
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys; from decode_boundary.cli import main; sys.exit(main())",
+         "bench", "--rows", "1", "8", "--out", str(tmp_path)],
+        cwd=repo, capture_output=True, text=True, timeout=330,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+    )
+    elapsed = time.monotonic() - start
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert elapsed < 300
+    (path,) = tmp_path.glob("bench-v4.1-flash-tp*.json")
+    data = json.loads(path.read_text())
+    assert data["config"]["tp"] == torch.cuda.device_count()
+    assert [t["rows"] for t in data["timings"]] == [1, 8]
+    assert all(v > 0 for t in data["timings"] for v in t["us"].values())
+    assert data["environment"]["gpu"] and data["floor_us"] > 0
+    assert (tmp_path / path.name.replace(".json", ".png")).read_bytes()[:8] == PNG_SIGNATURE
+    assert str(tmp_path) in done.stdout

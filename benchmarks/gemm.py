@@ -1,0 +1,183 @@
+"""MXFP8 GEMM benchmark on one GPU (design.md §8-9, issue 3).
+
+For each shape and M: our kernel with its selected tactic and the best of a
+small tactic sweep, cuBLAS BF16, cuBLAS FP8 row-wise (``torch._scaled_mm``,
+per-row / per-column FP32 scales) and the floor = MXFP8 weight bytes / the
+copy rate measured in this run; then the three projections chained back to
+back with and without PDL. Every time is the median per call over CUDA-graph
+replays of many back-to-back calls on rotated weight copies (> L2).
+
+    PYTHONPATH=. python benchmarks/gemm.py [--quick] [--check] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import torch
+import triton
+
+from decode_boundary.gemm import launch_low_latency, selected_tactic
+from decode_boundary.gemm.reference import check_mxfp8_mm
+from decode_boundary.gemm.tactics import sweep_tactics
+from decode_boundary.gemm.timing import L2_FLUSH_BYTES, graph_time_us, rotated_copies
+from decode_boundary.mxfp8.format import quantize_mxfp8_ref
+
+SHAPES = {  # name: (N, K)
+    "wo_b": (5120, 2048),
+    "wq_b": (8192, 1280),
+    "fused_wqa_wkv": (1792, 5120),
+    "wo_a": (1024, 4096),
+    "v4pro_wo_b": (7168, 4096),
+}
+CHAIN = ("fused_wqa_wkv", "wq_b", "wo_b")
+ROWS = (1, 2, 4, 8, 16, 32, 48, 64)
+QUICK_ROWS = (1, 8, 32, 64)
+SWEEP_ROWS = (8, 32)  # a sweep per row class keeps the run (compiles) under 4 minutes
+SWEEP_MAX = 6
+
+
+def copy_rate_gbs() -> float:
+    """HBM rate of a 1 GiB device copy, counting read + write (GB/s)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del src, dst
+    return 2 * (1 << 30) / (sorted(times)[len(times) // 2] * 1e-3) / 1e9
+
+
+def make_layer(n: int, k: int):
+    qw = quantize_mxfp8_ref(torch.randn(n, k, device="cuda"))
+    return SimpleNamespace(weight=qw.data.t(), weight_scale=qw.scale, bias=None)
+
+
+def time_ours(layer, qa, tactic) -> float:
+    copies = rotated_copies(layer)
+    out = torch.empty(qa.rows, layer.weight.shape[1], dtype=torch.bfloat16, device="cuda")
+    return graph_time_us(lambda i: launch_low_latency(copies[i], qa, out, tactic), len(copies))
+
+
+def time_cublas_bf16(n: int, k: int, rows: int) -> float:
+    weights = [torch.randn(n, k, device="cuda").bfloat16()
+               for _ in range(-(-L2_FLUSH_BYTES // (2 * n * k)) + 1)]
+    x = torch.randn(rows, k, device="cuda").bfloat16()
+    return graph_time_us(lambda i: x @ weights[i].t(), len(weights))
+
+
+def time_cublas_fp8_rowwise(layer, rows: int) -> float | None:
+    """torch._scaled_mm with per-row / per-column scales (M padded to 16, as it requires)."""
+    k, n = layer.weight.shape
+    padded = -(-rows // 16) * 16
+    a = torch.randn(padded, k, device="cuda").to(torch.float8_e4m3fn)
+    scale_a = torch.ones(padded, 1, device="cuda")
+    scale_b = torch.ones(1, n, device="cuda")
+    copies = rotated_copies(layer)
+    try:
+        return graph_time_us(lambda i: torch._scaled_mm(a, copies[i].weight, scale_a, scale_b,
+                                                        out_dtype=torch.bfloat16), len(copies))
+    except RuntimeError as err:
+        print(f"cuBLAS FP8 row-wise unavailable for {n}x{k} M={rows}: {err}", file=sys.stderr)
+        return None
+
+
+def time_chain(layers, rows: int) -> float:
+    """µs per chain of the three projections back to back (rotated copies)."""
+    copies = [rotated_copies(layer) for layer in layers]
+    count = min(len(c) for c in copies)
+    ins = [quantize_mxfp8_ref(torch.randn(rows, layer.weight.shape[0], device="cuda"))
+           for layer in layers]
+    outs = [torch.empty(rows, layer.weight.shape[1], dtype=torch.bfloat16, device="cuda")
+            for layer in layers]
+
+    def chain(i):
+        for j, layer in enumerate(layers):
+            launch_low_latency(copies[j][i], ins[j], outs[j], selected_tactic(layer, rows))
+
+    return graph_time_us(chain, count)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer M, no sweep")
+    parser.add_argument("--check", action="store_true", help="verify every tactic before timing")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    rate = copy_rate_gbs()
+    results = []
+    for name, (n, k) in SHAPES.items():
+        layer = make_layer(n, k)
+        weight_bytes = n * k + layer.weight_scale.numel()
+        for rows in QUICK_ROWS if args.quick else ROWS:
+            qa = quantize_mxfp8_ref(torch.randn(rows, k, device="cuda").bfloat16())
+            selected = selected_tactic(layer, rows)
+            tactics = [selected]
+            if not args.quick and rows in SWEEP_ROWS:
+                tactics += [t for t in sweep_tactics(n, k, rows) if t != selected][:SWEEP_MAX - 1]
+            timed = []
+            for tactic in tactics:
+                if args.check:
+                    out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                    check_mxfp8_mm(launch_low_latency(layer, qa, out, tactic), qa, layer.weight,
+                                   layer.weight_scale)
+                timed.append((time_ours(layer, qa, tactic), tactic))
+            best_us, best = min(timed)
+            row = dict(shape=name, n=n, k=k, rows=rows, ours_us=timed[0][0],
+                       ours_tactic=selected._asdict(), best_us=best_us, best_tactic=best._asdict(),
+                       cublas_bf16_us=time_cublas_bf16(n, k, rows),
+                       cublas_fp8_rowwise_us=time_cublas_fp8_rowwise(layer, rows),
+                       floor_us=weight_bytes / (rate * 1e3))
+            results.append(row)
+            print(f"{name:14s} M={rows:2d} ours {row['ours_us']:6.2f} best {best_us:6.2f} "
+                  f"bf16 {row['cublas_bf16_us']:6.2f} fp8 {row['cublas_fp8_rowwise_us'] or 0:6.2f} "
+                  f"floor {row['floor_us']:5.2f} us", flush=True)
+    chains = []
+    chain_layers = [make_layer(*SHAPES[name]) for name in CHAIN]
+    for rows in (1, 8, 32):
+        entry = {"rows": rows}
+        for pdl in (True, False):
+            os.environ["DECODE_BOUNDARY_DISABLE_PDL"] = "0" if pdl else "1"
+            entry["pdl_us" if pdl else "no_pdl_us"] = time_chain(chain_layers, rows)
+        chains.append(entry)
+    os.environ.pop("DECODE_BOUNDARY_DISABLE_PDL")
+    gpu = torch.cuda.get_device_name()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    report = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, commit=commit,
+                  command=" ".join([sys.executable, *sys.argv]), copy_rate_gbs=rate,
+                  gemm=results, chain=dict(projections=CHAIN, results=chains))
+    os.makedirs(args.out, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d")
+    path = os.path.join(args.out, f"gemm-{gpu.replace(' ', '_')}-{stamp}.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\ncopy rate {rate:.0f} GB/s; {path}")
+    print(f"{'shape':14s} {'M':>3s} {'ours':>7s} {'best':>7s} {'/floor':>7s} {'fp8/ours':>8s} "
+          f"{'bf16/ours':>9s}  best tactic")
+    for r in results:
+        fp8 = r["cublas_fp8_rowwise_us"]
+        print(f"{r['shape']:14s} {r['rows']:3d} {r['ours_us']:7.2f} {r['best_us']:7.2f} "
+              f"{r['ours_us'] / r['floor_us']:7.2f} {(fp8 or 0) / r['ours_us']:8.2f} "
+              f"{r['cublas_bf16_us'] / r['ours_us']:9.2f}  {tuple(r['best_tactic'].values())}")
+    for c in chains:
+        print(f"chain {'+'.join(CHAIN)} M={c['rows']}: PDL {c['pdl_us']:.2f} us, "
+              f"no PDL {c['no_pdl_us']:.2f} us")
+
+
+if __name__ == "__main__":
+    main()

@@ -106,13 +106,19 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
 
 
-def _config(parser: argparse.ArgumentParser, args, default_model: str) -> BoundaryConfig:
+def _config(parser: argparse.ArgumentParser, args, default_model: str, tp: int) -> BoundaryConfig:
+    """The model (with ``--hidden`` / ``--hc`` applied), checked against ``tp``;
+    a bad combination is an argument error (exit 2)."""
     config = MODELS[args.model or default_model]
     overrides = {k: v for k, v in (("hidden", args.hidden), ("hc_mult", args.hc)) if v}
     if overrides:
         config = dataclasses.replace(config, name=f"{config.name}-custom", **overrides)
     if config.hidden % 32:
         parser.error(f"--hidden must be a multiple of 32 (MXFP8 groups), got {config.hidden}")
+    try:
+        config.check_tp(tp)
+    except ValueError as exc:
+        parser.error(str(exc))
     return config
 
 
@@ -126,18 +132,12 @@ def _boundary(parser: argparse.ArgumentParser, args) -> int:
         if args.tp not in (None, 1):
             parser.error("without a GPU, verify runs tp=1 only")
         os.environ["TRITON_INTERPRET"] = "1"
-    config = _config(parser, args, INTERPRETER_MODEL if interpreter else DEFAULT_MODEL)
-    tp = args.tp or max(1, gpus)
-    if in_torchrun():
-        tp = int(os.environ["WORLD_SIZE"])
-    try:
-        config.check_tp(tp)
-    except ValueError as exc:
-        parser.error(str(exc))
+    tp = int(os.environ["WORLD_SIZE"]) if in_torchrun() else args.tp or max(1, gpus)
+    config = _config(parser, args, INTERPRETER_MODEL if interpreter else DEFAULT_MODEL, tp)
     rows = tuple(args.rows or (INTERPRETER_ROWS if interpreter else DEFAULT_ROWS))
     from decode_boundary.model.bench import BenchSpec, run_rank  # after TRITON_INTERPRET
 
-    out = Console(stderr=args.json)
+    out = _console(args.json)
     if interpreter:
         out.print(f"No CUDA GPU: running the kernels in the Triton interpreter on CPU, "
                   f"model {config.name}, tp=1, M={list(rows)} (reduced size; no timings).")
@@ -159,7 +159,7 @@ def _boundary(parser: argparse.ArgumentParser, args) -> int:
     result = report.new_result(
         args.command, args.command_line, report.environment(interpreter, unreachable),
         {"model": config.name, **dataclasses.asdict(config), "tp": tp, "rows": list(rows),
-         "weights": spec.weights_dir, "seed": args.seed},
+         "weights": spec.weights_dir, "seed": args.seed, "transport": per_rank[0]["transport"]},
     )
     result["verify"] = merge_verify(per_rank)
     out.print(report.verify_table(result))
@@ -178,12 +178,8 @@ def _gemm(parser: argparse.ArgumentParser, args) -> int:
     if not torch.cuda.is_available():
         print(NO_GPU.format(cmd="gemm"), file=sys.stderr)
         return 2
-    config = _config(parser, args, DEFAULT_MODEL)
     tp = args.tp or GEMM_TP
-    try:
-        config.check_tp(tp)
-    except ValueError as exc:
-        parser.error(str(exc))
+    config = _config(parser, args, DEFAULT_MODEL, tp)
     from decode_boundary.model.bench import gemm_table  # kernels: import only once needed
 
     shapes = args.shapes or [
@@ -198,10 +194,19 @@ def _gemm(parser: argparse.ArgumentParser, args) -> int:
         {"model": config.name, "tp": tp, "rows": rows, "shapes": [list(s) for s in shapes]},
     )
     result.update(gemm_table(shapes, rows, torch.device("cuda", torch.cuda.current_device())))
-    out = Console(stderr=args.json)
+    out = _console(args.json)
     out.print(report.gemm_table(result))
     _save(args, result, out, plot=False)
     return 0
+
+
+def _console(to_stderr: bool) -> Console:
+    """Tables go to stderr when stdout carries JSON; off a terminal (logs, CI)
+    rich would assume 80 columns and fold the wide tables, so give it more."""
+    console = Console(stderr=to_stderr)
+    if not console.is_terminal:
+        console.width = 160
+    return console
 
 
 def _unreachable_pairs(gpus: int) -> list[tuple[int, int]]:
@@ -247,3 +252,7 @@ def _save(args, result: dict, out: Console, plot: bool) -> None:
         out.print(f"Results in {folder}: {', '.join(p.name for p in written)}")
     if args.json:
         print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":  # python -m decode_boundary.cli (and torchrun -m) without installing
+    sys.exit(main())

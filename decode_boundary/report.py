@@ -8,7 +8,8 @@ The result dict (schema ``SCHEMA``) is what ``decode-boundary`` writes:
   ``python``, ``git_commit`` (None outside a checkout), ``git_dirty``,
   ``interpreter`` (kernels ran in the Triton interpreter), ``unreachable_pairs``
   (GPU pairs without peer access: the all-reduce used its NCCL fallback);
-* ``config``: the model's sizes, ``tp``, ``rows``, ...;
+* ``config``: the model's sizes, ``tp``, ``rows``, ``transport`` of the
+  all-reduce ("mailbox" peer stores, or "nccl" where peers are unreachable), ...;
 * bench / verify: ``verify`` [{``rows``, ``ok``, ``failures``, ``ranks_identical``}];
   bench adds ``copy_rate_gbps``, ``floor_us`` (wo_b MXFP8 weight bytes / copy
   rate), ``weight_copies`` and ``timings`` [{``rows``, ``us`` {path: µs},
@@ -137,7 +138,8 @@ def gemm_table(result: dict) -> Table:
 def _title(result: dict, what: str) -> str:
     cfg, env = result["config"], result["environment"]
     where = env["gpu"] or "CPU (Triton interpreter)"
-    return f"{cfg.get('model', 'custom')} tp={cfg.get('tp')} on {where}: {what}"
+    transport = f" over {cfg['transport']}" if cfg.get("transport") else ""
+    return f"{cfg.get('model', 'custom')} tp={cfg.get('tp')}{transport} on {where}: {what}"
 
 
 def render(table: Table, width: int = 140) -> str:

@@ -1,0 +1,84 @@
+"""Compile the boundary kernels for sm_90 (no GPU needed) and check the PTX
+for what the interpreter cannot show: 16-byte unicast peer stores, volatile
+16-byte mailbox polls, the %globaltimer bound, PDL, the acq_rel counter, no
+FMA contraction (bit-exactness) and no multicast.
+
+Runs in a subprocess because the suite's ``TRITON_INTERPRET=1`` turns every
+``triton.jit`` of this process into an interpreter function.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = r"""
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from decode_boundary.boundary.consumer_kernel import consumer_kernel
+from decode_boundary.boundary.finalize_kernel import finalize_publish_kernel
+from decode_boundary.boundary.publish_kernel import publish_kernel
+
+def ptx(fn, sig, consts, warps):
+    sig = dict(sig, **{k: "constexpr" for k in consts})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t[0] == "*"}
+    src = ASTSource(fn, sig, consts, attrs)
+    opts = {"enable_fp_fusion": False, "num_warps": warps}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+
+out = {}
+out["publish"] = ptx(publish_kernel, {"x_ptr": "*bf16", "peer_ptrs_ptr": "*i64",
+    "stage_ptr": "*i32", "rank": "i32", "capacity": "i32"},
+    dict(TP=2, HIDDEN=5120, BLOCK_H=512, USE_PDL=True), 2)
+ptrs = ["mailbox_ptr:bf16", "stage_ptr:i32", "status_ptr:i32", "counter_ptr:i32",
+        "prenorm_ptr:bf16", "residual_ptr:bf16", "post_ptr:fp32", "comb_ptr:fp32",
+        "pre_ptr:fp32", "gamma_ptr:bf16", "out_ptr:bf16", "layer_ptr:bf16",
+        "qdata_ptr:fp8e4nv", "qscale_ptr:u8"]
+sig = {p.split(":")[0]: "*" + p.split(":")[1] for p in ptrs}
+sig.update(eps="fp32", capacity="i32", wait_bound="i64")
+out["consumer"] = ptx(consumer_kernel, sig, dict(TP=2, HC=4, HIDDEN=5120, BLOCK_H=512,
+    BLOCK_ROW=8192, MODE=2, QUANT=True, LAMPORT=True, USE_PTX=True, USE_PDL=True), 2)
+out["finalize"] = ptx(finalize_publish_kernel, {"gemm2_ptr": "*bf16", "weights_ptr": "*fp32",
+    "idx_ptr": "*i32", "shared_ptr": "*bf16", "partial_ptr": "*bf16", "peer_ptrs_ptr": "*i64",
+    "stage_ptr": "*i32", "rank": "i32", "capacity": "i32"},
+    dict(TP=2, TOP_K=6, HIDDEN=5120, BLOCK_H=512, PUBLISH=True, USE_PDL=True), 2)
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def ptx():
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=300)
+    if proc.returncode and "ptxas" in proc.stderr and "not found" in proc.stderr:
+        pytest.skip("no ptxas to compile for sm_90")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_publish_stores_16_bytes_per_peer(ptx):
+    for name in ("publish", "finalize"):
+        code = ptx[name]
+        assert "st.global.v4.b32" in code, name
+        assert "griddepcontrol.wait" in code and "griddepcontrol.launch_dependents" in code
+
+
+def test_consumer_polls_volatile_with_time_bound(ptx):
+    code = ptx["consumer"]
+    assert "ld.volatile.global.v4" in code
+    assert "%globaltimer" in code
+    assert "atom.global.gpu.acq_rel.add" in code
+    assert "atom.global.gpu.acq_rel.or" in code
+    assert "griddepcontrol.wait" in code
+
+
+def test_no_fma_no_multicast(ptx):
+    for name, code in ptx.items():
+        assert "multimem" not in code, name
+    assert "fma.rn.f32" not in ptx["consumer"]
+    assert "fma.rn.f32" not in ptx["finalize"]

@@ -180,3 +180,18 @@ def test_shape_representatives_and_precompile():
     assert len(kernel_module._WORKSPACES) >= len(before)
     assert any(buf.numel() * 4 >= 128 * 16 * selected_tactic(big, 8).split_k
                for buf in kernel_module._WORKSPACES.values())
+
+
+def test_custom_op_matches_api_and_has_a_fake():
+    from decode_boundary.gemm.ops import mxfp8_mm_op
+
+    g = gen(9)
+    layer, qa = make_layer(64, 128, generator=g), make_input(3, 128, generator=g)
+    out = torch.ops.decode_boundary.mxfp8_mm(qa.data, qa.scale, layer.weight, layer.weight_scale)
+    assert torch.equal(out, mxfp8_mm(layer, qa))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        args = [mode.from_tensor(t) for t in (qa.data, qa.scale, layer.weight, layer.weight_scale)]
+        fake = mxfp8_mm_op(*args)
+    assert fake.shape == (3, 64) and fake.dtype == torch.bfloat16

@@ -2,6 +2,7 @@
 tiles to 48, pinned tactics above), its tactics and autotuner, and the
 public entry points (seed 004's functions). See api.py."""
 
+from . import ops  # noqa: F401  (registers torch.ops.decode_boundary.mxfp8_mm)
 from .api import (
     compile_pinned,
     low_latency_mm,

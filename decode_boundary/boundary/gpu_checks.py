@@ -1,0 +1,178 @@
+"""Per-rank checks of ``BoundaryAllReduce`` on real GPUs, run by
+``tests/test_boundary_multigpu.py`` through :func:`decode_boundary.launch.launch`
+(one process per GPU; importable so ``spawn`` can pickle them).
+
+Every rank draws the same inputs (one seed for all ranks, all partials), so it
+can compute the reference itself; outputs are also all-gathered and compared
+across ranks bit for bit.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..launch import RankContext
+from ..mxfp8.format import mxfp8_scale_bytes, quantize_mxfp8_ref
+from .all_reduce import BoundaryAllReduce
+from .reference import consumer_ref, moe_finalize_ref, reduce_ref
+
+HC, TOP_K, EPS, CAPACITY = 4, 6, 1e-6, 64
+
+
+def _inputs(m, tp, hidden, gen, device):
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device)
+
+    return dict(
+        xs=randn(tp, m, hidden).bfloat16(),
+        residual=randn(m, HC, hidden).bfloat16(),
+        post=torch.rand(m, HC, generator=gen, device=device) * 2,
+        comb=torch.rand(m, HC, HC, generator=gen, device=device),
+        pre=torch.rand(m, HC, generator=gen, device=device),
+        gamma=(1 + 0.1 * randn(hidden)).bfloat16(),
+    )
+
+
+def _ulp_violations(layer, ref):
+    ulp = torch.exp2(torch.floor(torch.log2(ref.float().abs().clamp(min=2.0**-126))) - 7)
+    return ((layer.float() - ref.float()).abs() > ulp).sum()
+
+
+def _mxfp8_buffers(m, hidden, device):
+    data = torch.empty(m, hidden, dtype=torch.float8_e4m3fn, device=device)
+    return data, torch.zeros(mxfp8_scale_bytes(m, hidden), dtype=torch.uint8, device=device)
+
+
+def _mismatches(outs, d, partials, quantize, residual_only):
+    """Mismatch count (a device tensor: no sync) of one call's outputs."""
+    res_out, layer, q = outs
+    pre = None if residual_only else d["pre"]
+    ref_res, ref_layer, _ = consumer_ref(list(partials), d["residual"], d["post"], d["comb"],
+                                         pre, d["gamma"], EPS)
+    bad = (res_out.view(torch.int16) != ref_res.view(torch.int16)).sum()
+    if not residual_only:
+        bad = bad + _ulp_violations(layer, ref_layer)
+    if quantize:
+        want = quantize_mxfp8_ref(layer)
+        bad = bad + (q[0].view(torch.uint8) != want.data.view(torch.uint8)).sum()
+        bad = bad + (q[1] != want.scale).sum()
+    return bad
+
+
+def _same_on_all_ranks(t, group):
+    everyone = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, t.contiguous(), group=group)
+    return all(torch.equal(e.view(torch.uint8), everyone[0].view(torch.uint8)) for e in everyone)
+
+
+def check_variants(ctx: RankContext, transport: str, hidden: int) -> dict:
+    """Full, residual-only, MXFP8, finalize and plain sum vs the reference;
+    outputs bit-identical across ranks. Returns {variant: mismatches}."""
+    ar = BoundaryAllReduce(hidden, HC, CAPACITY, TOP_K, ctx.group, quantize_layer_input=True,
+                           device=ctx.device, transport=transport)
+    gen = torch.Generator(device=ctx.device).manual_seed(1234)
+    result = {}
+    for m in (1, 5, 16, CAPACITY):
+        d = _inputs(m, ctx.world_size, hidden, gen, ctx.device)
+        x = d["xs"][ctx.rank].contiguous()
+        args = (d["residual"], d["post"], d["comb"])
+        for variant in ("full", "residual_only", "mxfp8"):
+            q = _mxfp8_buffers(m, hidden, ctx.device) if variant == "mxfp8" else None
+            pre = None if variant == "residual_only" else d["pre"]
+            res_out, layer = ar(x.clone(), *args, pre, d["gamma"], EPS, q)
+            bad = _mismatches((res_out, layer, q), d, d["xs"], q is not None, pre is None)
+            same = _same_on_all_ranks(res_out, ctx.group) and (
+                layer is None or _same_on_all_ranks(layer, ctx.group))
+            result[f"{variant} M={m}"] = (int(bad), same)
+        plain = ar.plain_sum(x)
+        result[f"plain M={m}"] = (int((plain.view(torch.int16)
+                                       != reduce_ref(list(d["xs"])).view(torch.int16)).sum()),
+                                  _same_on_all_ranks(plain, ctx.group))
+        rows = 3 * m
+        moe = [(torch.randn(rows, hidden, generator=gen, device=ctx.device).bfloat16(),
+                torch.rand(m, TOP_K, generator=gen, device=ctx.device),
+                torch.randint(-1, rows, (m, TOP_K), generator=gen, device=ctx.device,
+                              dtype=torch.int32),
+                torch.randn(m, hidden, generator=gen, device=ctx.device).bfloat16())
+               for _ in range(ctx.world_size)]
+        q = _mxfp8_buffers(m, hidden, ctx.device)
+        res_out, layer = ar.finalize(*moe[ctx.rank], *args, d["pre"], d["gamma"], EPS, q)
+        partials = [moe_finalize_ref(*a) for a in moe]
+        bad = _mismatches((res_out, layer, q), d, partials, True, False)
+        result[f"finalize M={m}"] = (int(bad), _same_on_all_ranks(res_out, ctx.group))
+    ar.check()
+    ar.close()
+    return result
+
+
+def check_graph_replays(ctx: RankContext, replays: int, hidden: int) -> dict:
+    """CUDA graphs (one per M) that draw fresh inputs on the device, run the
+    fused all-reduce and compare with the torch reference on the device,
+    accumulating a mismatch counter; replayed in a random M order shared by all
+    ranks. Returns {"replays", "mismatches", "graphs"}."""
+    ar = BoundaryAllReduce(hidden, HC, CAPACITY, TOP_K, ctx.group, quantize_layer_input=True,
+                           device=ctx.device)
+    sizes = (1, 2, 3, 8, 16, 33, CAPACITY)
+    mismatches = torch.zeros((), dtype=torch.int64, device=ctx.device)
+    gen = torch.Generator(device=ctx.device).manual_seed(99)  # same stream on every rank
+    graphs = {}
+    stream = torch.cuda.Stream(ctx.device)
+    stream.wait_stream(torch.cuda.current_stream(ctx.device))
+    with torch.cuda.stream(stream):
+        for m in sizes:
+            def body(m=m):
+                d = _inputs(m, ctx.world_size, hidden, gen, ctx.device)
+                q = _mxfp8_buffers(m, hidden, ctx.device)
+                res_out, layer = ar(d["xs"][ctx.rank].contiguous(), d["residual"], d["post"],
+                                    d["comb"], d["pre"], d["gamma"], EPS, q)
+                mismatches.add_(_mismatches((res_out, layer, q), d, d["xs"], True, False))
+
+            body()  # warm-up compiles outside the capture
+            torch.cuda.synchronize(ctx.device)
+            graph = torch.cuda.CUDAGraph()
+            graph.register_generator_state(gen)
+            with torch.cuda.graph(graph, stream=stream):
+                body()
+            graphs[m] = graph
+    torch.cuda.current_stream(ctx.device).wait_stream(stream)
+    torch.cuda.synchronize(ctx.device)
+    order = random.Random(7).choices(sizes, k=replays)
+    dist.barrier(group=ctx.group)
+    for i, m in enumerate(order):
+        graphs[m].replay()
+        if i % 1000 == 999:
+            ar.check()
+    torch.cuda.synchronize(ctx.device)
+    ar.check()
+    out = {"replays": replays, "mismatches": int(mismatches), "graphs": len(graphs)}
+    ar.close()
+    return out
+
+
+def check_skipped_step(ctx: RankContext, timeout_s: float, hidden: int) -> dict:
+    """Rank 1 skips a step; rank 0 must raise within the bound naming rank 1.
+    Then both ``reset(collective=True)`` and a step is exact again."""
+    ar = BoundaryAllReduce(hidden, HC, CAPACITY, TOP_K, ctx.group, device=ctx.device,
+                           wait_timeout_s=timeout_s)
+    gen = torch.Generator(device=ctx.device).manual_seed(5)
+    d = _inputs(4, ctx.world_size, hidden, gen, ctx.device)
+    x = d["xs"][ctx.rank].contiguous()
+    out = {}
+    if ctx.rank != 1:
+        start = time.monotonic()
+        try:
+            ar.plain_sum(x)
+            out["raised"] = ""
+        except RuntimeError as e:
+            out["raised"] = str(e)
+        out["seconds"] = time.monotonic() - start
+    ar.reset(collective=True)
+    plain = ar.plain_sum(x)
+    out["exact_after_reset"] = torch.equal(plain.view(torch.int16),
+                                           reduce_ref(list(d["xs"])).view(torch.int16))
+    ar.close()
+    return out

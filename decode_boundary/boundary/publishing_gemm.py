@@ -1,0 +1,89 @@
+"""``wo_b`` that publishes its partial sum from the GEMM epilogue.
+
+At a low-row boundary the unfused path runs three kernels: the MXFP8 GEMM
+writes this rank's partial, the publish kernel reads it back and stores it into
+every peer's mailbox, then the consumer reduces. :class:`PublishingMxfp8Linear`
+runs the *same* low-latency GEMM with the *same* tactic a plain call would
+select, compiled with its publishing epilogue: each BF16 output value, with −0
+turned into +0, also goes to ``mailbox_p[NEXT, rank, token, column]`` of every
+peer p (unicast 16-byte stores; never multicast), and one thread of the grid
+sets ACTIVE. The caller's next ``all_reduce(out, ...)`` then launches only the
+consumer (``BoundaryAllReduce.mark_published``), as the GEMM's PDL dependent.
+
+Ordering: the epilogue reads NEXT after the GEMM's grid-dependency wait, so
+the previous consumer's advance is visible, exactly as the publish kernel
+does; the consumer reads ACTIVE only after its own grid wait, i.e. after the
+whole GEMM grid and its stores. With split-K only the CTA that finishes the
+deterministic reduction publishes, so each value is published once and equals
+the plain GEMM's output bits. Both paths therefore feed the consumer the same
+bits and its outputs are bit-identical.
+
+Mailbox addresses, stage word, rank, TP, capacity and hidden size come from
+``all_reduce.publish_target()`` and stay valid for the all-reduce's lifetime;
+one publisher serves one all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decode_boundary.boundary.all_reduce import BoundaryAllReduce
+from decode_boundary.gemm import (
+    LOW_BATCH_MAX_ROWS,
+    launch_low_latency,
+    mxfp8_eligible,
+    precompile,
+    selected_tactic,
+)
+from decode_boundary.mxfp8.format import QuantizedActivation, check_quantized
+from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
+
+
+class PublishingMxfp8Linear:
+    """Run an MXFP8 linear whose output ``all_reduce`` reduces next, publishing
+    the output from the GEMM epilogue. Call it in place of the linear; anything
+    it does not support runs the plain linear and publishes nothing (the
+    all-reduce then runs its own publish kernel)."""
+
+    def __init__(self, all_reduce: BoundaryAllReduce) -> None:
+        self.all_reduce = all_reduce
+
+    def supports(self, linear: torch.nn.Module, num_tokens: int) -> bool:
+        """Whether ``linear`` on ``num_tokens`` rows runs the publishing GEMM."""
+        ar = self.all_reduce
+        k, n = linear.weight.shape
+        return (
+            mxfp8_eligible(linear)
+            and getattr(linear, "bias", None) is None
+            and 0 < num_tokens <= min(LOW_BATCH_MAX_ROWS, ar.capacity)
+            and n == ar.hidden_size
+            and linear.weight.device == ar.device
+            and ar.transport == "mailbox"  # over NCCL there is no mailbox to publish into
+        )
+
+    def __call__(
+        self, linear: torch.nn.Module, x: torch.Tensor | QuantizedActivation
+    ) -> torch.Tensor:
+        """``linear(x)``, published into the all-reduce's mailbox when supported."""
+        rows = x.rows if isinstance(x, QuantizedActivation) else x.reshape(-1, x.shape[-1]).shape[0]
+        if not self.supports(linear, rows):
+            return linear(x)
+        qa = x if isinstance(x, QuantizedActivation) else quantize_mxfp8(x)
+        if qa.orig_dtype != torch.bfloat16:
+            return linear(x)
+        check_quantized(qa, "x")
+        k, n = linear.weight.shape
+        if qa.data.shape[1] != k:
+            raise ValueError(f"x has K={qa.data.shape[1]}, linear expects K={k}")
+        out = torch.empty(rows, n, dtype=torch.bfloat16, device=qa.data.device)
+        tactic = selected_tactic(linear, rows)
+        launch_low_latency(linear, qa, out, tactic, publish=self.all_reduce.publish_target())
+        out = out.view(*qa.orig_shape[:-1], n)
+        self.all_reduce.mark_published(out)
+        return out
+
+    def precompile(self, linear: torch.nn.Module, num_tokens: int) -> None:
+        """Compile the kernel ``num_tokens`` rows select, launching nothing: a
+        publish without its consumer would desynchronise the mailbox."""
+        if self.supports(linear, num_tokens):
+            precompile(linear, [num_tokens], publish=self.all_reduce.publish_target())

@@ -1,0 +1,286 @@
+"""One rank's DeepSeek V4.1-shaped attention boundary, run three ways.
+
+``wo_a`` (one GEMM per local output group) -> ``wo_b`` (row-parallel: this
+rank's partial sum) -> all-reduce + mHC + RMSNorm + MXFP8 of the next input ->
+the next layer's ``fused_wqa_wkv``. Paths (design.md §1):
+
+* ``baseline``: cuBLAS FP8 row-wise GEMMs, NCCL all-reduce, torch ops for mHC.
+* ``unfused``: our MXFP8 GEMMs, the publish kernel, the fused consumer.
+* ``fused``: as unfused, but ``wo_b`` publishes from its epilogue
+  (:class:`PublishingMxfp8Linear`), so only the consumer runs after it.
+
+``unfused`` and ``fused`` must agree bit for bit; every kernel is launched with
+PDL where the GPU has it, so the chain overlaps each weight read with the
+previous kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from decode_boundary.boundary.all_reduce import BoundaryAllReduce
+from decode_boundary.boundary.publishing_gemm import PublishingMxfp8Linear
+from decode_boundary.boundary.reference import consumer_ref
+from decode_boundary.gemm import mxfp8_mm
+from decode_boundary.gemm.reference import mxfp8_mm_ref
+from decode_boundary.model.baseline import RowwiseFp8Linear, all_reduce_then_mhc
+from decode_boundary.model.config import BoundaryConfig
+from decode_boundary.mxfp8.format import QuantizedActivation, mxfp8_scale_bytes, quantize_mxfp8_ref
+from decode_boundary.mxfp8.linear import Mxfp8Linear, load_linear
+from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
+
+PATHS = ("baseline", "unfused", "fused")
+WEIGHT_STD = 0.02  # synthetic weights: the scale of a trained projection's entries
+
+
+@dataclass
+class BoundaryInputs:
+    """One step's inputs on one rank. ``attn_out`` is this rank's own; the mHC
+    tensors are replicated (identical on every rank, as in the model)."""
+
+    attn_out: torch.Tensor  # [M, attn_width] bf16
+    residual: torch.Tensor  # [M, hc, H] bf16
+    post: torch.Tensor  # [M, hc] f32
+    comb: torch.Tensor  # [M, hc, hc] f32, [source, target]
+    pre: torch.Tensor  # [M, hc] f32
+
+    @property
+    def rows(self) -> int:
+        return self.attn_out.shape[0]
+
+
+@dataclass
+class BoundaryOutputs:
+    residual_out: torch.Tensor  # [M, hc, H] bf16
+    layer_input: torch.Tensor  # [M, H] bf16
+    q: torch.Tensor  # [M, q_lora + kv_lora] bf16
+
+
+def _random_linear(n: int, k: int, seed: int, device: torch.device) -> Mxfp8Linear:
+    gen = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(n, k, generator=gen) * WEIGHT_STD).to(torch.bfloat16)
+    return Mxfp8Linear.from_float(weight.to(device))
+
+
+class AttentionBoundary:
+    """Weights, all-reduce and publisher of one rank's attention boundary.
+
+    Synthetic weights are drawn from ``seed`` (rank-specific for the sharded
+    ``wo_a`` / ``wo_b``, shared for the replicated ``fused_wqa_wkv``);
+    ``weights_dir`` loads layer ``layer`` of a DSV4.1-format checkpoint instead
+    (the rank's slice of the sharded projections).
+    """
+
+    def __init__(
+        self,
+        config: BoundaryConfig,
+        tp: int,
+        rank: int,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        capacity: int,
+        seed: int = 0,
+        weights_dir: str | None = None,
+        layer: int = 0,
+        all_reduce: BoundaryAllReduce | None = None,
+    ) -> None:
+        config.check_tp(tp)
+        self.config, self.tp, self.rank, self.group = config, tp, rank, group
+        self.device = torch.device(device)
+        groups_local = config.o_groups // tp
+        if weights_dir is None:
+            n_a, k_a = config.wo_a_shape()
+            self.wo_a = [
+                _random_linear(n_a, k_a, seed * 1000 + rank * 100 + g, self.device)
+                for g in range(groups_local)
+            ]
+            n_b, k_b = config.wo_b_shape(tp)
+            self.wo_b = _random_linear(n_b, k_b, seed * 1000 + rank * 100 + 99, self.device)
+            n_q, k_q = config.fused_wqa_wkv_shape()
+            self.fused_wqa_wkv = _random_linear(n_q, k_q, seed * 1000 + 999, self.device)
+        else:
+            self._load(weights_dir, layer, groups_local)
+        gen = torch.Generator().manual_seed(seed * 1000 + 998)
+        self.norm_weight = (1 + 0.1 * torch.randn(config.hidden, generator=gen)).to(
+            dtype=torch.bfloat16, device=self.device
+        )
+        self._owns_all_reduce = all_reduce is None
+        self.all_reduce = all_reduce or BoundaryAllReduce(
+            config.hidden,
+            config.hc_mult,
+            capacity,
+            config.top_k,
+            group,
+            quantize_layer_input=True,
+            residual_only=False,
+            device=self.device,
+        )
+        self.publisher = PublishingMxfp8Linear(self.all_reduce)
+        self._baseline: dict[str, object] | None = None
+
+    def _load(self, weights_dir: str, layer: int, groups_local: int) -> None:
+        """Layer ``layer`` of a DSV4.1 checkpoint: this rank's wo_a groups, its
+        wo_b column slice, the replicated fused_wqa_wkv."""
+        prefix = f"layers.{layer}.attn"
+        first = self.rank * groups_local
+        self.wo_a = [
+            load_linear(weights_dir, f"{prefix}.wo_a", rows=slice(g * self.config.o_lora,
+                                                                    (g + 1) * self.config.o_lora))
+            .to(self.device)
+            for g in range(first, first + groups_local)
+        ]
+        k_b = self.config.wo_b_shape(self.tp)[1]
+        self.wo_b = load_linear(
+            weights_dir, f"{prefix}.wo_b", cols=slice(self.rank * k_b, (self.rank + 1) * k_b)
+        ).to(self.device)
+        self.fused_wqa_wkv = load_linear(weights_dir, f"{prefix}.fused_wqa_wkv").to(self.device)
+
+    def close(self) -> None:
+        if self._owns_all_reduce:
+            self.all_reduce.close()
+
+    def weight_copies(self, n: int) -> list[AttentionBoundary]:
+        """``n`` boundaries (this one first) with distinct weight copies sharing
+        this all-reduce: timing rotates through them so L2 holds no weight."""
+        copies = [self]
+        for i in range(1, n):
+            copies.append(
+                AttentionBoundary(
+                    self.config, self.tp, self.rank, self.group, self.device,
+                    self.all_reduce.capacity, seed=1 + i, all_reduce=self.all_reduce,
+                )
+            )
+        return copies
+
+    def make_inputs(self, rows: int, seed: int) -> BoundaryInputs:
+        """Random inputs; the replicated ones are drawn from ``seed`` alone, so
+        they are identical on every rank."""
+        c = self.config
+        shared = torch.Generator().manual_seed(seed)
+        own = torch.Generator().manual_seed(seed * 7919 + self.rank + 1)
+        attn = torch.randn(rows, c.attn_width(self.tp), generator=own)
+        residual = torch.randn(rows, c.hc_mult, c.hidden, generator=shared)
+        post = 2 * torch.rand(rows, c.hc_mult, generator=shared)
+        comb = torch.rand(rows, c.hc_mult, c.hc_mult, generator=shared)
+        comb = comb / comb.sum(dim=1, keepdim=True)  # doubly-stochastic-ish, as mHC's Sinkhorn output
+        pre = torch.rand(rows, c.hc_mult, generator=shared)
+        to = dict(device=self.device)
+        return BoundaryInputs(
+            attn.to(torch.bfloat16).to(**to),
+            residual.to(torch.bfloat16).to(**to),
+            post.to(**to),
+            comb.to(**to),
+            pre.to(**to),
+        )
+
+    def _wo_a(self, attn_out: torch.Tensor, mm) -> torch.Tensor:
+        width = self.config.wo_a_shape()[1]
+        return torch.cat(
+            [mm(linear, attn_out[:, g * width : (g + 1) * width]) for g, linear in
+             enumerate(self.wo_a)],
+            dim=1,
+        )
+
+    def run(self, inputs: BoundaryInputs, path: str) -> BoundaryOutputs:
+        """One boundary on ``path`` (one of :data:`PATHS`)."""
+        if path == "baseline":
+            return self._run_baseline(inputs)
+        if path not in PATHS:
+            raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+        c = self.config
+        rows = inputs.rows
+        o = self._wo_a(inputs.attn_out, lambda lin, x: mxfp8_mm(lin, quantize_mxfp8(x)))
+        o_q = quantize_mxfp8(o)
+        if path == "fused":
+            partial = self.publisher(self.wo_b, o_q)
+        else:
+            partial = mxfp8_mm(self.wo_b, o_q)
+        data = torch.empty(rows, c.hidden, dtype=torch.float8_e4m3fn, device=self.device)
+        scale = torch.empty(mxfp8_scale_bytes(rows, c.hidden), dtype=torch.uint8,
+                            device=self.device)
+        residual_out, layer_input = self.all_reduce(
+            partial, inputs.residual, inputs.post, inputs.comb, inputs.pre,
+            self.norm_weight, c.eps, mxfp8_out=(data, scale),
+        )
+        next_in = QuantizedActivation(data, scale, torch.bfloat16, layer_input.shape)
+        q = mxfp8_mm(self.fused_wqa_wkv, next_in)
+        return BoundaryOutputs(residual_out, layer_input, q)
+
+    def _run_baseline(self, inputs: BoundaryInputs) -> BoundaryOutputs:
+        if self._baseline is None:
+            self._baseline = {
+                "wo_a": [RowwiseFp8Linear(lin) for lin in self.wo_a],
+                "wo_b": RowwiseFp8Linear(self.wo_b),
+                "fused_wqa_wkv": RowwiseFp8Linear(self.fused_wqa_wkv),
+            }
+        base = self._baseline
+        width = self.config.wo_a_shape()[1]
+        o = torch.cat(
+            [lin(inputs.attn_out[:, g * width : (g + 1) * width])
+             for g, lin in enumerate(base["wo_a"])],
+            dim=1,
+        )
+        partial = base["wo_b"](o)
+        residual_out, layer_input, _ = all_reduce_then_mhc(
+            partial, inputs.residual, inputs.post, inputs.comb, inputs.pre,
+            self.norm_weight, self.config.eps, self.group, quantize=True,
+        )
+        q = base["fused_wqa_wkv"](layer_input)
+        return BoundaryOutputs(residual_out, layer_input, q)
+
+    def reference(self, inputs: BoundaryInputs) -> BoundaryOutputs:
+        """The same boundary from the pure-torch references (GEMMs in FP32 on
+        MXFP8 operands, the partials gathered from every rank, the consumer as
+        design.md §5)."""
+        c = self.config
+
+        def mm_ref(linear, x):
+            return mxfp8_mm_ref(quantize_mxfp8_ref(x), linear.weight, linear.weight_scale)
+
+        o = self._wo_a(inputs.attn_out, mm_ref)
+        partial = mm_ref(self.wo_b, o)
+        partials = [partial]
+        if self.group is not None and self.tp > 1:
+            partials = [torch.empty_like(partial) for _ in range(self.tp)]
+            dist.all_gather(partials, partial, group=self.group)
+        residual_out, layer_input, quantized = consumer_ref(
+            partials, inputs.residual, inputs.post, inputs.comb, inputs.pre,
+            self.norm_weight, c.eps, quantize=True,
+        )
+        q = mxfp8_mm_ref(quantized, self.fused_wqa_wkv.weight, self.fused_wqa_wkv.weight_scale)
+        return BoundaryOutputs(residual_out, layer_input, q)
+
+
+# Relative L2 error allowed against the reference: each stage re-rounds to BF16
+# (2^-9 relative) and MXFP8 (2^-4 per element, averaging out over K), and
+# our GEMMs sum in another order than the reference, so an element near an MXFP8
+# or BF16 rounding boundary can land one step away; 2e-2 bounds the whole chain.
+CHAIN_RTOL = 2e-2
+
+
+def check_outputs(out: BoundaryOutputs, ref: BoundaryOutputs) -> list[str]:
+    """Failures (empty when fine) of a path's outputs against the reference."""
+    failures = []
+    for name in ("residual_out", "layer_input", "q"):
+        got, want = getattr(out, name).float(), getattr(ref, name).float()
+        if got.shape != want.shape:
+            failures.append(f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}")
+            continue
+        if not torch.isfinite(got).all():
+            failures.append(f"{name}: non-finite values")
+            continue
+        err = ((got - want).norm() / want.norm().clamp(min=1e-30)).item()
+        if err > CHAIN_RTOL:
+            failures.append(f"{name}: relative error {err:.2e} > {CHAIN_RTOL:.0e}")
+    return failures
+
+
+def outputs_identical(a: BoundaryOutputs, b: BoundaryOutputs) -> bool:
+    """Bit-identical outputs (BF16 compared as raw 16-bit patterns)."""
+    return all(
+        torch.equal(getattr(a, n).view(torch.int16), getattr(b, n).view(torch.int16))
+        for n in ("residual_out", "layer_input", "q")
+    )

@@ -17,13 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .format import GROUP, QuantizedActivation, mxfp8_scale_bytes, num_k_tiles, scale_groups
+from .format import QuantizedActivation, mxfp8_scale_bytes, num_k_tiles, scale_groups
 
 
 @triton.jit
 def swizzled_offset(m, kb, k_tiles):
     """128x4 swizzled byte offset of scale (row m, group kb); see format.py."""
-    return (m // 128) * k_tiles * 512 + (kb // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + kb % 4
+    tile = (m // 128) * k_tiles * 512 + (kb // 4) * 512
+    return tile + (m % 32) * 16 + ((m % 128) // 32) * 4 + kb % 4
 
 
 @triton.jit
@@ -131,7 +132,8 @@ def quantize_mxfp8(
         data, scale = out
         if data.dtype != torch.float8_e4m3fn or tuple(data.shape) != (rows, k):
             raise ValueError(
-                f"out data must be float8_e4m3fn [{rows}, {k}], got {data.dtype} {tuple(data.shape)}"
+                f"out data must be float8_e4m3fn [{rows}, {k}], got {data.dtype} "
+                f"{tuple(data.shape)}"
             )
         need = mxfp8_scale_bytes(rows, k)
         if scale.dtype != torch.uint8 or scale.ndim != 1 or scale.numel() < need:

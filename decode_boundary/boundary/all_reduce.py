@@ -270,7 +270,7 @@ class BoundaryAllReduce:
                           prenorm=box.prenorm, wait_bound=self._wait_bound, **inputs)
         else:
             gathered = torch.empty(self.tp, *x.shape, dtype=x.dtype, device=x.device)
-            dist.all_gather_into_tensor(gathered, x, group=self.group)
+            dist.all_gather_into_tensor(gathered.view(-1, x.shape[1]), x, group=self.group)
             out = consume(gathered, self.tp, x.shape[0], mode=mode, counter=box.counter,
                           prenorm=box.prenorm, lamport=False, **inputs)
         if not self._capturing():

@@ -1,0 +1,153 @@
+"""Boundary all-reduce on 2 GPUs: ours (publish + fused consumer: mHC, RMSNorm,
+MXFP8) against (a) NCCL all-reduce + the same mHC/norm/quant in torch ops,
+(b) torch symmetric-memory ``one_shot_all_reduce`` alone, (c) NCCL alone,
+(d) our two kernels as a plain sum (mHC/norm/quant off).
+
+Per (hidden, M, path): a CUDA graph of CALLS back-to-back calls, replayed
+REPS times between barriers, timed with CUDA events; the per-call time is the
+median replay / CALLS (rank 0's numbers; ranks run in lock step). Writes
+``benchmarks/results/allreduce-<gpu>-<date>.json`` and prints a table.
+
+    PYTHONPATH=. python benchmarks/allreduce.py            # spawns 2 ranks
+    PYTHONPATH=. torchrun --nproc-per-node 2 benchmarks/allreduce.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import statistics
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+import triton
+
+from decode_boundary.boundary.all_reduce import BoundaryAllReduce
+from decode_boundary.boundary.reference import consumer_ref
+from decode_boundary.env import disable_multicast
+from decode_boundary.launch import RankContext, launch
+from decode_boundary.mxfp8.format import mxfp8_scale_bytes
+
+HIDDENS = (5120, 4096, 7168)
+MS = (1, 2, 4, 8, 16, 32, 48, 64)
+HC, TOP_K, EPS, CAPACITY = 4, 6, 1e-6, 64
+CALLS, REPS = 50, 15
+PATHS = ("ours", "a_nccl_torch_mhc", "b_symm_one_shot", "c_nccl", "d_plain")
+
+
+def _time_graph(fn, device, group) -> float:
+    """Median µs per call of ``fn`` over graph replays of CALLS calls."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()  # compile + warm up outside the capture
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(CALLS):
+                fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph.replay()
+    times = []
+    for _ in range(REPS):
+        torch.cuda.synchronize(device)
+        dist.barrier(group=group)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / CALLS)
+    return statistics.median(times)
+
+
+def _cases(ar, symm, gamma, m, hidden, device, group) -> dict:
+    """The five paths for one (hidden, M), as zero-argument calls."""
+    x = torch.randn(m, hidden, device=device).bfloat16()
+    residual = torch.randn(m, HC, hidden, device=device).bfloat16()
+    post = torch.rand(m, HC, device=device)
+    comb = torch.rand(m, HC, HC, device=device)
+    pre = torch.rand(m, HC, device=device)
+    q = (torch.empty(m, hidden, dtype=torch.float8_e4m3fn, device=device),
+         torch.zeros(mxfp8_scale_bytes(m, hidden), dtype=torch.uint8, device=device))
+    nccl_buf = x.clone()
+    sym = symm[: m * hidden].view(m, hidden)
+    sym.copy_(x)
+
+    def baseline():
+        dist.all_reduce(nccl_buf, group=group)
+        consumer_ref([nccl_buf], residual, post, comb, pre, gamma, EPS, quantize=True)
+
+    return {
+        "ours": lambda: ar(x, residual, post, comb, pre, gamma, EPS, q),
+        "a_nccl_torch_mhc": baseline,
+        "b_symm_one_shot": lambda: torch.ops.symm_mem.one_shot_all_reduce(
+            sym, "sum", group.group_name),
+        "c_nccl": lambda: dist.all_reduce(nccl_buf, group=group),
+        "d_plain": lambda: ar.plain_sum(x),
+    }
+
+
+def _rank_main(ctx: RankContext, hiddens, ms) -> list[dict]:
+    import torch.distributed._symmetric_memory as symm_mem
+
+    device, group = ctx.device, ctx.group
+    torch.cuda.set_device(device)
+    rows = []
+    for hidden in hiddens:
+        ar = BoundaryAllReduce(hidden, HC, CAPACITY, TOP_K, group, quantize_layer_input=True,
+                               residual_only=False, device=device)
+        symm = symm_mem.empty(CAPACITY * hidden, dtype=torch.bfloat16, device=device)
+        symm_mem.rendezvous(symm, group.group_name)
+        gamma = torch.ones(hidden, dtype=torch.bfloat16, device=device)
+        for m in ms:
+            for path, fn in _cases(ar, symm, gamma, m, hidden, device, group).items():
+                rows.append(dict(hidden=hidden, m=m, path=path,
+                                 us=_time_graph(fn, device, group)))
+        ar.check()
+        ar.close()
+    return rows
+
+
+def _table(rows) -> str:
+    by = {(r["hidden"], r["m"], r["path"]): r["us"] for r in rows}
+    lines = [f"{'H':>5} {'M':>3} " + " ".join(f"{p[:14]:>14}" for p in PATHS)
+             + "  ours/a  ours/b  ours/d"]
+    for hidden, m in sorted({(r["hidden"], r["m"]) for r in rows}):
+        t = [by[hidden, m, p] for p in PATHS]
+        lines.append(f"{hidden:>5} {m:>3} " + " ".join(f"{v:>12.2f}us" for v in t)
+                     + f"  {t[0] / t[1]:>6.2f}  {t[0] / t[2]:>6.2f}  {t[0] / t[4]:>6.2f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, nargs="*", default=list(HIDDENS))
+    parser.add_argument("--m", type=int, nargs="*", default=list(MS))
+    args = parser.parse_args()
+    disable_multicast()
+    results = launch(_rank_main, 2, (tuple(args.hidden), tuple(args.m)), timeout_s=600)
+    if 0 not in results:  # torchrun: only rank 0 reports
+        return
+    rows = results[0]
+    gpu = torch.cuda.get_device_name(0)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    record = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, commit=commit,
+                  command=" ".join(sys.argv), calls_per_graph=CALLS, replays=REPS,
+                  date=datetime.datetime.now().isoformat(timespec="seconds"), rows=rows)
+    out_dir = pathlib.Path(__file__).parent / "results"
+    out_dir.mkdir(exist_ok=True)
+    name = f"allreduce-{gpu.replace(' ', '_')}-{datetime.date.today().isoformat()}.json"
+    (out_dir / name).write_text(json.dumps(record, indent=1))
+    print(_table(rows))
+    print(f"wrote {out_dir / name}")
+
+
+if __name__ == "__main__":
+    main()

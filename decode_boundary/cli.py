@@ -10,9 +10,10 @@
 Exit codes: 0 success, 1 a check failed or a rank failed, 2 bad arguments or
 no GPU for a command that needs one.
 
-Kernel modules are imported inside the commands, never at the top: ``triton.jit``
-reads ``TRITON_INTERPRET`` when a kernel is decorated, so ``verify`` without a
-GPU must set it before the first kernel module loads.
+Triton is imported inside the commands, never at the top (here or in what this
+module imports): ``triton.jit`` reads ``TRITON_INTERPRET`` when a function is
+decorated, and ``import triton`` already decorates Triton's own standard library
+(``tl.max``, ...), so ``verify`` without a GPU must set it before that import.
 """
 
 from __future__ import annotations
@@ -69,16 +70,18 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--model", choices=list(MODELS), help=f"default {DEFAULT_MODEL}")
     common.add_argument("--hidden", type=_positive, help="override the model's hidden size")
     common.add_argument("--hc", type=_positive, help="override the model's hc_mult")
-    common.add_argument("--tp", type=_positive, help="tensor-parallel ranks")
+    common.add_argument("--tp", type=_positive,
+                        help="tensor-parallel size (bench/verify: default one rank per visible "
+                             f"GPU; gemm: per-rank shapes at this TP, default {GEMM_TP})")
     common.add_argument("--rows", type=_positive, nargs="+", help="token counts M per step")
     common.add_argument("--out", type=Path, help="folder for the JSON (and PNG)")
     common.add_argument("--json", action="store_true", help="also print the JSON to stdout")
-    common.add_argument("--timeout", type=float, default=600.0,
-                        help="seconds before a run with a silent rank is ended (default 600)")
     boundary = argparse.ArgumentParser(add_help=False)
     boundary.add_argument("--weights", type=Path,
                           help="DSV4.1-format safetensors folder (default: synthetic weights)")
     boundary.add_argument("--seed", type=int, default=0)
+    boundary.add_argument("--timeout", type=float, default=600.0,
+                          help="seconds before a run with a silent rank is ended (default 600)")
 
     parser = argparse.ArgumentParser(
         prog="decode-boundary",

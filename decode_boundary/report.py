@@ -21,6 +21,7 @@ The result dict (schema ``SCHEMA``) is what ``decode-boundary`` writes:
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import io
 import json
 import platform
@@ -29,7 +30,6 @@ from pathlib import Path
 
 import matplotlib
 import torch
-import triton
 from rich.console import Console
 from rich.table import Table
 
@@ -57,7 +57,9 @@ def environment(interpreter: bool, unreachable_pairs: list[tuple[int, int]]) -> 
         "gpu": torch.cuda.get_device_name(0) if gpus else None,
         "gpu_count": gpus,
         "torch": torch.__version__,
-        "triton": triton.__version__,
+        # Not `import triton`: that would decorate Triton's own jit functions before the
+        # CLI has decided on TRITON_INTERPRET (see cli.py).
+        "triton": importlib.metadata.version("triton"),
         "python": platform.python_version(),
         "git_commit": _git("rev-parse", "HEAD"),
         "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),

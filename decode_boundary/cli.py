@@ -234,9 +234,9 @@ def merge_verify(per_rank: dict) -> list[dict]:
 
 
 def default_out_dir(cwd: Path, stamp: str) -> Path:
-    """``benchmarks/results`` of a checkout when run from its root, else a new
-    ``decode-boundary-results/<stamp>`` folder here."""
-    if (cwd / "decode_boundary").is_dir() and (cwd / "benchmarks" / "results").is_dir():
+    """``benchmarks/results`` of a checkout when run from its root (created if a
+    fresh clone lacks it), else a new ``decode-boundary-results/<stamp>`` folder here."""
+    if (cwd / "decode_boundary" / "cli.py").is_file() and (cwd / "benchmarks").is_dir():
         return cwd / "benchmarks" / "results"
     return cwd / "decode-boundary-results" / stamp
 

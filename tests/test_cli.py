@@ -74,8 +74,11 @@ def test_verify_without_gpu_rejects_what_it_cannot_run(capsys, monkeypatch, argv
 def test_default_out_dir(tmp_path):
     assert cli.default_out_dir(tmp_path, "S") == tmp_path / "decode-boundary-results" / "S"
     (tmp_path / "decode_boundary").mkdir()
-    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks").mkdir()
+    assert cli.default_out_dir(tmp_path, "S") == tmp_path / "decode-boundary-results" / "S"
+    (tmp_path / "decode_boundary" / "cli.py").touch()
     assert cli.default_out_dir(tmp_path, "S") == tmp_path / "benchmarks" / "results"
+    assert cli.default_out_dir(REPO, "S") == REPO / "benchmarks" / "results"
 
 
 def test_merge_verify_names_the_failing_rank():

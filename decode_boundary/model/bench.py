@@ -98,8 +98,14 @@ def step_time_us(steps: Sequence[Callable[[], object]], device: torch.device,
     round-robin, MIN_GRAPH_STEPS times or more. Each is run once eagerly first
     so that nothing compiles or allocates lazily during capture. With a group,
     every rank must call this with the same steps (the graph holds collectives)."""
-    for step in steps:
-        step()
+    # Warm up on a side stream, as CUDA-graph capture recommends (lazy workspaces,
+    # NCCL communicators and Triton compiles all happen here, not under capture).
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for step in steps:
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
     calls = len(steps) * -(-MIN_GRAPH_STEPS // len(steps))
     _barrier(group, device)
     graph = torch.cuda.CUDAGraph()

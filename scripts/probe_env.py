@@ -47,7 +47,8 @@ def single_process() -> None:
     _pdl_probe_kernel[(1,)](x, USE_PDL=False, enable_fp_fusion=False)
     torch.cuda.synchronize()
     print("pdl launch + gdc + volatile + enable_fp_fusion kwarg: ok", x[0].item())
-    print("symm_mem ops:", hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, "one_shot_all_reduce"))
+    ops = getattr(torch.ops, "symm_mem", None)
+    print("symm_mem one_shot_all_reduce:", ops is not None and hasattr(ops, "one_shot_all_reduce"))
 
 
 def distributed() -> None:

@@ -8,6 +8,8 @@ from decode_boundary.model.chain import (
     AttentionBoundary,
     check_outputs,
     outputs_identical,
+    run_simulated,
+    simulated_boundaries,
 )
 from decode_boundary.model.config import MODELS
 
@@ -47,3 +49,17 @@ def test_check_outputs_catches_a_wrong_answer(tiny_boundary):
 def test_bad_path(tiny_boundary):
     with pytest.raises(ValueError, match="path"):
         tiny_boundary.run(tiny_boundary.make_inputs(1, 0), "nccl")
+
+
+def test_two_simulated_ranks_fused_unfused_reference_and_rank_identity():
+    ranks = simulated_boundaries(MODELS["tiny"], 2, capacity=8, seed=4)
+    inputs = [b.make_inputs(3, seed=9) for b in ranks]
+    assert not torch.equal(inputs[0].attn_out, inputs[1].attn_out)  # each rank its own
+    unfused = run_simulated(ranks, inputs, "unfused")
+    fused = run_simulated(ranks, inputs, "fused")
+    partials = [b.reference_partial(x) for b, x in zip(ranks, inputs, strict=True)]
+    ref = ranks[0].reference(inputs[0], partials)
+    for u, f in zip(unfused, fused, strict=True):
+        assert outputs_identical(u, f)
+        assert check_outputs(f, ref) == []
+    assert outputs_identical(fused[0], fused[1])

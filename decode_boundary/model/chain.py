@@ -165,7 +165,8 @@ class AttentionBoundary:
         residual = torch.randn(rows, c.hc_mult, c.hidden, generator=shared)
         post = 2 * torch.rand(rows, c.hc_mult, generator=shared)
         comb = torch.rand(rows, c.hc_mult, c.hc_mult, generator=shared)
-        comb = comb / comb.sum(dim=1, keepdim=True)  # doubly-stochastic-ish, as mHC's Sinkhorn output
+        # Columns sum to 1, like the Sinkhorn-normalised comb of mHC.
+        comb = comb / comb.sum(dim=1, keepdim=True)
         pre = torch.rand(rows, c.hc_mult, generator=shared)
         to = dict(device=self.device)
         return BoundaryInputs(
@@ -188,16 +189,27 @@ class AttentionBoundary:
         """One boundary on ``path`` (one of :data:`PATHS`)."""
         if path == "baseline":
             return self._run_baseline(inputs)
-        if path not in PATHS:
+        return self.consume(inputs, self.produce(inputs, path))
+
+    def produce(self, inputs: BoundaryInputs, path: str) -> torch.Tensor:
+        """``wo_a`` and ``wo_b`` of ``path`` ("unfused" or "fused"); the partial
+        is published (by the publish kernel, or by ``wo_b``'s epilogue) and
+        waits for :meth:`consume`. Split from it so simulated ranks of one
+        process can all publish before any consumes."""
+        if path not in ("unfused", "fused"):
             raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-        c = self.config
-        rows = inputs.rows
         o = self._wo_a(inputs.attn_out, lambda lin, x: mxfp8_mm(lin, quantize_mxfp8(x)))
         o_q = quantize_mxfp8(o)
-        if path == "fused":
-            partial = self.publisher(self.wo_b, o_q)
-        else:
-            partial = mxfp8_mm(self.wo_b, o_q)
+        if path == "fused" and self.publisher.supports(self.wo_b, inputs.rows):
+            return self.publisher(self.wo_b, o_q)
+        partial = mxfp8_mm(self.wo_b, o_q)
+        self.all_reduce.publish(partial)
+        return partial
+
+    def consume(self, inputs: BoundaryInputs, partial: torch.Tensor) -> BoundaryOutputs:
+        """The consumer (all-reduce + mHC + RMSNorm + MXFP8) and ``fused_wqa_wkv``."""
+        c = self.config
+        rows = inputs.rows
         data = torch.empty(rows, c.hidden, dtype=torch.float8_e4m3fn, device=self.device)
         scale = torch.empty(mxfp8_scale_bytes(rows, c.hidden), dtype=torch.uint8,
                             device=self.device)
@@ -231,27 +243,53 @@ class AttentionBoundary:
         q = base["fused_wqa_wkv"](layer_input)
         return BoundaryOutputs(residual_out, layer_input, q)
 
-    def reference(self, inputs: BoundaryInputs) -> BoundaryOutputs:
+    def reference_partial(self, inputs: BoundaryInputs) -> torch.Tensor:
+        """This rank's ``wo_b`` partial from the pure-torch references."""
+        o = self._wo_a(inputs.attn_out, _mm_ref)
+        return _mm_ref(self.wo_b, o)
+
+    def reference(self, inputs: BoundaryInputs,
+                  partials: list[torch.Tensor] | None = None) -> BoundaryOutputs:
         """The same boundary from the pure-torch references (GEMMs in FP32 on
-        MXFP8 operands, the partials gathered from every rank, the consumer as
-        design.md §5)."""
-        c = self.config
-
-        def mm_ref(linear, x):
-            return mxfp8_mm_ref(quantize_mxfp8_ref(x), linear.weight, linear.weight_scale)
-
-        o = self._wo_a(inputs.attn_out, mm_ref)
-        partial = mm_ref(self.wo_b, o)
-        partials = [partial]
-        if self.group is not None and self.tp > 1:
-            partials = [torch.empty_like(partial) for _ in range(self.tp)]
-            dist.all_gather(partials, partial, group=self.group)
+        MXFP8 operands, the consumer as design.md §5). ``partials``: every
+        rank's :meth:`reference_partial` (simulated ranks); by default they
+        are gathered over the group."""
+        if partials is None:
+            partial = self.reference_partial(inputs)
+            partials = [partial]
+            if self.group is not None and self.tp > 1:
+                partials = [torch.empty_like(partial) for _ in range(self.tp)]
+                dist.all_gather(partials, partial, group=self.group)
         residual_out, layer_input, quantized = consumer_ref(
             partials, inputs.residual, inputs.post, inputs.comb, inputs.pre,
-            self.norm_weight, c.eps, quantize=True,
+            self.norm_weight, self.config.eps, quantize=True,
         )
         q = mxfp8_mm_ref(quantized, self.fused_wqa_wkv.weight, self.fused_wqa_wkv.weight_scale)
         return BoundaryOutputs(residual_out, layer_input, q)
+
+
+def _mm_ref(linear, x: torch.Tensor) -> torch.Tensor:
+    return mxfp8_mm_ref(quantize_mxfp8_ref(x), linear.weight, linear.weight_scale)
+
+
+def simulated_boundaries(config: BoundaryConfig, tp: int, capacity: int, seed: int = 0,
+                         device: torch.device | str = "cpu") -> list[AttentionBoundary]:
+    """``tp`` ranks of one process sharing simulated mailboxes (interpreter
+    runs): drive them with :func:`run_simulated`."""
+    all_reduces = BoundaryAllReduce.simulated(
+        tp, config.hidden, config.hc_mult, capacity, config.top_k, device=device,
+        quantize_layer_input=True, residual_only=False,
+    )
+    return [AttentionBoundary(config, tp, rank, None, torch.device(device), capacity, seed=seed,
+                              all_reduce=ar) for rank, ar in enumerate(all_reduces)]
+
+
+def run_simulated(boundaries: list[AttentionBoundary], inputs: list[BoundaryInputs],
+                  path: str) -> list[BoundaryOutputs]:
+    """One step of simulated ranks: every rank produces (and publishes) first,
+    then every rank consumes."""
+    partials = [b.produce(x, path) for b, x in zip(boundaries, inputs, strict=True)]
+    return [b.consume(x, p) for b, x, p in zip(boundaries, inputs, partials, strict=True)]
 
 
 # Relative L2 error allowed against the reference: each stage re-rounds to BF16

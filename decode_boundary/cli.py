@@ -4,7 +4,7 @@
   local GPU (one process per GPU, started here; ``torchrun`` works too); a
   table, JSON and a PNG in an output folder named at the end.
 * ``verify``: correctness only. Without a GPU it runs the kernels in the Triton
-  interpreter on CPU at the ``tiny`` size with tp = 1, and says so.
+  interpreter on CPU at the ``tiny`` size with tp = 2 simulated in one process, and says so.
 * ``gemm``: our MXFP8 GEMM vs cuBLAS BF16 / FP8 row-wise vs the HBM floor.
 
 Exit codes: 0 success, 1 a check failed or a rank failed, 2 bad arguments or
@@ -38,6 +38,7 @@ DEFAULT_MODEL = "v4.1-flash"
 DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 48)
 INTERPRETER_MODEL = "tiny"
 INTERPRETER_ROWS = (1, 5)  # 5: a row count that is not a power of two
+INTERPRETER_TP = 2  # simulated ranks: the mailbox exchange is exercised without GPUs
 GEMM_TP = 4  # the GEMM table shows per-rank shapes at the TP V4.1-Flash is served with
 NO_GPU = (
     "decode-boundary {cmd}: no CUDA GPU is visible. Run `decode-boundary verify` to check "
@@ -132,18 +133,21 @@ def _boundary(parser: argparse.ArgumentParser, args) -> int:
         if args.command == "bench":
             print(NO_GPU.format(cmd="bench"), file=sys.stderr)
             return 2
-        if args.tp not in (None, 1):
-            parser.error("without a GPU, verify runs tp=1 only")
         os.environ["TRITON_INTERPRET"] = "1"
-    tp = int(os.environ["WORLD_SIZE"]) if in_torchrun() else args.tp or max(1, gpus)
+    if interpreter:
+        tp = args.tp or INTERPRETER_TP
+    else:
+        tp = int(os.environ["WORLD_SIZE"]) if in_torchrun() else args.tp or max(1, gpus)
     config = _config(parser, args, INTERPRETER_MODEL if interpreter else DEFAULT_MODEL, tp)
     rows = tuple(args.rows or (INTERPRETER_ROWS if interpreter else DEFAULT_ROWS))
-    from decode_boundary.model.bench import BenchSpec, run_rank  # after TRITON_INTERPRET
+    # After TRITON_INTERPRET is set: importing Triton reads it.
+    from decode_boundary.model.bench import BenchSpec, run_rank, verify_simulated
 
     out = _console(args.json)
     if interpreter:
         out.print(f"No CUDA GPU: running the kernels in the Triton interpreter on CPU, "
-                  f"model {config.name}, tp=1, M={list(rows)} (reduced size; no timings).")
+                  f"model {config.name}, tp={tp} simulated in one process, M={list(rows)} "
+                  "(reduced size; no timings).")
     unreachable = _unreachable_pairs(min(tp, gpus))
     for i, j in unreachable:
         out.print(f"GPU {i} cannot access GPU {j} (no peer access): "
@@ -151,7 +155,10 @@ def _boundary(parser: argparse.ArgumentParser, args) -> int:
     spec = BenchSpec(config, rows, time=args.command == "bench", seed=args.seed,
                      weights_dir=str(args.weights) if args.weights else None)
     try:
-        per_rank = launch(run_rank, tp, (spec,), timeout_s=args.timeout)
+        if interpreter:
+            per_rank = {0: verify_simulated(spec, tp)}
+        else:
+            per_rank = launch(run_rank, tp, (spec,), timeout_s=args.timeout)
     except RankError as exc:
         print(f"decode-boundary {args.command}: {exc}", file=sys.stderr)
         return 1

@@ -1,5 +1,5 @@
 """The ``decode-boundary`` command: argument handling, the launcher, the report
-files, and ``verify`` end to end in the Triton interpreter (tiny model, tp = 1).
+files, and ``verify`` end to end in the Triton interpreter (tiny model, tp = 2 simulated).
 On a multi-GPU machine: ``bench`` end to end within 5 minutes."""
 
 import json
@@ -61,7 +61,7 @@ def test_timing_commands_without_gpu_point_to_verify(capsys, monkeypatch, comman
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["verify", "--tp", "2"], "tp=1 only"),
+        (["verify", "--tp", "3"], "must divide"),
         (["verify", "--hidden", "100"], "multiple of 32"),
     ],
 )
@@ -223,10 +223,11 @@ def test_verify_without_gpu_runs_in_the_interpreter(tmp_path):
     assert "ok" in done.stderr and "FAIL" not in done.stderr
     printed = json.loads(done.stdout)
     assert printed["kind"] == "verify" and printed["environment"]["interpreter"] is True
-    assert printed["config"]["tp"] == 1 and printed["config"]["hidden"] == 256
+    assert printed["config"]["tp"] == 2 and printed["config"]["hidden"] == 256
+    assert printed["config"]["transport"] == "simulated"
     assert printed["verify"] == [{"rows": 3, "ok": True, "failures": [],
                                   "ranks_identical": True}]
-    (written,) = tmp_path.glob("verify-tiny-tp1-*.json")
+    (written,) = tmp_path.glob("verify-tiny-tp2-*.json")
     assert json.loads(written.read_text()) == printed
 
 

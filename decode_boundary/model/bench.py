@@ -35,6 +35,8 @@ from decode_boundary.model.chain import (
     BoundaryOutputs,
     check_outputs,
     outputs_identical,
+    run_simulated,
+    simulated_boundaries,
 )
 from decode_boundary.model.config import BoundaryConfig
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes
@@ -170,6 +172,31 @@ def verify_rows(ab: AttentionBoundary, rows: int, group: dist.ProcessGroup | Non
         if not identical:
             failures.append("ranks hold different outputs")
     return {"rows": rows, "ok": not failures, "failures": failures, "ranks_identical": identical}
+
+
+def verify_simulated(spec: BenchSpec, tp: int) -> dict:
+    """``verify`` with ``tp`` ranks simulated in this process (the Triton
+    interpreter on CPU): the same checks as :func:`verify_rows`, the partials
+    of every rank feeding one reference. Returns rank 0's result shape."""
+    ranks = simulated_boundaries(spec.config, tp, max(spec.rows), seed=spec.seed)
+    checks = []
+    for rows in spec.rows:
+        inputs = [b.make_inputs(rows, seed=rows) for b in ranks]
+        fused = run_simulated(ranks, inputs, "fused")
+        unfused = run_simulated(ranks, inputs, "unfused")
+        partials = [b.reference_partial(x) for b, x in zip(ranks, inputs, strict=True)]
+        ref = ranks[0].reference(inputs[0], partials)
+        failures = []
+        if not all(outputs_identical(f, u) for f, u in zip(fused, unfused, strict=True)):
+            failures.append("fused and unfused outputs differ")
+        failures += [f"fused {f}" for f in check_outputs(fused[0], ref)]
+        failures += [f"unfused {f}" for f in check_outputs(unfused[0], ref)]
+        identical = len({_digest(out) for out in fused}) == 1
+        if not identical:
+            failures.append("ranks hold different outputs")
+        checks.append({"rows": rows, "ok": not failures, "failures": failures,
+                       "ranks_identical": identical})
+    return {"rank": 0, "device": "cpu", "transport": "simulated", "verify": checks}
 
 
 @contextlib.contextmanager

@@ -59,6 +59,12 @@ CASES = [
     (29, 64, 256, Tactic(64, 128, 32, 1, 4, True)),  # wide 32
     (41, 64, 384, Tactic(64, 128, 64, 3, 4, True)),  # wide 48 as a masked 64
     (70, 64, 256, Tactic(64, 128, 32, 2, 4, True)),  # 3 row tiles, split-K per tile
+    # Triton-pipelined main loop (num_stages >= 2) and row-owner tiles (block_n 16, 32).
+    (1, 64, 512, Tactic(16, 128, 16, 1, 4, True, 3)),
+    (8, 128, 640, Tactic(32, 256, 16, 2, 4, True, 2)),  # 3 K-blocks over 2 splits
+    (5, 64, 160, Tactic(16, 128, 16, 1, 2, False, 4)),  # K % 128 != 0
+    (20, 64, 384, Tactic(32, 128, 32, 3, 4, True, 3)),  # wide 32, split-K
+    (3, 64, 256, Tactic(16, 256, 16, 1, 2, True)),  # row-owner, register double-buffering
 ]
 
 

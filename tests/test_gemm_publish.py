@@ -35,6 +35,8 @@ def with_negative_zero(layer, qa):
     (3, Tactic(64, 128, 16, 1, 4, True)),
     (8, Tactic(64, 128, 16, 2, 4, True)),  # split-K: the last CTA publishes
     (20, Tactic(64, 128, 32, 2, 4, True)),  # a wide tile publishes too
+    (8, Tactic(16, 128, 16, 2, 4, True, 3)),  # pipelined row-owner tile, split-K
+    (3, Tactic(32, 256, 16, 1, 4, False, 2)),
 ])
 def test_publish_writes_slot_stage_and_active(rows, tactic):
     g = torch.Generator().manual_seed(rows)

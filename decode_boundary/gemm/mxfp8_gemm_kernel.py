@@ -19,7 +19,8 @@ on it).
 
 **Deterministic split-K.** ``split_k`` CTAs per output block each own a
 contiguous range of K-blocks and store FP32 partials to a workspace. Each
-then arrives on the block's int32 counter (integer ``atomic_add``, acq_rel,
+then arrives on the block's int32 counter (partials of rows >= M are
+neither stored nor read: at M = 1 a split moves 1/16 of the tile) (integer ``atomic_add``, acq_rel,
 GPU scope, after a CTA barrier so all its threads' stores are ordered before
 the release). The CTA that sees ``split_k - 1`` sums the partials in split
 order 0..S-1 (so the bits do not depend on who arrives last), writes the
@@ -29,9 +30,18 @@ No float atomics. What must not race: two launches sharing a workspace
 concurrently (different streams); stream order or the PDL grid wait
 serializes launches on one stream, because nothing is written before it.
 
+**Main-loop structure** (``tactic.num_stages``). 0: register
+double-buffering, block kb+1's weight loads issued before block kb's dot and
+the first block loaded before the PDL wait. >= 2: ``tl.range(num_stages=S)``,
+Triton's software pipeline (S - 1 K-blocks in flight through shared memory);
+its prologue runs after the PDL wait. A "row-owner" tactic (small
+``block_n``, split_k 1..4) streams long contiguous runs of BLOCK_N rows x its
+K range; both structures compute the same sums in the same order.
+
 **PDL.** Before ``gdc_wait`` the CTA only reads its weight and weight scales
-(the first K-block into registers; with USE_PTX the rest of its slice is
-prefetched into L2), which the previous kernel must not write. Then it
+(with num_stages 0 the first K-block into registers; with USE_PTX and
+``prefetch`` its slice is prefetched into L2), which the previous kernel must
+not write. Then it
 releases its dependents and waits; activations, workspace, counters, the
 stage word and every store come after the wait.
 
@@ -109,6 +119,31 @@ def _to_bf16(x, INTERPRETER: tl.constexpr):
 
 
 @triton.jit
+def _mma(acc, w, ws, a, sa, BLOCK_N: tl.constexpr, ROWS_TILE: tl.constexpr,
+         BLOCK_K: tl.constexpr, INTERPRETER: tl.constexpr):
+    """acc [BLOCK_N, ROWS_TILE] += upcast(w) . upcast(a)^T (one K-block)."""
+    w_bf16 = _upcast(w, ws, BLOCK_N, BLOCK_K, INTERPRETER)
+    a_bf16 = _upcast(a, sa, ROWS_TILE, BLOCK_K, INTERPRETER)
+    return tl.dot(w_bf16, tl.trans(a_bf16), acc)
+
+
+@triton.jit
+def _prefetch_slice(w_ptr, cols, kb0, first, PER_SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
+                    K: tl.constexpr, USE_PTX: tl.constexpr, PREFETCH: tl.constexpr):
+    """Prefetch K-blocks kb0+first .. kb0+PER_SPLIT-1 of rows ``cols`` into L2,
+    one ``prefetch.global.L2`` per 128-byte line (inline PTX: only with USE_PTX
+    and PREFETCH), so the main loop's loads hit L2 while the previous kernel
+    finishes."""
+    if USE_PTX and PREFETCH:
+        for step in range(first, PER_SPLIT):
+            kb = kb0 + step
+            line = tl.minimum(kb * BLOCK_K + tl.arange(0, BLOCK_K // 128) * 128, K - 32)
+            addr = (w_ptr + cols[:, None].to(tl.int64) * K + line[None, :]).to(tl.int64)
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [addr],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _write_block(vals, out_ptr, rows, cols, M, N: tl.constexpr, is_first_block,
                  peer_ptrs_ptr, stage_ptr, PUBLISH: tl.constexpr, TP: tl.constexpr,
                  RANK: tl.constexpr, CAPACITY: tl.constexpr, HIDDEN: tl.constexpr,
@@ -138,7 +173,7 @@ def mxfp8_gemm_kernel(
     M,
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_TILE: tl.constexpr,
-    SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr,
+    SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr,
     USE_PTX: tl.constexpr, USE_PDL: tl.constexpr, INTERPRETER: tl.constexpr,
     PUBLISH: tl.constexpr, TP: tl.constexpr, RANK: tl.constexpr,
     CAPACITY: tl.constexpr, HIDDEN: tl.constexpr,
@@ -156,37 +191,43 @@ def mxfp8_gemm_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     all_cols = cols < N  # N % BLOCK_N == 0: a mask of the right shape, always true
 
-    # Independent of the previous kernel: this CTA's first weight block ...
-    w, ws = _load_block(w_ptr, w_scale_ptr, cols, all_cols & (kb0 < K_BLOCKS), kb0,
-                        K_GROUPS, K_TILES, BLOCK_K, K)
-    if USE_PTX and PREFETCH:
-        # ... and the rest of its slice into L2, one prefetch per 128-byte line,
-        # so the main loop's loads hit L2 while the previous kernel finishes.
-        for step in range(1, PER_SPLIT):
-            kb = kb0 + step
-            line = tl.minimum(kb * BLOCK_K + tl.arange(0, BLOCK_K // 128) * 128, K - 32)
-            addr = (w_ptr + cols[:, None].to(tl.int64) * K + line[None, :]).to(tl.int64)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [addr],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-
     rows = pid_m * ROWS_TILE + tl.arange(0, ROWS_TILE)
     row_mask = rows < M
     acc = tl.zeros((BLOCK_N, ROWS_TILE), dtype=tl.float32)
-    for step in range(PER_SPLIT):
-        kb = kb0 + step
-        # Register double-buffering: issue block kb+1's weight loads before
-        # block kb's dot, so one block is always in flight behind the math.
-        has_next = (step + 1 < PER_SPLIT) & (kb + 1 < K_BLOCKS)
-        w_next, ws_next = _load_block(w_ptr, w_scale_ptr, cols, all_cols & has_next,
-                                      kb + 1, K_GROUPS, K_TILES, BLOCK_K, K)
-        a, sa = _load_block(a_ptr, a_scale_ptr, rows, row_mask, kb, K_GROUPS, K_TILES, BLOCK_K, K)
-        w_bf16 = _upcast(w, ws, BLOCK_N, BLOCK_K, INTERPRETER)
-        a_bf16 = _upcast(a, sa, ROWS_TILE, BLOCK_K, INTERPRETER)
-        acc = tl.dot(w_bf16, tl.trans(a_bf16), acc)
-        w, ws = w_next, ws_next
+    if NUM_STAGES == 0:
+        # Independent of the previous kernel: this CTA's first weight block ...
+        w, ws = _load_block(w_ptr, w_scale_ptr, cols, all_cols & (kb0 < K_BLOCKS), kb0,
+                            K_GROUPS, K_TILES, BLOCK_K, K)
+        _prefetch_slice(w_ptr, cols, kb0, 1, PER_SPLIT, BLOCK_K, K, USE_PTX, PREFETCH)
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        for step in range(PER_SPLIT):
+            kb = kb0 + step
+            # Register double-buffering: issue block kb+1's weight loads before
+            # block kb's dot, so one block is always in flight behind the math.
+            has_next = (step + 1 < PER_SPLIT) & (kb + 1 < K_BLOCKS)
+            w_next, ws_next = _load_block(w_ptr, w_scale_ptr, cols, all_cols & has_next,
+                                          kb + 1, K_GROUPS, K_TILES, BLOCK_K, K)
+            a, sa = _load_block(a_ptr, a_scale_ptr, rows, row_mask, kb, K_GROUPS, K_TILES,
+                                BLOCK_K, K)
+            acc = _mma(acc, w, ws, a, sa, BLOCK_N, ROWS_TILE, BLOCK_K, INTERPRETER)
+            w, ws = w_next, ws_next
+    else:
+        # Triton's software pipeline (NUM_STAGES - 1 K-blocks in flight through
+        # shared memory). Its prologue sits after the PDL wait, so before it the
+        # CTA only prefetches its whole slice into L2.
+        _prefetch_slice(w_ptr, cols, kb0, 0, PER_SPLIT, BLOCK_K, K, USE_PTX, PREFETCH)
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        for step in tl.range(PER_SPLIT, num_stages=NUM_STAGES):
+            kb = kb0 + step
+            w, ws = _load_block(w_ptr, w_scale_ptr, cols, all_cols & (kb < K_BLOCKS), kb,
+                                K_GROUPS, K_TILES, BLOCK_K, K)
+            a, sa = _load_block(a_ptr, a_scale_ptr, rows, row_mask, kb, K_GROUPS, K_TILES,
+                                BLOCK_K, K)
+            acc = _mma(acc, w, ws, a, sa, BLOCK_N, ROWS_TILE, BLOCK_K, INTERPRETER)
 
     is_first_block = (pid_n == 0) & (pid_m == 0)
     if SPLIT_K == 1:
@@ -197,15 +238,17 @@ def mxfp8_gemm_kernel(
         block = pid_m * (N // BLOCK_N) + pid_n
         tile = tl.arange(0, ROWS_TILE)[None, :] * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
         partials = partial_ptr + (block * SPLIT_K).to(tl.int64) * (ROWS_TILE * BLOCK_N)
-        tl.store(partials + pid_k * (ROWS_TILE * BLOCK_N) + tile, acc)
+        real = row_mask[None, :]  # rows past M: neither stored nor read back
+        tl.store(partials + pid_k * (ROWS_TILE * BLOCK_N) + tile, acc, mask=real)
         tl.debug_barrier()  # every thread's partial precedes the release below
         arrived = tl.atomic_add(counter_ptr + block, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
             tl.debug_barrier()  # the acquire (one thread) covers the whole CTA's reads
             # .cg: read at L2, where the other CTAs' partials are.
-            total = tl.load(partials + tile, cache_modifier=".cg")
+            total = tl.load(partials + tile, mask=real, other=0.0, cache_modifier=".cg")
             for s in tl.static_range(1, SPLIT_K):
-                total += tl.load(partials + s * (ROWS_TILE * BLOCK_N) + tile, cache_modifier=".cg")
+                total += tl.load(partials + s * (ROWS_TILE * BLOCK_N) + tile, mask=real,
+                                 other=0.0, cache_modifier=".cg")
             tl.store(counter_ptr + block, 0)  # re-armed for the next launch / graph replay
             _write_block(total, out_ptr, rows, cols, M, N, is_first_block, peer_ptrs_ptr,
                          stage_ptr, PUBLISH, TP, RANK, CAPACITY, HIDDEN, INTERPRETER)
@@ -333,11 +376,12 @@ def _launch_config(layer, a_data, a_scale, out, tactic, publish):
     pub = publish or NO_PUBLISH
     kwargs = dict(
         N=n, K=k, BLOCK_N=tactic.block_n, BLOCK_K=tactic.block_k, ROWS_TILE=tactic.rows_tile,
-        SPLIT_K=tactic.split_k, PREFETCH=tactic.prefetch, USE_PTX=use_ptx(device),
+        SPLIT_K=tactic.split_k, PREFETCH=tactic.prefetch, NUM_STAGES=tactic.num_stages,
+        USE_PTX=use_ptx(device),
         USE_PDL=use_pdl(device), INTERPRETER=interpret_mode(), PUBLISH=publish is not None,
         TP=pub.tp, RANK=pub.rank, CAPACITY=pub.capacity, HIDDEN=pub.hidden,
-        num_warps=tactic.num_warps, num_stages=1, launch_pdl=use_pdl(device),
-        enable_fp_fusion=ENABLE_FP_FUSION,
+        num_warps=tactic.num_warps, num_stages=max(1, tactic.num_stages),
+        launch_pdl=use_pdl(device), enable_fp_fusion=ENABLE_FP_FUSION,
     )
     return grid, (storage, w_scale, a_data, a_scale, out, *buffers, rows), kwargs
 

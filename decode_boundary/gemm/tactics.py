@@ -30,20 +30,28 @@ class Tactic(NamedTuple):
     split_k: int  # CTAs per output block, reduced deterministically in split order
     num_warps: int
     prefetch: bool  # prefetch the CTA's weight slice into L2 before the PDL wait
+    # Main-loop structure: 0 = register double-buffering (the first K-block
+    # loaded before the PDL wait); >= 2 = Triton's software pipeline with that
+    # many stages (tl.range num_stages), prologue after the PDL wait.
+    num_stages: int = 0
 
 
 LOW_BATCH_MAX_ROWS = 8
 WIDE_LOW_LATENCY_MAX_ROWS = 48
 SMALL_BUCKETS = (1, 2, 4, 8, 16, 32, 48)  # autotuner row buckets; powers of two above
 TARGET_CTAS = 200  # see the module docstring
-BLOCK_NS = (64, 128)
+BLOCK_NS = (64, 128)  # the autotuner's sweep; tables may also pin 16 and 32 (row-owner tiles)
 BLOCK_KS = (128, 256)
 SPLIT_KS = (1, 2, 4, 8, 16)
 MAX_ELEMS_PER_THREAD = 64  # e4m3 weight elements per thread per block, x2 in flight
 
 
-def _t(block_n, split_k, rows_tile=16, block_k=128, num_warps=4, prefetch=True) -> Tactic:
-    return Tactic(block_n, block_k, rows_tile, split_k, num_warps, prefetch)
+STAGES = (0, 2, 3, 4, 5, 6)  # valid num_stages values
+
+
+def _t(block_n, split_k, rows_tile=16, block_k=128, num_warps=4, prefetch=True,
+       num_stages=0) -> Tactic:
+    return Tactic(block_n, block_k, rows_tile, split_k, num_warps, prefetch, num_stages)
 
 
 # (N, K) -> tactic for 1..8 rows (DSV4.1-Flash TP4 shapes, V4-Flash and V4-Pro wo_b).
@@ -60,9 +68,14 @@ LOW_BATCH_TACTICS: dict[tuple[int, int], Tactic] = {
 # pinned_tactics() (seed 004: split-K choices tuned in isolation lose in the chain).
 PINNED_MIN_ROWS = 5
 
+# (N, K) -> tactic for 9..16 rows (one 16-row tile) where it differs from the
+# low-batch one (benchmarks/gemm_variants.py prints measured candidates).
+WIDE_16_TACTICS: dict[tuple[int, int], Tactic] = {}
+
 # (N, K) -> {rows tile: tactic} for 9..48 rows.
 WIDE_TACTICS: dict[tuple[int, int], dict[int, Tactic]] = {
-    shape: {tile: tactic._replace(rows_tile=tile) for tile in (16, 32, 64)}
+    shape: {tile: (WIDE_16_TACTICS.get(shape) if tile == 16 else None)
+            or tactic._replace(rows_tile=tile) for tile in (16, 32, 64)}
     for shape, tactic in LOW_BATCH_TACTICS.items()
 }
 
@@ -101,14 +114,17 @@ def fits(tactic: Tactic, n: int, k: int) -> bool:
     k_blocks = -(-k // tactic.block_k)
     return (
         tactic.rows_tile in (16, 32, 64)
+        and tactic.block_n in (16, 32, 64, 128)
         and n % tactic.block_n == 0
         and k % 32 == 0
         and tactic.block_k % 128 == 0
+        and tactic.block_k <= 1024
+        and tactic.num_stages in STAGES
         and tactic.split_k <= k_blocks
         # every split gets at least one K-block (an empty split would only add latency)
         and (tactic.split_k - 1) * -(-k_blocks // tactic.split_k) < k_blocks
         and tactic.block_n * tactic.block_k <= MAX_ELEMS_PER_THREAD * tactic.num_warps * 32
-        and tactic.num_warps in (4, 8)
+        and tactic.num_warps in (1, 2, 4, 8)
     )
 
 

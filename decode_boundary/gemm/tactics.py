@@ -55,13 +55,16 @@ def _t(block_n, split_k, rows_tile=16, block_k=128, num_warps=4, prefetch=True,
 
 
 # (N, K) -> tactic for 1..8 rows (DSV4.1-Flash TP4 shapes, V4-Flash and V4-Pro wo_b).
+# Measured winners of benchmarks/gemm_variants.py on one H200 (2026-11-29, µs at M=1 / 8;
+# see benchmarks/NOTES.md): more, shorter CTAs win because each CTA's load -> upcast
+# -> wgmma -> split-K hand-off is latency-bound, not bandwidth-bound.
 LOW_BATCH_TACTICS: dict[tuple[int, int], Tactic] = {
-    (5120, 2048): _t(64, 4),  # wo_b: 80 x 4 = 320 CTAs, 4 K-blocks each
-    (8192, 1280): _t(64, 2),  # wq_b: 128 x 2 = 256 CTAs, 5 K-blocks each
-    (1792, 5120): _t(64, 8),  # fused_wqa_wkv: 28 x 8 = 224 CTAs, 5 K-blocks each
-    (1024, 4096): _t(64, 16),  # wo_a: 16 x 16 = 256 CTAs, 2 K-blocks each
-    (4096, 2048): _t(64, 4),  # V4-Flash wo_b: 64 x 4 = 256 CTAs
-    (7168, 4096): _t(64, 2),  # V4-Pro wo_b: 112 x 2 = 224 CTAs, 16 K-blocks each
+    (5120, 2048): _t(64, 16),  # wo_b: 1280 CTAs, 1 K-block each; 8.94 / 9.55
+    (8192, 1280): _t(64, 4),  # wq_b: 512 CTAs; 9.48 / 9.72
+    (1792, 5120): _t(64, 8),  # fused_wqa_wkv: 224 CTAs, 5 K-blocks each; 13.43 / 13.74
+    (1024, 4096): _t(64, 16, block_k=256, num_warps=8, num_stages=3),  # wo_a: 5.33 / 5.54
+    (4096, 2048): _t(64, 16),  # V4-Flash wo_b: not measured; wo_b's structure
+    (7168, 4096): _t(64, 4),  # V4-Pro wo_b: 448 CTAs, 8 K-blocks each; 21.71 / 22.27
 }
 
 # The 5..8-row bucket that the autotuner is offered only this tactic for under

@@ -160,8 +160,10 @@ def _write_block(vals, out_ptr, rows, cols, M, N: tl.constexpr, is_first_block,
         slot = token * HIDDEN + cols[:, None]
         for p in tl.static_range(TP):
             # Mailboxes are 16-byte aligned (the launcher checks the table's values).
-            base = tl.multiple_of(tl.load(peer_ptrs_ptr + p), 16)
-            tl.store(base.to(tl.pointer_type(tl.int16)) + slot, bits, mask=mask)
+            base = tl.load(peer_ptrs_ptr + p).to(tl.pointer_type(tl.int16))
+            # Alignment stated on the pointers themselves (an int64's is lost in the cast):
+            # runs of 8 columns start 16-byte aligned, so the stores become v4.
+            tl.store(tl.multiple_of(base + slot, [16, 1]), bits, mask=mask)
         if is_first_block:
             tl.store(stage_ptr + 1, stage)
 

@@ -11,7 +11,12 @@ import pytest
 import torch
 
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
-from decode_boundary.boundary.consumer_kernel import FULL, consume
+from decode_boundary.boundary.consumer_kernel import (
+    FULL,
+    ConsumerTactic,
+    consume,
+    sumsq_columns,
+)
 from decode_boundary.boundary.reference import consumer_ref, moe_finalize_ref, reduce_ref
 from decode_boundary.mxfp8.format import (
     mxfp8_scale_bytes,
@@ -166,14 +171,21 @@ def test_missing_peer_is_named_then_reset_recovers():
         assert torch.equal(bits(res_out), bits(ref_res))
 
 
+def scratch(h=H, poison=False):
+    """Per-token norm scratch as the mailbox holds it (poisoned: must not leak)."""
+    fill = float("nan") if poison else 0.0
+    return dict(counter=torch.zeros(CAP, dtype=torch.int32),
+                ready=torch.zeros(CAP, dtype=torch.int32),
+                sumsq=torch.full((CAP, sumsq_columns(h)), fill),
+                prenorm=torch.full((CAP, h), fill, dtype=torch.bfloat16))
+
+
 def test_gathered_mode_matches_mailbox_mode():
     """The NCCL fallback's consumer path (already gathered partials) gives the
     same bits as the mailbox path."""
     d = step_inputs(3, 2, seed=21)
     gathered = torch.stack(d["xs"])
-    counter = torch.zeros(CAP, dtype=torch.int32)
-    prenorm = torch.empty(CAP, H, dtype=torch.bfloat16)
-    res_out, layer = consume(gathered, 2, 3, mode=FULL, counter=counter, prenorm=prenorm,
+    res_out, layer = consume(gathered, 2, 3, mode=FULL, **scratch(),
                              residual=d["residual"], post=d["post"], comb=d["comb"],
                              pre=d["pre"], norm_weight=d["gamma"], eps=EPS, lamport=False)
     ars = BoundaryAllReduce.simulated(2, H, HC, CAP, TOP_K)
@@ -182,20 +194,39 @@ def test_gathered_mode_matches_mailbox_mode():
     assert torch.equal(bits(layer), bits(want_layer))
 
 
-def test_split_rows_equal_whole_rows():
-    """The last-program RMSNorm hand-off gives the same bits however H is split."""
-    d = step_inputs(2, 2, seed=33, h=256)
-    outs = []
-    for tactic in [(32, 1), (256, 1)]:
-        counter = torch.zeros(CAP, dtype=torch.int32)
-        prenorm = torch.full((CAP, 256), float("nan"), dtype=torch.bfloat16)
-        outs.append(consume(torch.stack(d["xs"]), 2, 2, mode=FULL, counter=counter,
-                            prenorm=prenorm, residual=d["residual"], post=d["post"],
-                            comb=d["comb"], pre=d["pre"], norm_weight=d["gamma"], eps=EPS,
-                            lamport=False, tactic=tactic))
-        assert counter.eq(0).all(), "per-token counters must be re-armed"
-    assert torch.equal(bits(outs[0][0]), bits(outs[1][0]))
-    assert torch.equal(bits(outs[0][1]), bits(outs[1][1]))
+@pytest.mark.parametrize("tactic", [ConsumerTactic(32, 1, False), ConsumerTactic(64, 2, False),
+                                    ConsumerTactic(256, 4, False), ConsumerTactic(256, 1, True)])
+def test_every_tactic_matches_reference(tactic):
+    """However the row is split (serial walk, or one cooperative program per
+    token when it holds the whole row): residual_out exact, layer_input within
+    1 ulp, MXFP8 of the kernel's own layer_input, scratch re-armed."""
+    h, m = 256, 2
+    d = step_inputs(m, 2, seed=33, h=h)
+    s = scratch(h, poison=True)
+    s["counter"].zero_()
+    s["ready"].zero_()
+    q = mxfp8_buffers(m, h)
+    res_out, layer = consume(torch.stack(d["xs"]), 2, m, mode=FULL, **s, residual=d["residual"],
+                             post=d["post"], comb=d["comb"], pre=d["pre"],
+                             norm_weight=d["gamma"], eps=EPS, mxfp8_out=q, lamport=False,
+                             tactic=tactic)
+    ref_res, ref_layer, _ = consumer_ref(d["xs"], d["residual"], d["post"], d["comb"], d["pre"],
+                                         d["gamma"], EPS)
+    assert torch.equal(bits(res_out), bits(ref_res))
+    check_layer_input(layer, ref_layer)
+    want = quantize_mxfp8_ref(layer)
+    assert torch.equal(bits(q[0]), bits(want.data))
+    assert torch.equal(unswizzle_scales(q[1], m, h), unswizzle_scales(want.scale, m, h))
+    assert s["counter"].eq(0).all(), "per-token counters must be re-armed"
+    assert s["ready"][:m].eq(1 if tactic.cooperative else 0).all()
+
+
+def test_cooperative_tactic_refused_where_programs_cannot_meet():
+    d = step_inputs(1, 2, seed=3)
+    with pytest.raises(ValueError, match="interpreter"):
+        consume(torch.stack(d["xs"]), 2, 1, mode=FULL, **scratch(), residual=d["residual"],
+                post=d["post"], comb=d["comb"], pre=d["pre"], norm_weight=d["gamma"], eps=EPS,
+                lamport=False, tactic=ConsumerTactic(32, 1, True))
 
 
 def test_publish_protocol_errors():

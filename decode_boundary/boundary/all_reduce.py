@@ -13,6 +13,15 @@ every call reads that word (one device sync per call, acceptable only there)
 and raises ``RuntimeError`` naming the ranks; under capture nothing is read
 (no host sync may happen), so graph users call :meth:`check` after replays.
 After such an error, every rank calls ``reset(collective=True)``.
+
+Compiling: the first call of a kernel variant JIT-compiles it (seconds), and
+ranks compile at different speeds; a peer still compiling its publish would
+look like a rank that never arrived. So before its first launch every variant
+(publish, finalize, consumer per mode and tactic) is compiled without
+launching, and then the group is barriered once: the first use of a variant is
+collective (every rank makes the same calls, as it must anyway). Inside a CUDA
+graph capture neither may happen: capturing a variant that is not compiled
+raises and asks for :meth:`precompile` (or an eager warm-up call) first.
 """
 
 from __future__ import annotations
@@ -23,7 +32,16 @@ import torch
 import torch.distributed as dist
 
 from .. import env
-from .consumer_kernel import FULL, PLAIN, RESIDUAL_ONLY, consume
+from ..mxfp8.format import mxfp8_scale_bytes
+from .consumer_kernel import (
+    FULL,
+    NORM_TIMEOUT_BIT,
+    PLAIN,
+    RESIDUAL_ONLY,
+    ConsumerTactic,
+    consume,
+    consumer_tactic,
+)
 from .finalize_kernel import check_finalize_inputs, finalize_publish
 from .mailbox import Mailbox, local_words, peers_reachable, simulated_mailboxes, symmetric_mailbox
 from .publish_kernel import publish
@@ -56,14 +74,15 @@ class BoundaryAllReduce:
     ``residual_only``: allow ``pre=None`` calls. ``quantize_layer_input``: allow
     ``mxfp8_out``. ``transport``: "mailbox" (peer stores), "nccl" (all-gather +
     the same consumer; identical results), or "auto" (mailbox where every rank
-    reaches every other's memory). ``group=None``: a single rank.
+    reaches every other's memory). ``group=None``: a single rank. ``tactic``:
+    pin the consumer tactic for every M (benchmark sweeps; default: the table).
     """
 
     def __init__(self, hidden_size: int, hc_mult: int, capacity: int, top_k: int,
                  group: dist.ProcessGroup | None = None, quantize_layer_input: bool = False,
                  residual_only: bool = True, device: torch.device | str | None = None,
                  wait_timeout_s: float = 1.0, transport: str = "auto",
-                 _mailbox: Mailbox | None = None) -> None:
+                 tactic: ConsumerTactic | None = None, _mailbox: Mailbox | None = None) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if hc_mult < 1 or top_k < 1:
@@ -97,6 +116,8 @@ class BoundaryAllReduce:
         self._box: Mailbox | None = _mailbox
         self.tp, self.rank = _mailbox.tp, _mailbox.rank
         self._published: torch.Tensor | None = None
+        self.tactic = tactic
+        self._compiled: set[tuple] = set()
         if env.use_ptx(self.device):
             self._wait_bound = int(wait_timeout_s * 1e9)  # %globaltimer nanoseconds
         else:
@@ -135,6 +156,7 @@ class BoundaryAllReduce:
         self._check_x(x)
         if self._published is not None:
             raise RuntimeError("a published contribution is still unreduced")
+        self._compile({("publish",): lambda: self._launch_publish(x, compile_only=True)})
         self._launch_publish(x)
         self._published = x
 
@@ -151,9 +173,14 @@ class BoundaryAllReduce:
             raise ValueError(f"expanded_idx_to_permuted_idx holds {int(idx.max())}, but "
                              f"gemm2_permuted has {gemm2_permuted.shape[0]} rows")
         mailbox = self.transport == "mailbox"
-        partial = finalize_publish(gemm2_permuted, expert_weights, idx, shared_output,
-                                   box.peer_ptrs, box.stage_state,
-                                   self.rank, self.capacity, publish=mailbox)
+
+        def launch(compile_only=False):
+            return finalize_publish(gemm2_permuted, expert_weights, idx, shared_output,
+                                    box.peer_ptrs, box.stage_state, self.rank, self.capacity,
+                                    publish=mailbox, compile_only=compile_only)
+
+        self._compile({("finalize", expert_weights.dtype, idx.dtype): lambda: launch(True)})
+        partial = launch()
         self._published = partial
         return partial
 
@@ -192,9 +219,55 @@ class BoundaryAllReduce:
 
     # -- errors and lifetime ---------------------------------------------------------------
 
+    def precompile(self, rows) -> None:
+        """Compile every kernel variant this instance may launch for each M in
+        ``rows`` (an int or an iterable), launching nothing, then barrier the
+        group. Collective. Call it before capturing CUDA graphs."""
+        rows = [rows] if isinstance(rows, int) else list(rows)
+        box = self._open()
+        h, hc, dev = self.hidden_size, self.hc_mult, self.device
+        compilers = {}
+        for m in rows:
+            x = torch.zeros(m, h, dtype=torch.bfloat16, device=dev)
+            self._check_x(x)
+            compilers[("publish",)] = lambda x=x: self._launch_publish(x, compile_only=True)
+            for dtype in (torch.float32, torch.bfloat16):
+                compilers[("finalize", dtype, torch.int32)] = lambda x=x, dtype=dtype: (
+                    finalize_publish(x, torch.zeros(len(x), self.top_k, dtype=dtype, device=dev),
+                                     torch.zeros(len(x), self.top_k, dtype=torch.int32,
+                                                 device=dev),
+                                     x, box.peer_ptrs, box.stage_state, self.rank,
+                                     self.capacity, publish=self.transport == "mailbox",
+                                     compile_only=True))
+            inputs = dict(residual=torch.zeros(m, hc, h, dtype=torch.bfloat16, device=dev),
+                          post=torch.zeros(m, hc, device=dev),
+                          comb=torch.zeros(m, hc, hc, device=dev),
+                          pre=torch.zeros(m, hc, device=dev),
+                          norm_weight=torch.zeros(h, dtype=torch.bfloat16, device=dev), eps=0.0)
+            variants = [(PLAIN, None), (FULL, None)]
+            if self.residual_only:
+                variants.append((RESIDUAL_ONLY, None))
+            if self.quantize_layer_input and h % 32 == 0:
+                variants.append((FULL, (torch.empty(m, h, dtype=torch.float8_e4m3fn, device=dev),
+                                        torch.empty(mxfp8_scale_bytes(m, h), dtype=torch.uint8,
+                                                    device=dev))))
+            for mode, q in variants:
+                used = {} if mode == PLAIN else dict(inputs, mxfp8_out=q)
+                if mode == RESIDUAL_ONLY:
+                    used.update(pre=None, norm_weight=None)
+                compilers[self._consumer_key(m, mode, q is not None)] = (
+                    lambda x=x, mode=mode, used=used: self._consume(x, mode, compile_only=True,
+                                                                    **used))
+        self._compile(compilers, force_barrier=True)
+
     def check(self) -> None:
         """Raise RuntimeError if a wait of this rank gave up (device sync)."""
         status = int(self._open().status.item())
+        if status & NORM_TIMEOUT_BIT:
+            raise RuntimeError(
+                f"BoundaryAllReduce rank {self.rank}: the programs of a token did not meet for "
+                f"the RMSNorm within {self.wait_timeout_s} s (not co-resident? pick a serial "
+                "consumer tactic); call reset(collective=True) on every rank")
         if status:
             missing = [p for p in range(self.tp) if status >> p & 1]
             raise RuntimeError(
@@ -251,28 +324,58 @@ class BoundaryAllReduce:
         if not 0 < x.shape[0] <= self.capacity:
             raise ValueError(f"x has {x.shape[0]} rows; expected 1..capacity = {self.capacity}")
 
-    def _launch_publish(self, x: torch.Tensor) -> None:
+    def _launch_publish(self, x: torch.Tensor, compile_only: bool = False) -> None:
         if self.transport == "mailbox":
             box = self._box
-            publish(x, box.peer_ptrs, box.stage_state, self.rank, self.capacity)
+            publish(x, box.peer_ptrs, box.stage_state, self.rank, self.capacity,
+                    compile_only=compile_only)
+
+    def _consumer_key(self, m: int, mode: int, quant: bool) -> tuple:
+        return ("consume", mode, quant, self.tactic or consumer_tactic(m, self.hidden_size))
+
+    def _compile(self, compilers: dict, force_barrier: bool = False) -> None:
+        """Compile the variants (key -> compile-only call) not compiled yet, then
+        barrier the group if anything was new (see the module docstring)."""
+        new = [key for key in compilers if key not in self._compiled]
+        if new and self._capturing():
+            raise RuntimeError(
+                f"BoundaryAllReduce: kernel variant(s) {new} are not compiled and a CUDA graph "
+                "is being captured; call precompile(rows) with every M you capture (on every "
+                "rank) or run each call once eagerly before capturing")
+        for key in new:
+            if not env.interpret_mode():  # nothing to compile in the interpreter
+                compilers[key]()
+            self._compiled.add(key)
+        if new or force_barrier:
+            self._barrier()
+
+    def _consume(self, x: torch.Tensor, mode: int, compile_only: bool = False, **inputs):
+        box = self._box
+        m = x.shape[0]
+        scratch = dict(counter=box.counter, ready=box.ready, sumsq=box.sumsq,
+                       prenorm=box.prenorm, tactic=self.tactic, compile_only=compile_only)
+        if self.transport == "mailbox":
+            return consume(box.buffer, self.tp, m, mode=mode, stage_state=box.stage_state,
+                           status=box.status, wait_bound=self._wait_bound, **scratch, **inputs)
+        gathered = torch.empty(self.tp, *x.shape, dtype=x.dtype, device=x.device)
+        if not compile_only:
+            dist.all_gather_into_tensor(gathered.view(-1, x.shape[1]), x, group=self.group)
+        return consume(gathered, self.tp, m, mode=mode, lamport=False, **scratch, **inputs)
 
     def _reduce(self, x: torch.Tensor, mode: int, **inputs):
         self._check_x(x)
+        quant = inputs.get("mxfp8_out") is not None
+        compilers = {self._consumer_key(x.shape[0], mode, quant):
+                     lambda: self._consume(x, mode, compile_only=True, **inputs)}
+        if self._published is None:
+            compilers[("publish",)] = lambda: self._launch_publish(x, compile_only=True)
+        self._compile(compilers)
         published, self._published = self._published, None
         if published is None:
             self._launch_publish(x)
         elif published is not x:
             raise RuntimeError("reducing a tensor other than the published one")
-        box = self._box
-        if self.transport == "mailbox":
-            out = consume(box.buffer, self.tp, x.shape[0], mode=mode,
-                          stage_state=box.stage_state, status=box.status, counter=box.counter,
-                          prenorm=box.prenorm, wait_bound=self._wait_bound, **inputs)
-        else:
-            gathered = torch.empty(self.tp, *x.shape, dtype=x.dtype, device=x.device)
-            dist.all_gather_into_tensor(gathered.view(-1, x.shape[1]), x, group=self.group)
-            out = consume(gathered, self.tp, x.shape[0], mode=mode, counter=box.counter,
-                          prenorm=box.prenorm, lamport=False, **inputs)
+        out = self._consume(x, mode, **inputs)
         if not self._capturing():
             self.check()
         return out

@@ -1,14 +1,28 @@
 """Consume: wait for every rank's partial in this rank's mailbox, reduce, and
 apply mHC, RMSNorm and MXFP8 quantization in the same kernel (design.md §5-6).
 
-Grid: (tokens, column chunks). Each program owns ``BLOCK_H`` columns of one
-token: it waits for those columns of every rank's slot, sums them in rank
-order, mixes the residual streams and writes ``residual_out`` for its columns,
-then re-arms the slots it consumed. The RMSNorm needs the whole row, so with
-the layer input requested each program also writes its BF16 ``prenorm``
-columns to a scratch row and bumps a per-token counter; the program that
-arrives last normalises (and quantizes) the full row. That keeps M = 1 spread
-over H / BLOCK_H SMs without any program waiting for another program.
+Grid: (column chunks, tokens), chunks fastest so a token's programs are
+dispatched together. Each program owns ``BLOCK_H`` columns of one token: it
+waits for those columns of every rank's slot (one [BLOCK_H] vector per rank),
+sums them in rank order, mixes the residual streams (one [BLOCK_H] vector per
+stream; ``post``/``comb``/``pre`` are scalars, so no step reduces across
+threads) and writes ``residual_out`` for its columns, then re-arms the slots.
+
+The RMSNorm needs the sum of squares of the whole row. Each program adds up
+its own chunk's squares and stores that one FP32 partial; the total is the
+partials added in chunk order 0, 1, ... (the same bits in every program and
+on every rank). Two ways to meet (``COOPERATIVE``):
+
+* cooperative (GPU default): a program stores its partial, arrives on the
+  token's counter, and waits until the last arriver bumps the token's ready
+  word; then every program normalises and quantizes its own chunk. This needs
+  the programs of a token to be resident together: the grid is small (M x
+  H / BLOCK_H programs), chunks are dispatched fastest, and a dependent kernel
+  launches only after every program here has started; the wait is bounded and
+  a timeout sets ``NORM_TIMEOUT_BIT`` in the status word instead of hanging.
+* serial (the interpreter, which runs programs one after another, and a tactic
+  for large M): one program per token walks its chunks twice, the first time
+  keeping ``prenorm`` in a scratch row, the second time normalising it.
 
 Modes (``MODE``): 0 = plain sum (``reduced`` only; the benchmark's baseline of
 the fusion), 1 = residual-only (mHC mixing), 2 = full (mixing, collapse with
@@ -17,7 +31,7 @@ the fusion), 1 = residual-only (mHC mixing), 2 = full (mixing, collapse with
 
 The FP32 operation order is that of :mod:`.reference` (launch with
 ``enable_fp_fusion=False``): ``reduced`` and ``residual_out`` are bit-exact;
-``layer_input`` may differ from the reference by 1 BF16 ulp (tree-ordered
+``layer_input`` may differ from the reference by 1 BF16 ulp (chunked
 length-H sum of squares, approximate ``rsqrt`` on the GPU); its MXFP8 bytes
 equal ``quantize_mxfp8_ref`` of the kernel's own ``layer_input``.
 
@@ -30,11 +44,15 @@ dependency wait (the publisher's grid has completed). Re-arming the slots
 (-0 stores) and advancing NEXT are plain stores: the next reader of either is
 a later kernel on this GPU (kernel boundary), and a peer writes this stage
 again only three boundaries later, after our later publishes, which follow this
-kernel's completion in stream order. The last-program hand-off for the norm
-uses ``debug_barrier`` + an ``acq_rel`` gpu-scope counter ``atomic_add`` (the
-barrier makes every thread's scratch stores precede the release; the winner's
-acquire + its threads' volatile loads see all chunks), then resets the counter
-with a plain store read only by a later launch. The status word is set with an
+kernel's completion in stream order. Norm hand-off: a program reads the ready
+word (volatile) *before* it arrives, so the bump it waits for is the one after
+its own arrival; ``debug_barrier`` makes every thread's partial store precede
+the ``acq_rel`` gpu-scope ``atomic_add`` on the counter; the last arriver's
+acquire sees every partial, it bumps the ready word with a ``release`` atomic,
+the waiters poll it with ``acquire`` atomics and then read the partials with
+volatile loads. The last arriver zeroes the counter with a plain store (every
+program has arrived; the next reader is a later launch). The serial path reads
+back its own scratch after a ``debug_barrier``. The status word is set with
 ``atomic_or`` (several programs may time out together).
 
 **What the caller must guarantee.** Every rank publishes exactly once per
@@ -42,15 +60,19 @@ consume into stage NEXT (publish kernel, finalize kernel or a publishing GEMM)
 and consumes once; residual, post, comb, pre and gamma are not written by the
 kernel that immediately precedes this one and that kernel triggers its
 dependents only after its own grid wait (they are loaded before the grid
-dependency wait); output and scratch buffers are not in use by another kernel.
+dependency wait); output and scratch buffers are not in use by another kernel;
+the kernel is compiled before the peers wait on this rank (see
+``BoundaryAllReduce.precompile``).
 
 **Why it is CUDA-graph safe.** The stage is read and advanced on the device,
-the counter is reset by the program that used it, the timeout and status live
-in device memory; no host value changes between replays, and the grid depends
-only on M, fixed per captured graph.
+the counter is re-armed by the launch that used it and the ready word only
+ever moves forward, the timeout and status live in device memory; no host
+value changes between replays, and the grid depends only on M, fixed per
+captured graph.
 """
-
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -63,24 +85,31 @@ from .publish_kernel import to_bf16_rne
 
 PLAIN, RESIDUAL_ONLY, FULL = 0, 1, 2  # MODE values (host side)
 _PLAIN, _FULL = tl.constexpr(PLAIN), tl.constexpr(FULL)
-# (largest M, columns per program, warps). Small M spreads a token over more SMs;
-# 256 columns per warp keep a thread's rank/stream rows in its own registers
-# (8 contiguous BF16 = one 16-byte load each), so picking a row needs no shared memory.
-CONSUMER_TACTICS = ((4, 512, 2), (1 << 30, 1024, 4))
 SENTINEL = tl.constexpr(-32768)  # -0.0 in BF16 as int16
+# Status bit of a norm hand-off that timed out (bits 0..tp-1 name missing ranks).
+NORM_TIMEOUT_BIT = 1 << 30
+_NORM_TIMEOUT_BIT = tl.constexpr(NORM_TIMEOUT_BIT)
+QUANT_GROUP = 32  # MXFP8 group: a chunk holds whole groups, so it is >= 32 columns
 
 
-@triton.jit
-def _bf16_bits_to_f32(bits):
-    """Sign-extended int32 BF16 bits -> FP32 (exact)."""
-    return (bits << 16).to(tl.float32, bitcast=True)
+class ConsumerTactic(NamedTuple):
+    """Columns per program, warps, and whether the programs of a token share the
+    RMSNorm through the ready-word hand-off (``cooperative``) or one program per
+    token walks the row chunk by chunk (only for the full mode; the others never
+    need a whole row)."""
+
+    block_h: int
+    warps: int
+    cooperative: bool = True
 
 
-@triton.jit
-def _row(bits, idx, i):
-    """Row ``i`` of 2-D integer ``bits`` [R, C] (rows indexed by ``idx``),
-    picked by an integer sum so every bit, the sign of zero included, survives."""
-    return tl.sum(tl.where(idx[:, None] == i, bits, 0), axis=0)
+# (largest M, tactic). 8 contiguous BF16 per thread = one 16-byte access per row;
+# 256 columns per warp keep every thread busy. Reasoned, not yet swept on H200
+# (benchmarks/consumer_variants.py prints the sweep that re-pins this table).
+CONSUMER_TACTICS = (
+    (16, ConsumerTactic(512, 2)),
+    (1 << 30, ConsumerTactic(1024, 4)),
+)
 
 
 @triton.jit
@@ -93,138 +122,256 @@ def _now(spins, USE_PTX: tl.constexpr):
 
 
 @triton.jit
-def _wait_slots(slot, smask, ranks, status_ptr, wait_bound, USE_PTX: tl.constexpr):
-    """Volatile loads of ``slot`` [TP, BLOCK_H] until no element is -0 or the
-    bound passes (or another program already reported a failure); a rank still
-    missing then sets its bit in the status word. Returns int32 BF16 bits."""
-    bits = tl.load(slot, mask=smask, other=0.0, volatile=True).to(tl.int16, bitcast=True)
-    pending = tl.max(tl.where(smask & (bits == SENTINEL), 1, 0)) > 0
+def _unwritten(slots, cmask, TP: tl.constexpr):
+    """Per column: 1 where some rank's element is still -0 (one tuple entry per rank)."""
+    hole = tl.zeros(cmask.shape, dtype=tl.int32)
+    for r in tl.static_range(TP):
+        bits = slots[r].to(tl.int16, bitcast=True)
+        hole = hole | tl.where(cmask & (bits == SENTINEL), 1, 0)
+    return hole
+
+
+@triton.jit
+def _load_slots(slot, cmask, row_stride, TP: tl.constexpr, VOLATILE: tl.constexpr):
+    """Rank r's BF16 [BLOCK_H] slot at ``slot + r * row_stride``, as a tuple."""
+    slots = ()
+    for r in tl.static_range(TP):
+        slots = slots + (tl.load(slot + r * row_stride, mask=cmask, other=0.0,
+                                 volatile=VOLATILE),)
+    return slots
+
+
+@triton.jit
+def _wait_slots(slot, cmask, row_stride, status_ptr, wait_bound,
+                TP: tl.constexpr, USE_PTX: tl.constexpr):
+    """Volatile loads of every rank's slot until no element is -0 or the bound
+    passes (or another program already reported a failure); a rank still missing
+    then sets its bit in the status word. Returns the slots (tuple of BF16)."""
+    slots = _load_slots(slot, cmask, row_stride, TP, True)
+    pending = tl.max(_unwritten(slots, cmask, TP)) > 0
     if pending:
         spins = 0
         start = _now(spins, USE_PTX)
         go = pending
         while go:
-            bits = tl.load(slot, mask=smask, other=0.0, volatile=True).to(tl.int16, bitcast=True)
-            pending = tl.max(tl.where(smask & (bits == SENTINEL), 1, 0)) > 0
+            slots = _load_slots(slot, cmask, row_stride, TP, True)
+            pending = tl.max(_unwritten(slots, cmask, TP)) > 0
             spins += 1
             healthy = tl.load(status_ptr, volatile=True) == 0
             go = pending & healthy & ((_now(spins, USE_PTX) - start) <= wait_bound)
         if pending:
-            missing = tl.max(tl.where(smask & (bits == SENTINEL), 1, 0), axis=1)
-            tl.atomic_or(status_ptr, tl.sum(missing << ranks))
-    return bits.to(tl.int32)
+            missing = 0
+            for r in tl.static_range(TP):
+                bits = slots[r].to(tl.int16, bitcast=True)
+                gone = tl.max(tl.where(cmask & (bits == SENTINEL), 1, 0))
+                missing = missing | (gone << r)
+            tl.atomic_or(status_ptr, missing)
+    return slots
+
+
+@triton.jit
+def _load_inputs(residual_ptr, post_ptr, comb_ptr, pre_ptr, gamma_ptr, m, cols, cmask,
+                 HC: tl.constexpr, HIDDEN: tl.constexpr, MODE: tl.constexpr):
+    """Everything but the partials, as tuples: residual streams ([BLOCK_H] BF16
+    each), post[t], comb[s, t] (flat s * HC + t), pre[t] (FP32 scalars), gamma."""
+    res = ()
+    post = ()
+    comb = ()
+    pre = ()
+    gamma = tl.zeros(cols.shape, dtype=tl.bfloat16)
+    if MODE != _PLAIN:
+        for s in tl.static_range(HC):
+            res = res + (tl.load(residual_ptr + (m * HC + s).to(tl.int64) * HIDDEN + cols,
+                                 mask=cmask, other=0.0),)
+            post = post + (tl.load(post_ptr + m * HC + s),)
+        for i in tl.static_range(HC * HC):
+            comb = comb + (tl.load(comb_ptr + m * HC * HC + i),)
+    if MODE == _FULL:
+        for t in tl.static_range(HC):
+            pre = pre + (tl.load(pre_ptr + m * HC + t),)
+        gamma = tl.load(gamma_ptr + cols, mask=cmask, other=0.0)
+    return res, post, comb, pre, gamma
+
+
+@triton.jit
+def _reduce_mix(slots, res, post, comb, pre, out_ptr, m, cols, cmask,
+                TP: tl.constexpr, HC: tl.constexpr, HIDDEN: tl.constexpr, MODE: tl.constexpr):
+    """reduced (plain mode: stored) or residual_out (stored) and, in the full
+    mode, the BF16-rounded prenorm as FP32, in the reference's operation order."""
+    acc = tl.zeros(cols.shape, dtype=tl.float32)
+    for r in tl.static_range(TP):
+        acc = acc + slots[r].to(tl.float32)
+    reduced = to_bf16_rne(acc)
+    prenorm = tl.zeros(cols.shape, dtype=tl.float32)
+    if MODE == _PLAIN:
+        tl.store(out_ptr + m.to(tl.int64) * HIDDEN + cols, reduced, mask=cmask)
+    else:
+        # mixed[t] = reduced * post[t] + sum_s residual[s] * comb[s, t], s in order.
+        for t in tl.static_range(HC):
+            mix = reduced.to(tl.float32) * post[t]
+            for s in tl.static_range(HC):
+                mix = mix + res[s].to(tl.float32) * comb[s * HC + t]
+            mixed = to_bf16_rne(mix)
+            tl.store(out_ptr + (m * HC + t).to(tl.int64) * HIDDEN + cols, mixed, mask=cmask)
+            if MODE == _FULL:
+                prenorm = prenorm + mixed.to(tl.float32) * pre[t]
+        prenorm = to_bf16_rne(prenorm).to(tl.float32)
+    return prenorm
+
+
+@triton.jit
+def _row_total(sumsq_ptr, m, CHUNKS: tl.constexpr, STRIDE: tl.constexpr):
+    """The row's sum of squares: the chunk partials added in chunk order."""
+    total = tl.load(sumsq_ptr + m * STRIDE, volatile=True)
+    for c in tl.static_range(1, CHUNKS):
+        total = total + tl.load(sumsq_ptr + m * STRIDE + c, volatile=True)
+    return total
+
+
+@triton.jit
+def _norm_chunk(prenorm, gamma, total, eps, layer_ptr, qdata_ptr, qscale_ptr, m, chunk, cols,
+                cmask, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, QUANT: tl.constexpr):
+    """layer_input = bf16((prenorm * rsqrt(total / H + eps)) * gamma) for this
+    chunk, and its MXFP8 groups (whole groups: BLOCK_H % 32 == 0)."""
+    rstd = tl.math.rsqrt(total / HIDDEN + eps)
+    y = to_bf16_rne((prenorm * rstd) * gamma.to(tl.float32))
+    row_off = m.to(tl.int64) * HIDDEN
+    tl.store(layer_ptr + row_off + cols, y, mask=cmask)
+    if QUANT:
+        GROUPS: tl.constexpr = BLOCK_H // 32
+        K_TILES: tl.constexpr = (HIDDEN // 32 + 3) // 4
+        q, exponent = quantize_groups(tl.reshape(y.to(tl.float32), (1, GROUPS, 32)))
+        tl.store(qdata_ptr + row_off + cols, tl.reshape(q, (BLOCK_H,)), mask=cmask)
+        groups = chunk * GROUPS + tl.arange(0, GROUPS)
+        tl.store(qscale_ptr + swizzled_offset(m, groups, K_TILES),
+                 tl.reshape(exponent, (GROUPS,)).to(tl.uint8), mask=groups < HIDDEN // 32)
+
+
+@triton.jit
+def _norm_handoff(counter_ptr, ready_ptr, status_ptr, m, wait_bound,
+                  CHUNKS: tl.constexpr, USE_PTX: tl.constexpr):
+    """Arrive on token m's counter; the last arriver re-arms it and bumps the
+    ready word, the others wait (bounded) for that bump. Afterwards every
+    chunk's partial is visible (see the module docstring)."""
+    gen = tl.load(ready_ptr + m, volatile=True)  # before arriving: the bump comes after
+    tl.debug_barrier()  # every thread's partial store precedes the release below
+    arrived = tl.atomic_add(counter_ptr + m, 1, sem="acq_rel", scope="gpu")
+    if arrived == CHUNKS - 1:
+        tl.store(counter_ptr + m, 0)
+        tl.atomic_add(ready_ptr + m, 1, sem="release", scope="gpu")
+    else:
+        spins = 0
+        start = _now(spins, USE_PTX)
+        now_gen = gen
+        go = now_gen == gen
+        while go:
+            now_gen = tl.atomic_add(ready_ptr + m, 0, sem="acquire", scope="gpu")
+            spins += 1
+            go = (now_gen == gen) & ((_now(spins, USE_PTX) - start) <= wait_bound)
+        if now_gen == gen:
+            tl.atomic_or(status_ptr, _NORM_TIMEOUT_BIT)
+
+
+@triton.jit
+def _consume_chunk(mailbox_ptr, status_ptr, out_ptr, slot_row, row_stride, wait_bound,
+                   res, post, comb, pre, m, cols, cmask,
+                   TP: tl.constexpr, HC: tl.constexpr, HIDDEN: tl.constexpr, MODE: tl.constexpr,
+                   LAMPORT: tl.constexpr, USE_PTX: tl.constexpr):
+    """Wait for (Lamport) or read (gathered) every rank's slot of these columns,
+    re-arm it, reduce and mix; returns the prenorm (full mode)."""
+    slot = mailbox_ptr + slot_row + cols
+    if LAMPORT:
+        slots = _wait_slots(slot, cmask, row_stride, status_ptr, wait_bound, TP, USE_PTX)
+        # Re-arm the consumed slots; the values are in registers now.
+        for r in tl.static_range(TP):
+            tl.store(slot + r * row_stride,
+                     tl.full(cols.shape, SENTINEL, tl.int16).to(tl.bfloat16, bitcast=True),
+                     mask=cmask)
+    else:
+        slots = _load_slots(slot, cmask, row_stride, TP, False)
+    return _reduce_mix(slots, res, post, comb, pre, out_ptr, m, cols, cmask, TP, HC, HIDDEN, MODE)
 
 
 @triton.jit
 def consumer_kernel(
-    mailbox_ptr, stage_ptr, status_ptr, counter_ptr, prenorm_ptr,
+    mailbox_ptr, stage_ptr, status_ptr, counter_ptr, ready_ptr, sumsq_ptr, prenorm_ptr,
     residual_ptr, post_ptr, comb_ptr, pre_ptr, gamma_ptr,
     out_ptr, layer_ptr, qdata_ptr, qscale_ptr,
     eps, capacity, wait_bound,
-    TP: tl.constexpr, HC: tl.constexpr, HIDDEN: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_ROW: tl.constexpr,
+    TP: tl.constexpr, HC: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr,
     MODE: tl.constexpr, QUANT: tl.constexpr, LAMPORT: tl.constexpr,
-    USE_PTX: tl.constexpr, USE_PDL: tl.constexpr,
+    COOPERATIVE: tl.constexpr, USE_PTX: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    TP_P2: tl.constexpr = triton.next_power_of_2(TP)
-    HC_P2: tl.constexpr = triton.next_power_of_2(HC)
     CHUNKS: tl.constexpr = (HIDDEN + BLOCK_H - 1) // BLOCK_H
-    m = tl.program_id(0)
-    chunk = tl.program_id(1)
-    cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
+    STRIDE: tl.constexpr = (HIDDEN + 31) // 32  # sumsq row: room for 32-column chunks
+    SERIAL: tl.constexpr = (MODE == _FULL) and (not COOPERATIVE)
+    chunk = tl.program_id(0)  # always 0 when SERIAL: the program walks the row
+    m = tl.program_id(1)
+    offs = tl.arange(0, BLOCK_H)
+    cols = chunk * BLOCK_H + offs
     cmask = cols < HIDDEN
-    hcs = tl.arange(0, HC_P2)
-    hmask = hcs < HC
-    # Inputs that earlier kernels produced: load them while the publisher runs.
-    if MODE != _PLAIN:
-        res_off = (m * HC + hcs[:, None]).to(tl.int64) * HIDDEN + cols[None, :]
-        res_mask = hmask[:, None] & cmask[None, :]
-        res = tl.load(residual_ptr + res_off, mask=res_mask, other=0.0)
-        res_bits = res.to(tl.int16, bitcast=True).to(tl.int32)
-        post = tl.load(post_ptr + m * HC + hcs, mask=hmask, other=0.0)
-        comb = tl.load(comb_ptr + m * HC * HC + hcs[:, None] * HC + hcs[None, :],
-                       mask=hmask[:, None] & hmask[None, :], other=0.0)
-        comb_bits = comb.to(tl.int32, bitcast=True)
-    if MODE == _FULL:
-        pre_bits = tl.load(pre_ptr + m * HC + hcs, mask=hmask, other=0.0).to(tl.int32, bitcast=True)
+    if not SERIAL:
+        # Inputs that earlier kernels produced: load them while the publisher runs.
+        res, post, comb, pre, gamma = _load_inputs(residual_ptr, post_ptr, comb_ptr, pre_ptr,
+                                                   gamma_ptr, m, cols, cmask, HC, HIDDEN, MODE)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     stage = 0
     if LAMPORT:
         stage = tl.load(stage_ptr + 1)
-    ranks = tl.arange(0, TP_P2)
-    slot_row = ((stage * TP + ranks).to(tl.int64) * capacity + m) * HIDDEN
-    slot = mailbox_ptr + slot_row[:, None] + cols[None, :]
-    smask = (ranks[:, None] < TP) & cmask[None, :]
-    if LAMPORT:
-        bits = _wait_slots(slot, smask, ranks, status_ptr, wait_bound, USE_PTX)
-        # Re-arm the consumed slots; the values are in registers now.
-        tl.store(slot, tl.full([TP_P2, BLOCK_H], SENTINEL, tl.int16).to(tl.bfloat16, bitcast=True),
-                 mask=smask)
         if (m == 0) & (chunk == 0):
-            tl.store(stage_ptr, (stage + 1) % 3)
-    else:
-        bits = tl.load(slot, mask=smask, other=0.0).to(tl.int16, bitcast=True).to(tl.int32)
-
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for r in tl.static_range(TP):
-        acc = acc + _bf16_bits_to_f32(_row(bits, ranks, r))
-    reduced = to_bf16_rne(acc)
-    if MODE == _PLAIN:
-        tl.store(out_ptr + m.to(tl.int64) * HIDDEN + cols, reduced, mask=cmask)
-    else:
-        # mixed[t] = reduced * post[t] + sum_s residual[s] * comb[s, t], s in order.
-        mix = reduced.to(tl.float32)[None, :] * post[:, None]
-        for s in tl.static_range(HC):
-            comb_s = _row(comb_bits, hcs, s).to(tl.float32, bitcast=True)
-            mix = mix + _bf16_bits_to_f32(_row(res_bits, hcs, s))[None, :] * comb_s[:, None]
-        mixed = to_bf16_rne(mix)
-        tl.store(out_ptr + res_off, mixed, mask=res_mask)
-    if MODE == _FULL:
-        mixed_bits = mixed.to(tl.int16, bitcast=True).to(tl.int32)
-        pre_acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for t in tl.static_range(HC):
-            pre_t = tl.sum(tl.where(hcs == t, pre_bits, 0)).to(tl.float32, bitcast=True)
-            pre_acc = pre_acc + _bf16_bits_to_f32(_row(mixed_bits, hcs, t)) * pre_t
-        row_off = m.to(tl.int64) * HIDDEN
-        tl.store(prenorm_ptr + row_off + cols, to_bf16_rne(pre_acc), mask=cmask)
-        tl.debug_barrier()  # every thread's prenorm stores precede the release below
-        arrived = tl.atomic_add(counter_ptr + m, 1, sem="acq_rel", scope="gpu")
-        if arrived == CHUNKS - 1:
-            _norm_row(prenorm_ptr, gamma_ptr, layer_ptr, qdata_ptr, qscale_ptr, m, eps,
-                      HIDDEN, BLOCK_ROW, QUANT)
-            tl.store(counter_ptr + m, 0)
-
-
-@triton.jit
-def _norm_row(prenorm_ptr, gamma_ptr, layer_ptr, qdata_ptr, qscale_ptr, m, eps,
-              HIDDEN: tl.constexpr, BLOCK_ROW: tl.constexpr, QUANT: tl.constexpr):
-    """RMSNorm (and MXFP8) of token ``m``'s full prenorm row, by the last program."""
-    GROUPS: tl.constexpr = BLOCK_ROW // 32
-    cols = tl.arange(0, BLOCK_ROW)
-    cmask = cols < HIDDEN
+            tl.store(stage_ptr, (stage + 1) % 3)  # read by the next publish, after our grid
+    # Slot of rank r, token m: mailbox[stage, r, m] (Lamport) or gathered[r, m].
+    row_stride = capacity.to(tl.int64) * HIDDEN
+    slot_row = (stage * TP).to(tl.int64) * row_stride + m.to(tl.int64) * HIDDEN
     row_off = m.to(tl.int64) * HIDDEN
-    # Volatile: other programs wrote these through L2 during this launch.
-    p = tl.load(prenorm_ptr + row_off + cols, mask=cmask, other=0.0, volatile=True).to(tl.float32)
-    gamma = tl.load(gamma_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    mean_sq = tl.sum(p * p, axis=0) / HIDDEN
-    rstd = tl.math.rsqrt(mean_sq + eps)
-    y = to_bf16_rne((p * rstd) * gamma)
-    tl.store(layer_ptr + row_off + cols, y, mask=cmask)
-    if QUANT:
-        K_TILES: tl.constexpr = (HIDDEN // 32 + 3) // 4
-        q, exponent = quantize_groups(tl.reshape(y.to(tl.float32), (1, GROUPS, 32)))
-        tl.store(qdata_ptr + row_off + cols, tl.reshape(q, (BLOCK_ROW,)), mask=cmask)
-        groups = tl.arange(0, GROUPS)
-        tl.store(qscale_ptr + swizzled_offset(m, groups, K_TILES),
-                 tl.reshape(exponent, (GROUPS,)).to(tl.uint8), mask=groups < HIDDEN // 32)
+    if SERIAL:
+        for c in range(CHUNKS):
+            cols = c * BLOCK_H + offs
+            cmask = cols < HIDDEN
+            res, post, comb, pre, gamma = _load_inputs(residual_ptr, post_ptr, comb_ptr, pre_ptr,
+                                                       gamma_ptr, m, cols, cmask, HC, HIDDEN, MODE)
+            prenorm = _consume_chunk(mailbox_ptr, status_ptr, out_ptr, slot_row, row_stride,
+                                     wait_bound, res, post, comb, pre, m, cols, cmask,
+                                     TP, HC, HIDDEN, MODE, LAMPORT, USE_PTX)
+            tl.store(sumsq_ptr + m * STRIDE + c, tl.sum(prenorm * prenorm, axis=0))
+            tl.store(prenorm_ptr + row_off + cols, prenorm.to(tl.bfloat16), mask=cmask)
+        tl.debug_barrier()  # this program's scratch stores precede its reads below
+        total = _row_total(sumsq_ptr, m, CHUNKS, STRIDE)
+        for c in range(CHUNKS):
+            cols = c * BLOCK_H + offs
+            cmask = cols < HIDDEN
+            prenorm = tl.load(prenorm_ptr + row_off + cols, mask=cmask, other=0.0,
+                              volatile=True).to(tl.float32)
+            gamma = tl.load(gamma_ptr + cols, mask=cmask, other=0.0)
+            _norm_chunk(prenorm, gamma, total, eps, layer_ptr, qdata_ptr, qscale_ptr, m, c,
+                        cols, cmask, HIDDEN, BLOCK_H, QUANT)
+    else:
+        prenorm = _consume_chunk(mailbox_ptr, status_ptr, out_ptr, slot_row, row_stride,
+                                 wait_bound, res, post, comb, pre, m, cols, cmask,
+                                 TP, HC, HIDDEN, MODE, LAMPORT, USE_PTX)
+        if MODE == _FULL:
+            tl.store(sumsq_ptr + m * STRIDE + chunk, tl.sum(prenorm * prenorm, axis=0))
+            _norm_handoff(counter_ptr, ready_ptr, status_ptr, m, wait_bound, CHUNKS, USE_PTX)
+            total = _row_total(sumsq_ptr, m, CHUNKS, STRIDE)
+            _norm_chunk(prenorm, gamma, total, eps, layer_ptr, qdata_ptr, qscale_ptr, m, chunk,
+                        cols, cmask, HIDDEN, BLOCK_H, QUANT)
 
 
-def consumer_tactic(m: int, hidden: int) -> tuple[int, int]:
-    """(columns per program, warps) for M tokens (table above)."""
-    block, warps = next((b, w) for limit, b, w in CONSUMER_TACTICS if m <= limit)
-    return min(block, triton.next_power_of_2(hidden)), warps
+def consumer_tactic(m: int, hidden: int) -> ConsumerTactic:
+    """The table's tactic for M tokens; serial in the interpreter (which runs
+    programs one after another, so they cannot wait for each other)."""
+    tactic = next(t for limit, t in CONSUMER_TACTICS if m <= limit)
+    tactic = tactic._replace(block_h=min(tactic.block_h, triton.next_power_of_2(hidden)))
+    if env.interpret_mode():
+        tactic = tactic._replace(cooperative=False)
+    return tactic
+
+
+def sumsq_columns(hidden: int) -> int:
+    """Row length of the per-token sum-of-squares scratch (one FP32 per chunk)."""
+    return triton.cdiv(hidden, QUANT_GROUP)
 
 
 def _need(t, name, dtype, shape, device):
@@ -237,6 +384,17 @@ def _need(t, name, dtype, shape, device):
         raise ValueError(f"{name} must be contiguous")
 
 
+def _check_tactic(tactic: ConsumerTactic, hidden: int, mode: int) -> None:
+    block, warps, cooperative = tactic
+    if block < QUANT_GROUP or block & (block - 1) or warps < 1 or warps & (warps - 1):
+        raise ValueError(f"tactic {tactic}: columns per program must be a power of two "
+                         f">= {QUANT_GROUP} and warps a power of two")
+    chunks = triton.cdiv(hidden, block)
+    if mode == FULL and cooperative and chunks > 1 and env.interpret_mode():
+        raise ValueError(f"tactic {tactic}: cooperative programs wait for each other, which "
+                         "the interpreter (programs run one by one) cannot do")
+
+
 def consume(
     mailbox: torch.Tensor,
     tp: int,
@@ -246,6 +404,8 @@ def consume(
     stage_state: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
     counter: torch.Tensor | None = None,
+    ready: torch.Tensor | None = None,
+    sumsq: torch.Tensor | None = None,
     prenorm: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     post: torch.Tensor | None = None,
@@ -256,14 +416,19 @@ def consume(
     mxfp8_out: tuple[torch.Tensor, torch.Tensor] | None = None,
     wait_bound: int = 0,
     lamport: bool = True,
-    tactic: tuple[int, int] | None = None,
+    tactic: ConsumerTactic | None = None,
+    compile_only: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the consumer for ``m`` tokens. Returns (``reduced`` [M, H] in plain
     mode / ``residual_out`` [M, hc, H], ``layer_input`` [M, H] or None).
 
     ``mailbox``: BF16 [3, tp, capacity, H] (Lamport) or [tp, M, H] (gathered).
-    ``wait_bound``: nanoseconds with PTX (``%globaltimer``), spins without.
-    ``tactic``: (columns per program, warps), default from ``CONSUMER_TACTICS``.
+    ``counter`` / ``ready`` int32 [rows] and ``sumsq`` FP32 [rows,
+    ``sumsq_columns(H)``] (full mode; all ``prenorm`` BF16 [rows, H] too for a
+    serial tactic): per-token scratch, rows >= M. ``wait_bound``: nanoseconds
+    with PTX (``%globaltimer``), spins without. ``tactic``: default from
+    ``CONSUMER_TACTICS``. ``compile_only``: compile this variant, launch nothing
+    (the outputs are then unwritten).
     """
     device = mailbox.device
     hidden = mailbox.shape[-1]
@@ -278,6 +443,8 @@ def consume(
         _need(mailbox, "mailbox", torch.bfloat16, (tp, m, hidden), device)
     if not 0 < m <= capacity:
         raise ValueError(f"M = {m} must be in [1, capacity = {capacity}]")
+    tactic = ConsumerTactic(*(tactic or consumer_tactic(m, hidden)))
+    _check_tactic(tactic, hidden, mode)
     if mode == PLAIN:
         out = torch.empty(m, hidden, dtype=torch.bfloat16, device=device)
         hc = 1
@@ -294,10 +461,12 @@ def consume(
     if mode == FULL:
         _need(pre, "pre", torch.float32, (m, hc), device)
         _need(norm_weight, "norm_weight", torch.bfloat16, (hidden,), device)
-        # Scratch rows: at least one per token (the mailbox capacity in Lamport mode).
         rows = counter.shape[0] if counter is not None else 0
         _need(counter, "counter", torch.int32, (max(rows, m),), device)
-        _need(prenorm, "prenorm scratch", torch.bfloat16, (rows, hidden), device)
+        _need(ready, "ready", torch.int32, (rows,), device)
+        _need(sumsq, "sumsq scratch", torch.float32, (rows, sumsq_columns(hidden)), device)
+        if not tactic.cooperative:
+            _need(prenorm, "prenorm scratch", torch.bfloat16, (rows, hidden), device)
         layer_input = torch.empty(m, hidden, dtype=torch.bfloat16, device=device)
         if quant:
             if hidden % 32:
@@ -311,19 +480,21 @@ def consume(
                                  f"bytes on {device} (128x4 swizzled for [{m}, {hidden}])")
     elif quant:
         raise ValueError("mxfp8_out needs the layer input: pass pre and norm_weight")
-    block, warps = tactic or consumer_tactic(m, hidden)
+    serial = mode == FULL and not tactic.cooperative
+    grid = (1 if serial else triton.cdiv(hidden, tactic.block_h), m)
     dummy = out  # stands in for pointers a mode does not touch
     pdl = env.use_pdl(device)
-    consumer_kernel[(m, triton.cdiv(hidden, block))](
+    kernel = consumer_kernel.warmup if compile_only else consumer_kernel[grid]
+    kwargs = dict(grid=grid) if compile_only else {}
+    kernel(
         mailbox, _or(stage_state, dummy), _or(status, dummy), _or(counter, dummy),
-        _or(prenorm, dummy), _or(residual, dummy), _or(post, dummy), _or(comb, dummy),
-        _or(pre, dummy), _or(norm_weight, dummy), out, _or(layer_input, dummy),
-        mxfp8_out[0] if quant else dummy, mxfp8_out[1] if quant else dummy,
-        float(eps), capacity, int(wait_bound),
-        TP=tp, HC=hc, HIDDEN=hidden, BLOCK_H=block,
-        BLOCK_ROW=triton.next_power_of_2(hidden), MODE=mode, QUANT=quant, LAMPORT=lamport,
-        USE_PTX=env.use_ptx(device), USE_PDL=pdl,
-        num_warps=warps, enable_fp_fusion=False, launch_pdl=pdl,
+        _or(ready, dummy), _or(sumsq, dummy), _or(prenorm, dummy), _or(residual, dummy),
+        _or(post, dummy), _or(comb, dummy), _or(pre, dummy), _or(norm_weight, dummy), out,
+        _or(layer_input, dummy), mxfp8_out[0] if quant else dummy,
+        mxfp8_out[1] if quant else dummy, float(eps), capacity, int(wait_bound),
+        TP=tp, HC=hc, HIDDEN=hidden, BLOCK_H=tactic.block_h, MODE=mode, QUANT=quant,
+        LAMPORT=lamport, COOPERATIVE=tactic.cooperative, USE_PTX=env.use_ptx(device),
+        USE_PDL=pdl, num_warps=tactic.warps, enable_fp_fusion=False, launch_pdl=pdl, **kwargs,
     )
     return out, layer_input
 

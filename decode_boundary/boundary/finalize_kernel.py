@@ -88,20 +88,25 @@ def check_finalize_inputs(gemm2_permuted, expert_weights, idx, shared_output, hi
 
 
 def finalize_publish(gemm2_permuted, expert_weights, idx, shared_output, peer_ptrs, stage_state,
-                     rank: int, capacity: int, publish: bool = True) -> torch.Tensor:
+                     rank: int, capacity: int, publish: bool = True,
+                     compile_only: bool = False) -> torch.Tensor:
     """Launch the fused finalize + publish; returns the partial [M, H] bf16.
-    ``publish=False`` only computes the partial (NCCL fallback)."""
+    ``publish=False`` only computes the partial (NCCL fallback);
+    ``compile_only``: compile, launch nothing (the partial is then unwritten)."""
     m, hidden = shared_output.shape
     partial = torch.empty_like(shared_output)
     block = publish_block(hidden)
     pdl = env.use_pdl(shared_output.device)
     if publish and (peer_ptrs is None or stage_state is None):
         raise ValueError("publishing needs peer_ptrs and stage_state")
-    finalize_publish_kernel[(m, triton.cdiv(hidden, block))](
+    grid = (m, triton.cdiv(hidden, block))
+    kernel = finalize_publish_kernel.warmup if compile_only else finalize_publish_kernel[grid]
+    kernel(
         gemm2_permuted, expert_weights, idx, shared_output, partial,
         peer_ptrs if publish else partial, stage_state if publish else partial, rank, capacity,
         TP=peer_ptrs.numel() if publish else 1, TOP_K=idx.shape[1], HIDDEN=hidden, BLOCK_H=block,
         PUBLISH=publish, USE_PDL=pdl,
         num_warps=PUBLISH_WARPS, enable_fp_fusion=False, launch_pdl=pdl,
+        **(dict(grid=grid) if compile_only else {}),
     )
     return partial

@@ -117,6 +117,7 @@ def check_graph_replays(ctx: RankContext, replays: int, hidden: int) -> dict:
     ar = BoundaryAllReduce(hidden, HC, CAPACITY, TOP_K, ctx.group, quantize_layer_input=True,
                            device=ctx.device)
     sizes = (1, 2, 3, 8, 16, 33, CAPACITY)
+    ar.precompile(sizes)
     mismatches = torch.zeros((), dtype=torch.int64, device=ctx.device)
     gen = torch.Generator(device=ctx.device).manual_seed(99)  # same stream on every rank
     graphs = {}
@@ -158,6 +159,7 @@ def check_skipped_step(ctx: RankContext, timeout_s: float, hidden: int) -> dict:
     Then both ``reset(collective=True)`` and a step is exact again."""
     ar = BoundaryAllReduce(hidden, HC, CAPACITY, TOP_K, ctx.group, device=ctx.device,
                            wait_timeout_s=timeout_s)
+    ar.precompile(4)  # collective: otherwise rank 1's first call would compile after the skip
     gen = torch.Generator(device=ctx.device).manual_seed(5)
     d = _inputs(4, ctx.world_size, hidden, gen, ctx.device)
     x = d["xs"][ctx.rank].contiguous()

@@ -4,8 +4,9 @@ Each rank owns ``buffer`` BF16 [3, tp, capacity, hidden] that every peer can
 store into, filled with -0 (0x8000, "not yet written"); ``peer_ptrs`` int64
 [tp] on the device holds every rank's buffer address as seen from this rank;
 ``stage_state`` int32 {NEXT, ACTIVE}; ``status`` int32 [1] (bit p: rank p never
-arrived within the wait bound). ``counter`` / ``prenorm`` are the consumer's
-per-token scratch for the RMSNorm hand-off.
+arrived within the wait bound; ``consumer_kernel.NORM_TIMEOUT_BIT``: a norm
+hand-off timed out). ``counter`` / ``ready`` / ``sumsq`` / ``prenorm`` are the
+consumer's per-token scratch for the RMSNorm hand-off.
 
 Peer memory comes from PyTorch symmetric memory with multicast disabled
 (``symm_mem.empty`` + ``rendezvous``; peers reached by unicast stores only).
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..env import disable_multicast, logger
+from .consumer_kernel import sumsq_columns
 
 STAGES = 3
 NEG_ZERO = -0.0
@@ -43,16 +45,20 @@ class Mailbox:
     stage_state: torch.Tensor
     status: torch.Tensor
     counter: torch.Tensor
+    ready: torch.Tensor
+    sumsq: torch.Tensor
     prenorm: torch.Tensor
     keepalive: object = None
 
     def rearm(self) -> None:
-        """-0 fill, stage words and status cleared, counters zeroed (stream-ordered)."""
+        """-0 fill, stage words and status cleared, counters and ready words zeroed
+        (stream-ordered)."""
         if self.buffer is not None:
             self.buffer.fill_(NEG_ZERO)
         self.stage_state.zero_()
         self.status.zero_()
         self.counter.zero_()
+        self.ready.zero_()
 
 
 def _words(rank, tp, capacity, hidden, device, buffer, peer_ptrs, keepalive=None) -> Mailbox:
@@ -61,6 +67,8 @@ def _words(rank, tp, capacity, hidden, device, buffer, peer_ptrs, keepalive=None
         stage_state=torch.zeros(2, dtype=torch.int32, device=device),
         status=torch.zeros(1, dtype=torch.int32, device=device),
         counter=torch.zeros(capacity, dtype=torch.int32, device=device),
+        ready=torch.zeros(capacity, dtype=torch.int32, device=device),
+        sumsq=torch.zeros(capacity, sumsq_columns(hidden), dtype=torch.float32, device=device),
         prenorm=torch.empty(capacity, hidden, dtype=torch.bfloat16, device=device),
         keepalive=keepalive,
     )

@@ -100,8 +100,9 @@ def publish_block(hidden: int) -> int:
 
 
 def publish(x: torch.Tensor, peer_ptrs: torch.Tensor, stage_state: torch.Tensor, rank: int,
-            capacity: int) -> None:
-    """Launch the publish kernel for ``x`` [M, hidden] (see the module docstring)."""
+            capacity: int, compile_only: bool = False) -> None:
+    """Launch the publish kernel for ``x`` [M, hidden] (see the module docstring);
+    ``compile_only``: compile it, launch nothing."""
     if x.dtype != torch.bfloat16 or x.ndim != 2 or not x.is_contiguous():
         raise ValueError(f"x must be contiguous bf16 [M, hidden], got {x.dtype} "
                          f"{tuple(x.shape)} contiguous={x.is_contiguous()}")
@@ -115,10 +116,11 @@ def publish(x: torch.Tensor, peer_ptrs: torch.Tensor, stage_state: torch.Tensor,
     block = publish_block(hidden)
     grid = (m, triton.cdiv(hidden, block))
     pdl = env.use_pdl(x.device)
-    publish_kernel[grid](
+    kernel = publish_kernel.warmup if compile_only else publish_kernel[grid]
+    kernel(
         x, peer_ptrs, stage_state, rank, capacity,
         TP=peer_ptrs.numel(), HIDDEN=hidden, BLOCK_H=block, USE_PDL=pdl,
-        num_warps=PUBLISH_WARPS, launch_pdl=pdl,
+        num_warps=PUBLISH_WARPS, launch_pdl=pdl, **(dict(grid=grid) if compile_only else {}),
     )
 
 

@@ -10,6 +10,10 @@ median replay / CALLS (rank 0's numbers; ranks run in lock step). Writes
 
     PYTHONPATH=. python benchmarks/allreduce.py            # spawns 2 ranks
     PYTHONPATH=. torchrun --nproc-per-node 2 benchmarks/allreduce.py
+
+``--sweep``: ours (full + MXFP8) and the plain sum for H = 5120, M in {1, 8, 16}
+over the consumer tactics of ``SWEEP_TACTICS`` (< 2 minutes), to re-pin
+``CONSUMER_TACTICS`` in ``decode_boundary/boundary/consumer_kernel.py``.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch.distributed as dist
 import triton
 
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
+from decode_boundary.boundary.consumer_kernel import ConsumerTactic
 from decode_boundary.boundary.reference import consumer_ref
 from decode_boundary.env import disable_multicast
 from decode_boundary.launch import RankContext, launch
@@ -37,6 +42,10 @@ MS = (1, 2, 4, 8, 16, 32, 48, 64)
 HC, TOP_K, EPS, CAPACITY = 4, 6, 1e-6, 64
 CALLS, REPS = 50, 15
 PATHS = ("ours", "a_nccl_torch_mhc", "b_symm_one_shot", "c_nccl", "d_plain")
+SWEEP_HIDDEN, SWEEP_MS = 5120, (1, 8, 16)
+SWEEP_TACTICS = tuple(ConsumerTactic(*t) for t in (
+    (256, 1, True), (256, 2, True), (512, 1, True), (512, 2, True), (512, 4, True),
+    (1024, 2, True), (1024, 4, True), (1024, 4, False), (2048, 8, False)))
 
 
 def _time_graph(fn, device, group) -> float:
@@ -114,6 +123,53 @@ def _rank_main(ctx: RankContext, hiddens, ms) -> list[dict]:
     return rows
 
 
+def _sweep_main(ctx: RankContext) -> list[dict]:
+    """Ours (full + MXFP8) and plain per consumer tactic; (b) once per M."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    device, group, hidden = ctx.device, ctx.group, SWEEP_HIDDEN
+    torch.cuda.set_device(device)
+    ar = BoundaryAllReduce(hidden, HC, CAPACITY, TOP_K, group, quantize_layer_input=True,
+                           residual_only=False, device=device)
+    symm = symm_mem.empty(CAPACITY * hidden, dtype=torch.bfloat16, device=device)
+    symm_mem.rendezvous(symm, group.group_name)
+    gamma = torch.ones(hidden, dtype=torch.bfloat16, device=device)
+    rows = []
+    for m in SWEEP_MS:
+        cases = _cases(ar, symm, gamma, m, hidden, device, group)
+        rows.append(dict(m=m, path="b_symm_one_shot", tactic=None,
+                         us=_time_graph(cases["b_symm_one_shot"], device, group)))
+        timed_plain = set()
+        for tactic in SWEEP_TACTICS:
+            ar.tactic = tactic
+            rows.append(dict(m=m, path="ours", tactic=tuple(tactic),
+                             us=_time_graph(cases["ours"], device, group)))
+            if tactic[:2] not in timed_plain:  # the plain sum has no norm: no serial walk
+                timed_plain.add(tactic[:2])
+                rows.append(dict(m=m, path="d_plain", tactic=tuple(tactic),
+                                 us=_time_graph(cases["d_plain"], device, group)))
+    ar.check()
+    ar.close()
+    return rows
+
+
+def _sweep_table(rows) -> str:
+    b = {r["m"]: r["us"] for r in rows if r["path"] == "b_symm_one_shot"}
+    plain = {(r["m"], r["tactic"][:2]): r["us"] for r in rows if r["path"] == "d_plain"}
+    lines = [f"H = {SWEEP_HIDDEN}; (b) symm one-shot: "
+             + ", ".join(f"M={m} {us:.2f}us" for m, us in b.items()),
+             f"{'M':>3} {'cols':>5} {'warps':>5} {'coop':>5} {'ours':>8} {'plain':>8} "
+             f"{'ours/b':>7} {'ours/plain':>10}"]
+    for r in rows:
+        if r["path"] != "ours":
+            continue
+        m, (block, warps, coop) = r["m"], r["tactic"]
+        p = plain[m, (block, warps)]
+        lines.append(f"{m:>3} {block:>5} {warps:>5} {coop!s:>5} {r['us']:>6.2f}us {p:>6.2f}us "
+                     f"{r['us'] / b[m]:>7.2f} {r['us'] / p:>10.2f}")
+    return "\n".join(lines)
+
+
 def _table(rows) -> str:
     by = {(r["hidden"], r["m"], r["path"]): r["us"] for r in rows}
     lines = [f"{'H':>5} {'M':>3} " + " ".join(f"{p[:14]:>14}" for p in PATHS)
@@ -129,9 +185,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, nargs="*", default=list(HIDDENS))
     parser.add_argument("--m", type=int, nargs="*", default=list(MS))
+    parser.add_argument("--sweep", action="store_true",
+                        help="consumer tactics at H = 5120, M = 1, 8, 16 (ours and plain)")
     args = parser.parse_args()
     disable_multicast()
-    results = launch(_rank_main, 2, (tuple(args.hidden), tuple(args.m)), timeout_s=600)
+    if args.sweep:
+        results = launch(_sweep_main, 2, (), timeout_s=600)
+    else:
+        results = launch(_rank_main, 2, (tuple(args.hidden), tuple(args.m)), timeout_s=600)
     if 0 not in results:  # torchrun: only rank 0 reports
         return
     rows = results[0]
@@ -143,9 +204,10 @@ def main() -> None:
                   date=datetime.datetime.now().isoformat(timespec="seconds"), rows=rows)
     out_dir = pathlib.Path(__file__).parent / "results"
     out_dir.mkdir(exist_ok=True)
-    name = f"allreduce-{gpu.replace(' ', '_')}-{datetime.date.today().isoformat()}.json"
+    kind = "allreduce-sweep" if args.sweep else "allreduce"
+    name = f"{kind}-{gpu.replace(' ', '_')}-{datetime.date.today().isoformat()}.json"
     (out_dir / name).write_text(json.dumps(record, indent=1))
-    print(_table(rows))
+    print(_sweep_table(rows) if args.sweep else _table(rows))
     print(f"wrote {out_dir / name}")
 
 

@@ -286,3 +286,17 @@ def test_bad_input_errors(case, match):
     kw.update(changes[case])
     with pytest.raises(ValueError, match=match):
         ar(**kw)
+
+
+def test_precompile_marks_every_variant_then_calls_compile_nothing_new():
+    """precompile(rows) covers publish, finalize and each consumer mode, so a
+    later call (e.g. one being captured) has nothing left to compile."""
+    ars = BoundaryAllReduce.simulated(2, H, HC, CAP, TOP_K, quantize_layer_input=True)
+    for ar in ars:
+        ar.precompile([1, 2])
+    compiled = set(ars[0]._compiled)
+    assert ("publish",) in compiled and ("finalize", torch.float32, torch.int32) in compiled
+    assert {key[1:3] for key in compiled if key[0] == "consume"} == {
+        (0, False), (1, False), (2, False), (2, True)}
+    run_step(ars, step_inputs(2, 2, seed=4), quantize=True)
+    assert ars[0]._compiled == compiled

@@ -81,7 +81,7 @@ import triton.language as tl
 from .. import env
 from ..mxfp8.format import mxfp8_scale_bytes
 from ..mxfp8.quantize_kernel import quantize_groups, swizzled_offset
-from .publish_kernel import to_bf16_rne
+from .publish_kernel import load_module, to_bf16_rne
 
 PLAIN, RESIDUAL_ONLY, FULL = 0, 1, 2  # MODE values (host side)
 _PLAIN, _FULL = tl.constexpr(PLAIN), tl.constexpr(FULL)
@@ -486,7 +486,7 @@ def consume(
     pdl = env.use_pdl(device)
     kernel = consumer_kernel.warmup if compile_only else consumer_kernel[grid]
     kwargs = dict(grid=grid) if compile_only else {}
-    kernel(
+    compiled = kernel(
         mailbox, _or(stage_state, dummy), _or(status, dummy), _or(counter, dummy),
         _or(ready, dummy), _or(sumsq, dummy), _or(prenorm, dummy), _or(residual, dummy),
         _or(post, dummy), _or(comb, dummy), _or(pre, dummy), _or(norm_weight, dummy), out,
@@ -496,6 +496,8 @@ def consume(
         LAMPORT=lamport, COOPERATIVE=tactic.cooperative, USE_PTX=env.use_ptx(device),
         USE_PDL=pdl, num_warps=tactic.warps, enable_fp_fusion=False, launch_pdl=pdl, **kwargs,
     )
+    if compile_only:
+        load_module(compiled)
     return out, layer_input
 
 

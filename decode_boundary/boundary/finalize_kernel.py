@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .. import env
-from .publish_kernel import PUBLISH_WARPS, publish_block, publish_row, to_bf16_rne
+from .publish_kernel import PUBLISH_WARPS, load_module, publish_block, publish_row, to_bf16_rne
 
 
 @triton.jit
@@ -101,7 +101,7 @@ def finalize_publish(gemm2_permuted, expert_weights, idx, shared_output, peer_pt
         raise ValueError("publishing needs peer_ptrs and stage_state")
     grid = (m, triton.cdiv(hidden, block))
     kernel = finalize_publish_kernel.warmup if compile_only else finalize_publish_kernel[grid]
-    kernel(
+    compiled = kernel(
         gemm2_permuted, expert_weights, idx, shared_output, partial,
         peer_ptrs if publish else partial, stage_state if publish else partial, rank, capacity,
         TP=peer_ptrs.numel() if publish else 1, TOP_K=idx.shape[1], HIDDEN=hidden, BLOCK_H=block,
@@ -109,4 +109,6 @@ def finalize_publish(gemm2_permuted, expert_weights, idx, shared_output, peer_pt
         num_warps=PUBLISH_WARPS, enable_fp_fusion=False, launch_pdl=pdl,
         **(dict(grid=grid) if compile_only else {}),
     )
+    if compile_only:
+        load_module(compiled)
     return partial

@@ -95,6 +95,12 @@ def publish_kernel(
         tl.store(stage_ptr + 1, stage)
 
 
+def load_module(compiled) -> None:
+    """Load a kernel compiled by ``warmup`` onto the current device now (Triton
+    loads lazily, at the first launch, which may otherwise fall in a capture)."""
+    compiled.run  # noqa: B018 - the property loads the module on first access
+
+
 def publish_block(hidden: int) -> int:
     return min(PUBLISH_BLOCK_H, triton.next_power_of_2(hidden))
 
@@ -117,11 +123,13 @@ def publish(x: torch.Tensor, peer_ptrs: torch.Tensor, stage_state: torch.Tensor,
     grid = (m, triton.cdiv(hidden, block))
     pdl = env.use_pdl(x.device)
     kernel = publish_kernel.warmup if compile_only else publish_kernel[grid]
-    kernel(
+    compiled = kernel(
         x, peer_ptrs, stage_state, rank, capacity,
         TP=peer_ptrs.numel(), HIDDEN=hidden, BLOCK_H=block, USE_PDL=pdl,
         num_warps=PUBLISH_WARPS, launch_pdl=pdl, **(dict(grid=grid) if compile_only else {}),
     )
+    if compile_only:
+        load_module(compiled)
 
 
 def publish_ref(mailboxes: list[torch.Tensor], x: torch.Tensor, stage: int, rank: int) -> None:

@@ -17,6 +17,7 @@ from decode_boundary.model.config import MODELS
 @pytest.fixture(scope="module")
 def tiny_boundary():
     ab = AttentionBoundary(MODELS["tiny"], 1, 0, None, torch.device("cpu"), capacity=8, seed=3)
+    ab.precompile([1, 2, 5])  # what a server does before its first step (a no-op compile here)
     yield ab
     ab.close()
 

@@ -156,7 +156,7 @@ class BoundaryAllReduce:
         self._check_x(x)
         if self._published is not None:
             raise RuntimeError("a published contribution is still unreduced")
-        self._compile({("publish",): lambda: self._launch_publish(x, compile_only=True)})
+        self.compile_variants({("publish",): lambda: self._launch_publish(x, compile_only=True)})
         self._launch_publish(x)
         self._published = x
 
@@ -179,7 +179,7 @@ class BoundaryAllReduce:
                                     box.peer_ptrs, box.stage_state, self.rank, self.capacity,
                                     publish=mailbox, compile_only=compile_only)
 
-        self._compile({("finalize", expert_weights.dtype, idx.dtype): lambda: launch(True)})
+        self.compile_variants({("finalize", expert_weights.dtype, idx.dtype): lambda: launch(True)})
         partial = launch()
         self._published = partial
         return partial
@@ -258,7 +258,7 @@ class BoundaryAllReduce:
                 compilers[self._consumer_key(m, mode, q is not None)] = (
                     lambda x=x, mode=mode, used=used: self._consume(x, mode, compile_only=True,
                                                                     **used))
-        self._compile(compilers, force_barrier=True)
+        self.compile_variants(compilers, force_barrier=True)
 
     def check(self) -> None:
         """Raise RuntimeError if a wait of this rank gave up (device sync)."""
@@ -333,9 +333,12 @@ class BoundaryAllReduce:
     def _consumer_key(self, m: int, mode: int, quant: bool) -> tuple:
         return ("consume", mode, quant, self.tactic or consumer_tactic(m, self.hidden_size))
 
-    def _compile(self, compilers: dict, force_barrier: bool = False) -> None:
+    def compile_variants(self, compilers: dict, force_barrier: bool = False) -> None:
         """Compile the variants (key -> compile-only call) not compiled yet, then
-        barrier the group if anything was new (see the module docstring)."""
+        barrier the group if anything was new (see the module docstring).
+        Collective. Producers that publish into this mailbox themselves (the
+        publishing GEMM) register their kernels here too, so no rank's first
+        publish waits on another rank's compiler."""
         new = [key for key in compilers if key not in self._compiled]
         if new and self._capturing():
             raise RuntimeError(
@@ -369,7 +372,7 @@ class BoundaryAllReduce:
                      lambda: self._consume(x, mode, compile_only=True, **inputs)}
         if self._published is None:
             compilers[("publish",)] = lambda: self._launch_publish(x, compile_only=True)
-        self._compile(compilers)
+        self.compile_variants(compilers)
         published, self._published = self._published, None
         if published is None:
             self._launch_publish(x)

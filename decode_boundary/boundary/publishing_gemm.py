@@ -76,7 +76,7 @@ class PublishingMxfp8Linear:
         if qa.data.shape[1] != k:
             raise ValueError(f"x has K={qa.data.shape[1]}, linear expects K={k}")
         out = torch.empty(rows, n, dtype=torch.bfloat16, device=qa.data.device)
-        tactic = selected_tactic(linear, rows)
+        tactic = self._compiled_tactic(linear, rows)
         launch_low_latency(linear, qa, out, tactic, publish=self.all_reduce.publish_target())
         out = out.view(*qa.orig_shape[:-1], n)
         self.all_reduce.mark_published(out)
@@ -84,6 +84,20 @@ class PublishingMxfp8Linear:
 
     def precompile(self, linear: torch.nn.Module, num_tokens: int) -> None:
         """Compile the kernel ``num_tokens`` rows select, launching nothing: a
-        publish without its consumer would desynchronise the mailbox."""
+        publish without its consumer would desynchronise the mailbox.
+        Collective when it compiles something new (it barriers the group)."""
         if self.supports(linear, num_tokens):
-            precompile(linear, [num_tokens], publish=self.all_reduce.publish_target())
+            self._compiled_tactic(linear, num_tokens)
+
+    def _compiled_tactic(self, linear: torch.nn.Module, rows: int):
+        """The tactic a plain call selects for ``rows``, its publishing kernel
+        compiled through the all-reduce: the first use is collective, so a rank
+        still compiling cannot make a peer's consumer wait past its bound."""
+        tactic = selected_tactic(linear, rows)
+        k, n = linear.weight.shape
+        target = self.all_reduce.publish_target()
+        self.all_reduce.compile_variants({
+            ("publishing_gemm", n, k, tactic):
+                lambda: precompile(linear, [rows], publish=target),
+        })
+        return tactic

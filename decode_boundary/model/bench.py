@@ -219,6 +219,7 @@ def run_rank(ctx: RankContext, spec: BenchSpec) -> dict:
     """
     ab = AttentionBoundary(spec.config, ctx.world_size, ctx.rank, ctx.group, ctx.device,
                            max(spec.rows), seed=spec.seed, weights_dir=spec.weights_dir)
+    ab.precompile(spec.rows)
     total = len(spec.rows) * (1 + (len(PATHS) if spec.time else 0))
     try:
         with _progress(ctx.rank == 0, total) as advance:

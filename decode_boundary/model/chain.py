@@ -25,6 +25,7 @@ from decode_boundary.boundary.all_reduce import BoundaryAllReduce
 from decode_boundary.boundary.publishing_gemm import PublishingMxfp8Linear
 from decode_boundary.boundary.reference import consumer_ref
 from decode_boundary.gemm import mxfp8_mm
+from decode_boundary.gemm import precompile as gemm_precompile
 from decode_boundary.gemm.reference import mxfp8_mm_ref
 from decode_boundary.model.baseline import RowwiseFp8Linear, all_reduce_then_mhc
 from decode_boundary.model.config import BoundaryConfig
@@ -137,6 +138,21 @@ class AttentionBoundary:
             weights_dir, f"{prefix}.wo_b", cols=slice(self.rank * k_b, (self.rank + 1) * k_b)
         ).to(self.device)
         self.fused_wqa_wkv = load_linear(weights_dir, f"{prefix}.fused_wqa_wkv").to(self.device)
+
+    def precompile(self, rows_list) -> None:
+        """Compile every kernel the chain runs for these row counts (GEMMs,
+        publishing GEMM, publish/consume), launching nothing. Collective: call
+        it on every rank before the first step, so no rank's consumer waits on
+        a peer that is still compiling, and before capturing CUDA graphs."""
+        rows_list = list(rows_list)
+        for linear in (*self.wo_a, self.wo_b, self.fused_wqa_wkv):
+            gemm_precompile(linear, rows_list)
+            for rows in rows_list:  # the activation quantizer: harmless to run once
+                quantize_mxfp8(torch.zeros(rows, linear.weight.shape[0], dtype=torch.bfloat16,
+                                           device=self.device))
+        for rows in rows_list:
+            self.publisher.precompile(self.wo_b, rows)
+        self.all_reduce.precompile(rows_list)
 
     def close(self) -> None:
         if self._owns_all_reduce:

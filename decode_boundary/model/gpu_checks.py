@@ -68,6 +68,7 @@ def check_chain(ctx: RankContext, model: str, replays: int) -> dict:
     config = MODELS[model]
     first = AttentionBoundary(config, ctx.world_size, ctx.rank, ctx.group, ctx.device,
                               capacity=max(GRAPH_ROWS), seed=11)
+    first.precompile(sorted({*GRAPH_ROWS, 1, 8, 16}))
     layers = first.weight_copies(LAYERS)
     result = {"verify": [verify_rows(first, rows, ctx.group) for rows in (1, 8, 16)]}
     torch.manual_seed(1234)  # the same device random stream on every rank

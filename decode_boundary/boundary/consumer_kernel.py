@@ -106,8 +106,10 @@ class ConsumerTactic(NamedTuple):
 # (largest M, tactic). 8 contiguous BF16 per thread = one 16-byte access per row;
 # 256 columns per warp keep every thread busy. Reasoned, not yet swept on H200
 # (benchmarks/consumer_variants.py prints the sweep that re-pins this table).
+# Measured on 2 x H200, H = 5120 (benchmarks/allreduce.py --sweep, 2026-11-29): M = 1 / 8
+# fastest at (512, 4) 4.61 / 4.92 us, M = 16 at (1024, 4) 5.59 us; serial tactics 10-12 us.
 CONSUMER_TACTICS = (
-    (16, ConsumerTactic(512, 2)),
+    (8, ConsumerTactic(512, 4)),
     (1 << 30, ConsumerTactic(1024, 4)),
 )
 
@@ -292,7 +294,9 @@ def _consume_chunk(mailbox_ptr, status_ptr, out_ptr, slot_row, row_stride, wait_
     return _reduce_mix(slots, res, post, comb, pre, out_ptr, m, cols, cmask, TP, HC, HIDDEN, MODE)
 
 
-@triton.jit
+# capacity is the gathered buffer's M in NCCL mode: unspecialized, so M = 1 does
+# not turn it into a Python int.
+@triton.jit(do_not_specialize=["capacity"])
 def consumer_kernel(
     mailbox_ptr, stage_ptr, status_ptr, counter_ptr, ready_ptr, sumsq_ptr, prenorm_ptr,
     residual_ptr, post_ptr, comb_ptr, pre_ptr, gamma_ptr,
@@ -317,7 +321,7 @@ def consumer_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    stage = 0
+    stage = tl.full((), 0, tl.int32)  # a tensor in both modes (the NCCL path has no stage)
     if LAMPORT:
         stage = tl.load(stage_ptr + 1)
         if (m == 0) & (chunk == 0):

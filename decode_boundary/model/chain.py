@@ -120,7 +120,7 @@ class AttentionBoundary:
             device=self.device,
         )
         self.publisher = PublishingMxfp8Linear(self.all_reduce)
-        self._baseline: dict[str, object] | None = None
+        self._baseline: dict[str, RowwiseFp8Linear] = {}
 
     def _load(self, weights_dir: str, layer: int, groups_local: int) -> None:
         """Layer ``layer`` of a DSV4.1 checkpoint: this rank's wo_a groups, its
@@ -237,26 +237,27 @@ class AttentionBoundary:
         q = mxfp8_mm(self.fused_wqa_wkv, next_in)
         return BoundaryOutputs(residual_out, layer_input, q)
 
+    def baseline_linear(self, name: str) -> RowwiseFp8Linear:
+        """The cuBLAS FP8 row-wise twin of projection ``name`` ("wo_a<g>",
+        "wo_b", "fused_wqa_wkv"), built on first use."""
+        if name not in self._baseline:
+            linear = self.wo_a[int(name[4:])] if name.startswith("wo_a") else getattr(self, name)
+            self._baseline[name] = RowwiseFp8Linear(linear)
+        return self._baseline[name]
+
     def _run_baseline(self, inputs: BoundaryInputs) -> BoundaryOutputs:
-        if self._baseline is None:
-            self._baseline = {
-                "wo_a": [RowwiseFp8Linear(lin) for lin in self.wo_a],
-                "wo_b": RowwiseFp8Linear(self.wo_b),
-                "fused_wqa_wkv": RowwiseFp8Linear(self.fused_wqa_wkv),
-            }
-        base = self._baseline
         width = self.config.wo_a_shape()[1]
         o = torch.cat(
-            [lin(inputs.attn_out[:, g * width : (g + 1) * width])
-             for g, lin in enumerate(base["wo_a"])],
+            [self.baseline_linear(f"wo_a{g}")(inputs.attn_out[:, g * width : (g + 1) * width])
+             for g in range(len(self.wo_a))],
             dim=1,
         )
-        partial = base["wo_b"](o)
+        partial = self.baseline_linear("wo_b")(o)
         residual_out, layer_input, _ = all_reduce_then_mhc(
             partial, inputs.residual, inputs.post, inputs.comb, inputs.pre,
             self.norm_weight, self.config.eps, self.group, quantize=True,
         )
-        q = base["fused_wqa_wkv"](layer_input)
+        q = self.baseline_linear("fused_wqa_wkv")(layer_input)
         return BoundaryOutputs(residual_out, layer_input, q)
 
     def reference_partial(self, inputs: BoundaryInputs) -> torch.Tensor:

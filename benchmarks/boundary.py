@@ -1,0 +1,127 @@
+"""The wo_b boundary on 2 GPUs, three ways (issue 5), at the DSV4.1-Flash shapes.
+
+Per M: (i) baseline = cuBLAS FP8 row-wise ``wo_b`` + NCCL all-reduce + the
+consumer's math as torch ops; (ii) ours unfused = our MXFP8 GEMM + publish
+kernel + fused consumer; (iii) ours fused = the publishing GEMM + consumer
+only. The input of ``wo_b`` (already MXFP8 for ours, BF16 for the baseline)
+is prepared outside the timed region; the consumer quantizes the next input
+to MXFP8 in every path. Median µs per boundary over CUDA-graph replays of
+back-to-back boundaries on rotated weight copies (> 2x L2), ranks barriered;
+the floor = wo_b MXFP8 weight bytes / copy rate + the measured one-hop
+latency (our plain publish + consume of one token).
+
+    PYTHONPATH=. python benchmarks/boundary.py [--rows 1 2 4 8 16] [--tp 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from decode_boundary.launch import RankContext, launch
+from decode_boundary.model.baseline import all_reduce_then_mhc
+from decode_boundary.model.bench import (
+    boundary_weight_bytes,
+    copies_for_cold_l2,
+    copy_rate,
+    mxfp8_weight_bytes,
+    step_time_us,
+)
+from decode_boundary.model.chain import AttentionBoundary
+from decode_boundary.model.config import MODELS
+from decode_boundary.mxfp8.format import mxfp8_scale_bytes
+from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
+
+PATHS = ("baseline", "unfused", "fused")
+
+
+def _boundary_step(ab: AttentionBoundary, path: str, o: torch.Tensor, o_q, inputs) -> None:
+    c = ab.config
+    if path == "baseline":
+        partial = ab.baseline_linear("wo_b")(o)
+        all_reduce_then_mhc(partial, inputs.residual, inputs.post, inputs.comb, inputs.pre,
+                            ab.norm_weight, c.eps, ab.group, quantize=True)
+        return
+    if path == "fused":
+        partial = ab.publisher(ab.wo_b, o_q)
+    else:
+        from decode_boundary.gemm import mxfp8_mm
+
+        partial = mxfp8_mm(ab.wo_b, o_q)
+        ab.all_reduce.publish(partial)
+    rows = o.shape[0]
+    data = torch.empty(rows, c.hidden, dtype=torch.float8_e4m3fn, device=ab.device)
+    scale = torch.empty(mxfp8_scale_bytes(rows, c.hidden), dtype=torch.uint8, device=ab.device)
+    ab.all_reduce(partial, inputs.residual, inputs.post, inputs.comb, inputs.pre,
+                  ab.norm_weight, c.eps, mxfp8_out=(data, scale))
+
+
+def run_rank(ctx: RankContext, model: str, rows_list: list[int]) -> dict:
+    config = MODELS[model]
+    ab = AttentionBoundary(config, ctx.world_size, ctx.rank, ctx.group, ctx.device,
+                           max(rows_list), seed=7)
+    ab.precompile(rows_list)
+    views = ab.weight_copies(copies_for_cold_l2(boundary_weight_bytes(config, ctx.world_size),
+                                                ctx.device))
+    rate = copy_rate(ctx.device)
+    one = torch.randn(1, config.hidden, device=ctx.device).bfloat16()
+    hop_us = step_time_us([functools.partial(ab.all_reduce.plain_sum, one)], ctx.device,
+                          ctx.group)
+    k = config.wo_b_shape(ctx.world_size)[1]
+    rows_out = []
+    for rows in rows_list:
+        inputs = ab.make_inputs(rows, seed=rows)
+        o = torch.randn(rows, k, device=ctx.device).bfloat16()
+        o_q = quantize_mxfp8(o)
+        us = {path: step_time_us([functools.partial(_boundary_step, v, path, o, o_q, inputs)
+                                  for v in views], ctx.device, ctx.group)
+              for path in PATHS}
+        rows_out.append({"rows": rows, "us": us})
+    floor = mxfp8_weight_bytes(*config.wo_b_shape(ctx.world_size)) / rate * 1e6 + hop_us
+    ab.close()
+    return {"copy_rate_gbps": rate / 1e9, "one_hop_us": hop_us, "floor_us": floor,
+            "weight_copies": len(views), "rows": rows_out}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="v4.1-flash", choices=sorted(MODELS))
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args()
+    result = launch(run_rank, args.tp, (args.model, args.rows), timeout_s=540)[0]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    gpu = torch.cuda.get_device_name(0)
+    import triton
+
+    result.update(gpu=gpu, torch=torch.__version__, triton=triton.__version__, commit=commit,
+                  command=" ".join([os.path.basename(sys.executable), *sys.argv]),
+                  model=args.model, tp=args.tp)
+    print(f"{args.model} tp={args.tp}: wo_b {MODELS[args.model].wo_b_shape(args.tp)}, "
+          f"copy {result['copy_rate_gbps']:.0f} GB/s, one hop {result['one_hop_us']:.2f} us, "
+          f"floor {result['floor_us']:.2f} us")
+    print(f"{'M':>3} {'baseline':>9} {'unfused':>9} {'fused':>9} {'base/fused':>11} "
+          f"{'fused/unfused':>14} {'fused/floor':>12}")
+    for row in result["rows"]:
+        us = row["us"]
+        print(f"{row['rows']:>3} {us['baseline']:>9.2f} {us['unfused']:>9.2f} {us['fused']:>9.2f}"
+              f" {us['baseline'] / us['fused']:>11.2f} {us['fused'] / us['unfused']:>14.2f}"
+              f" {us['fused'] / result['floor_us']:>12.2f}")
+    os.makedirs(args.out, exist_ok=True)
+    name = f"boundary-{gpu.replace(' ', '_')}-{datetime.date.today()}.json"
+    with open(os.path.join(args.out, name), "w") as f:
+        json.dump(result, f, indent=1)
+    print("wrote", os.path.join(args.out, name))
+
+
+if __name__ == "__main__":
+    main()

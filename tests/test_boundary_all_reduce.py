@@ -176,6 +176,7 @@ def scratch(h=H, poison=False):
     fill = float("nan") if poison else 0.0
     return dict(counter=torch.zeros(CAP, dtype=torch.int32),
                 ready=torch.zeros(CAP, dtype=torch.int32),
+                status=torch.zeros(1, dtype=torch.int32),
                 sumsq=torch.full((CAP, sumsq_columns(h)), fill),
                 prenorm=torch.full((CAP, h), fill, dtype=torch.bfloat16))
 

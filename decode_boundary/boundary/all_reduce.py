@@ -355,11 +355,13 @@ class BoundaryAllReduce:
     def _consume(self, x: torch.Tensor, mode: int, compile_only: bool = False, **inputs):
         box = self._box
         m = x.shape[0]
+        # The status word and bound serve the norm hand-off in both transports.
         scratch = dict(counter=box.counter, ready=box.ready, sumsq=box.sumsq,
-                       prenorm=box.prenorm, tactic=self.tactic, compile_only=compile_only)
+                       prenorm=box.prenorm, tactic=self.tactic, compile_only=compile_only,
+                       status=box.status, wait_bound=self._wait_bound)
         if self.transport == "mailbox":
             return consume(box.buffer, self.tp, m, mode=mode, stage_state=box.stage_state,
-                           status=box.status, wait_bound=self._wait_bound, **scratch, **inputs)
+                           **scratch, **inputs)
         gathered = torch.empty(self.tp, *x.shape, dtype=x.dtype, device=x.device)
         if not compile_only:
             dist.all_gather_into_tensor(gathered.view(-1, x.shape[1]), x, group=self.group)

@@ -471,6 +471,8 @@ def consume(
         _need(sumsq, "sumsq scratch", torch.float32, (rows, sumsq_columns(hidden)), device)
         if not tactic.cooperative:
             _need(prenorm, "prenorm scratch", torch.bfloat16, (rows, hidden), device)
+        else:  # the norm hand-off records its own timeout, in either transport
+            _need(status, "status", torch.int32, (1,), device)
         layer_input = torch.empty(m, hidden, dtype=torch.bfloat16, device=device)
         if quant:
             if hidden % 32:

@@ -40,9 +40,10 @@ import torch
 import triton
 import triton.language as tl
 
+from decode_boundary.gemm.api import selected_tactic
 from decode_boundary.gemm.mxfp8_gemm_kernel import launch_low_latency, warmup_low_latency
 from decode_boundary.gemm.reference import REL_SUM_TOLERANCE, bf16_ulp, mxfp8_mm_exact
-from decode_boundary.gemm.tactics import LOW_BATCH_TACTICS, Tactic, fits
+from decode_boundary.gemm.tactics import Tactic, fits
 from decode_boundary.gemm.timing import graph_time_us, rotated_copies
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes, quantize_mxfp8_ref, unswizzle_scales
 from decode_boundary.mxfp8.quantize_kernel import swizzled_offset
@@ -53,6 +54,7 @@ SHAPES = {
     "wq_b": (8192, 1280),
     "wo_a": (1024, 4096),
     "v4pro_wo_b": (7168, 4096),
+    "wo_b_tp2": (5120, 4096),  # DSV4.1-Flash wo_b at TP 2 (what a 2-GPU bench runs)
 }
 CHAIN = ("fused_wqa_wkv", "wq_b", "wo_b")
 ROWS = (1, 8, 16)
@@ -179,18 +181,35 @@ def _split_for(n: int, k: int, block_n: int, block_k: int, lo=128, hi=450) -> li
 
 def gemm_candidates(n: int, k: int) -> list[Tactic]:
     """The table's tactic, the previous sweep's best family, and the new structures."""
-    out = [LOW_BATCH_TACTICS[(n, k)], Tactic(64, 128, 16, 4, 4, True),
+    out = [selected_tactic((n, k), 1), Tactic(64, 128, 16, 4, 4, True),
            Tactic(64, 128, 16, 16, 4, True)]
     for block_n, block_k, stages in ((16, 256, 3), (16, 512, 3), (32, 256, 3), (32, 128, 4),
                                      (64, 128, 4), (64, 256, 3), (16, 256, 0), (32, 256, 0)):
         for split in _split_for(n, k, block_n, block_k):
             warps = 4 if block_n * block_k <= 64 * 128 else 8
             out.append(Tactic(block_n, block_k, 16, split, warps, True, stages))
+    out += oneshot_candidates(n, k)
     seen = []
     for t in out:
         if t not in seen and fits(t, n, k):
             seen.append(t)
     return seen
+
+
+def oneshot_candidates(n: int, k: int) -> list[Tactic]:
+    """Each CTA issues its whole K slice at once (one or two K-blocks, the first
+    before the PDL wait): one DRAM latency per CTA instead of one per block,
+    which the register double-buffer of the S=0 loop serialises."""
+    out = []
+    for block_n in (32, 64):
+        for block_k in (256, 512, 1024):
+            k_blocks = -(-k // block_k)
+            for per_cta in (1, 2):
+                split = -(-k_blocks // per_cta)
+                ctas = n // block_n * split
+                if per_cta <= k_blocks and 100 <= ctas <= 1400:
+                    out.append(Tactic(block_n, block_k, 16, split, 8, True, 0))
+    return out
 
 
 def _layer_like(n: int, k: int, device="cuda"):
@@ -316,7 +335,7 @@ def run_gemm(problems, deadline) -> dict:
                                   f"group-dot BN={block_n} split={split} S=3"))
             except Exception as exc:  # noqa: BLE001
                 print(f"  {p.name} M={rows} group-dot failed: {exc!r}"[:300])
-    table = LOW_BATCH_TACTICS
+    table = {shape: selected_tactic(shape, 1) for shape in SHAPES.values()}
     print(f"\n{'shape':14s} {'M':>3s} {'us':>6s} {'/floor':>6s}  variant (table tactic marked *)")
     for name, res in results.items():
         floor = next(p.floor_us for p in problems if p.name == name)
@@ -366,7 +385,7 @@ def run_chain(problems, picks, deadline) -> None:
         return
     ps = [by_name[name] for name in CHAIN]
     count = min(len(p.copies) for p in ps)
-    variants = {"table": [LOW_BATCH_TACTICS[SHAPES[n]] for n in CHAIN]}
+    variants = {"table": [selected_tactic(SHAPES[n], 1) for n in CHAIN]}
     if all(n in picks for n in CHAIN):
         variants["winners"] = [picks[n][0] for n in CHAIN]
         variants["winners, no prefetch"] = [picks[n][0]._replace(prefetch=False) for n in CHAIN]
@@ -407,7 +426,7 @@ def main() -> None:
     if "gemm" in parts or "chain" in parts:
         for name in names:
             n, k = SHAPES[name]
-            cands = gemm_candidates(n, k) if "gemm" in parts else [LOW_BATCH_TACTICS[(n, k)]]
+            cands = gemm_candidates(n, k) if "gemm" in parts else [selected_tactic((n, k), 1)]
             jobs += [(n, k, t, True) for t in cands]
             if "chain" in parts and name in CHAIN:
                 jobs += [(n, k, t, False) for t in cands]

@@ -81,8 +81,11 @@ def _join_group(rank: int, world_size: int, device: torch.device, init_method: s
                 timeout_s: float) -> RankContext:
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    # NCCL refuses two ranks on one GPU; gloo carries the group when ranks
+    # outnumber GPUs (correctness runs at a TP larger than the machine).
+    nccl = device.type == "cuda" and world_size <= torch.cuda.device_count()
     dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
+        "nccl" if nccl else "gloo",
         init_method=init_method,
         rank=rank,
         world_size=world_size,

@@ -43,7 +43,15 @@ from .consumer_kernel import (
     consumer_tactic,
 )
 from .finalize_kernel import check_finalize_inputs, finalize_publish
-from .mailbox import Mailbox, local_words, peers_reachable, simulated_mailboxes, symmetric_mailbox
+from .mailbox import (
+    Mailbox,
+    ipc_mailbox,
+    local_words,
+    peers_reachable,
+    ranks_share_a_gpu,
+    simulated_mailboxes,
+    symmetric_mailbox,
+)
 from .publish_kernel import publish
 
 # Wait bound without %globaltimer, as spins: one spin takes ~1 us on a GPU and
@@ -106,7 +114,9 @@ class BoundaryAllReduce:
                 if transport == "auto":
                     reachable = peers_reachable(group, self.device)
                     transport = "mailbox" if reachable else "nccl"
-                if transport == "mailbox":
+                if transport == "mailbox" and ranks_share_a_gpu(group, self.device):
+                    _mailbox = ipc_mailbox(group, capacity, hidden_size, self.device)
+                elif transport == "mailbox":
                     _mailbox = symmetric_mailbox(group, capacity, hidden_size, self.device)
                 else:
                     _mailbox = local_words(group, capacity, hidden_size, self.device)

@@ -61,10 +61,11 @@ def _t(block_n, split_k, rows_tile=16, block_k=128, num_warps=4, prefetch=True,
 LOW_BATCH_TACTICS: dict[tuple[int, int], Tactic] = {
     (5120, 2048): _t(64, 16),  # wo_b: 1280 CTAs, 1 K-block each; 8.94 / 9.55
     (8192, 1280): _t(64, 4),  # wq_b: 512 CTAs; 9.48 / 9.72
-    (1792, 5120): _t(64, 8),  # fused_wqa_wkv: 224 CTAs, 5 K-blocks each; 13.43 / 13.74
-    (1024, 4096): _t(64, 16, block_k=256, num_warps=8, num_stages=3),  # wo_a: 5.33 / 5.54
+    (1792, 5120): _t(64, 20, block_k=256, num_warps=8),  # fused_wqa_wkv, one-shot: 11.45 / 11.77
+    (1024, 4096): _t(64, 16, block_k=256, num_warps=8),  # wo_a, one-shot: 4.45 / 4.63
     (4096, 2048): _t(64, 16),  # V4-Flash wo_b: not measured; wo_b's structure
     (7168, 4096): _t(64, 4),  # V4-Pro wo_b: 448 CTAs, 8 K-blocks each; 21.71 / 22.27
+    (5120, 4096): _t(64, 16),  # DSV4.1-Flash wo_b at TP 2: 17.02 / 17.55
 }
 
 # The 5..8-row bucket that the autotuner is offered only this tactic for under

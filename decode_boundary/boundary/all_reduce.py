@@ -45,7 +45,6 @@ from .consumer_kernel import (
 from .finalize_kernel import check_finalize_inputs, finalize_publish
 from .mailbox import (
     Mailbox,
-    ipc_mailbox,
     local_words,
     peers_reachable,
     ranks_share_a_gpu,
@@ -111,12 +110,15 @@ class BoundaryAllReduce:
                 _mailbox = simulated_mailboxes(1, capacity, hidden_size, self.device)[0]
                 transport = "mailbox"
             else:
+                shared_gpu = ranks_share_a_gpu(group, self.device)
                 if transport == "auto":
-                    reachable = peers_reachable(group, self.device)
+                    reachable = not shared_gpu and peers_reachable(group, self.device)
                     transport = "mailbox" if reachable else "nccl"
-                if transport == "mailbox" and ranks_share_a_gpu(group, self.device):
-                    _mailbox = ipc_mailbox(group, capacity, hidden_size, self.device)
-                elif transport == "mailbox":
+                if transport == "mailbox" and shared_gpu:
+                    raise RuntimeError(
+                        "two ranks of the group share a GPU: symmetric memory cannot map their "
+                        "mailboxes; run one rank per GPU or use transport='nccl'")
+                if transport == "mailbox":
                     _mailbox = symmetric_mailbox(group, capacity, hidden_size, self.device)
                 else:
                     _mailbox = local_words(group, capacity, hidden_size, self.device)

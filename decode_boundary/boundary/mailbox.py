@@ -136,42 +136,12 @@ def symmetric_mailbox(group: dist.ProcessGroup, capacity: int, hidden: int,
 
 
 def ranks_share_a_gpu(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """Whether two ranks of ``group`` run on one GPU of one host (symmetric
-    memory refuses that; CUDA IPC does not). All ranks get the same answer."""
+    """Whether two ranks of ``group`` run on one GPU of one host: symmetric
+    memory refuses to map such ranks' mailboxes. All ranks get the same answer."""
     me = (socket.gethostname(), device.index if device.index is not None else 0)
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, me, group=group)
     return len(set(everyone)) < len(everyone)
-
-
-def ipc_mailbox(group: dist.ProcessGroup, capacity: int, hidden: int,
-                device: torch.device) -> Mailbox:
-    """This rank's mailbox in ordinary device memory, the peers' mailboxes
-    mapped here through CUDA IPC handles exchanged over ``group`` (what
-    ``torch.multiprocessing`` does for shared CUDA tensors). For ranks that
-    share a GPU, where symmetric memory refuses; unicast stores either way.
-    Collective."""
-    tp, rank = dist.get_world_size(group), dist.get_rank(group)
-    buffer = torch.empty(_shape(tp, capacity, hidden), dtype=torch.bfloat16, device=device)
-    buffer.fill_(NEG_ZERO)
-    torch.cuda.synchronize(device)
-    handles: list = [None] * tp
-    dist.all_gather_object(handles, buffer.untyped_storage()._share_cuda_(), group=group)
-    for peer_device in {handle[0] for handle in handles} - {device.index}:
-        # A peer-to-peer copy makes PyTorch enable peer access from this GPU to
-        # that one, which the kernels' stores into the mapped mailbox need.
-        torch.zeros(1, device=device).copy_(torch.zeros(1, device=f"cuda:{peer_device}"))
-    peers = [buffer.untyped_storage() if r == rank else
-             torch.UntypedStorage._new_shared_cuda(*handle) for r, handle in enumerate(handles)]
-    ptrs = [storage.data_ptr() for storage in peers]
-    if any(p % 16 for p in ptrs):
-        raise RuntimeError(f"IPC mailbox not 16-byte aligned: {ptrs}")
-    box = _words(rank, tp, capacity, hidden, device, buffer,
-                 torch.tensor(ptrs, dtype=torch.int64, device=device), keepalive=peers)
-    torch.cuda.synchronize(device)
-    dist.barrier(group=group)  # every -0 fill lands before any peer publishes
-    logger.debug("rank %d: IPC mailbox %s, peers %s", rank, tuple(buffer.shape), ptrs)
-    return box
 
 
 def local_words(group: dist.ProcessGroup | None, capacity: int, hidden: int,

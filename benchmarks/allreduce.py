@@ -22,7 +22,6 @@ import argparse
 import datetime
 import json
 import pathlib
-import statistics
 import subprocess
 import sys
 
@@ -34,6 +33,7 @@ from decode_boundary.boundary.all_reduce import BoundaryAllReduce
 from decode_boundary.boundary.consumer_kernel import ConsumerTactic
 from decode_boundary.boundary.reference import consumer_ref
 from decode_boundary.env import disable_multicast
+from decode_boundary.gemm.timing import median_replay_us
 from decode_boundary.launch import RankContext, launch
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes
 
@@ -62,17 +62,12 @@ def _time_graph(fn, device, group) -> float:
                 fn()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph.replay()
-    times = []
-    for _ in range(REPS):
+
+    def barrier():
         torch.cuda.synchronize(device)
         dist.barrier(group=group)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / CALLS)
-    return statistics.median(times)
+
+    return median_replay_us(graph, CALLS, REPS, before=barrier)
 
 
 def _cases(ar, symm, gamma, m, hidden, device, group) -> dict:

@@ -40,8 +40,18 @@ def graph_time_us(call: Callable[[int], object], copies: int, calls: int | None 
             call(i % copies)
     graph.replay()
     torch.cuda.synchronize()
+    return median_replay_us(graph, calls, reps)
+
+
+def median_replay_us(graph: torch.cuda.CUDAGraph, calls: int, reps: int,
+                     before: Callable[[], object] | None = None) -> float:
+    """Median over ``reps`` replays of ``graph`` of its CUDA-event time divided
+    by the ``calls`` it holds, in µs; ``before`` runs ahead of each replay
+    (e.g. a barrier so that ranks start together)."""
     times = []
     for _ in range(reps):
+        if before is not None:
+            before()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()

@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from decode_boundary.gemm import mxfp8_mm
-from decode_boundary.gemm.timing import graph_time_us, rotated_copies
+from decode_boundary.gemm.timing import graph_time_us, median_replay_us, rotated_copies
 from decode_boundary.launch import RankContext
 from decode_boundary.model.baseline import RowwiseFp8Linear, rowwise_fp8
 from decode_boundary.model.chain import (
@@ -116,17 +116,7 @@ def step_time_us(steps: Sequence[Callable[[], object]], device: torch.device,
             steps[i % len(steps)]()
     for _ in range(WARMUP_REPLAYS):
         graph.replay()
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(REPLAYS):
-        _barrier(group, device)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+    return median_replay_us(graph, calls, REPLAYS, before=lambda: _barrier(group, device))
 
 
 def copy_rate(device: torch.device) -> float:

@@ -22,7 +22,6 @@ import argparse
 import datetime
 import json
 import pathlib
-import subprocess
 import sys
 
 import torch
@@ -36,6 +35,7 @@ from decode_boundary.env import disable_multicast
 from decode_boundary.gemm.timing import median_replay_us
 from decode_boundary.launch import RankContext, launch
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes
+from decode_boundary.report import git_commit
 
 HIDDENS = (5120, 4096, 7168)
 MS = (1, 2, 4, 8, 16, 32, 48, 64)
@@ -192,8 +192,7 @@ def main() -> None:
         return
     rows = results[0]
     gpu = torch.cuda.get_device_name(0)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = git_commit()
     record = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, commit=commit,
                   command=" ".join(sys.argv), calls_per_graph=CALLS, replays=REPS,
                   date=datetime.datetime.now().isoformat(timespec="seconds"), rows=rows)

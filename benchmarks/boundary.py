@@ -20,7 +20,6 @@ import datetime
 import functools
 import json
 import os
-import subprocess
 import sys
 
 import torch
@@ -38,6 +37,7 @@ from decode_boundary.model.chain import AttentionBoundary
 from decode_boundary.model.config import MODELS
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
+from decode_boundary.report import git_commit
 
 PATHS = ("baseline", "unfused", "fused")
 
@@ -98,8 +98,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
     result = launch(run_rank, args.tp, (args.model, args.rows), timeout_s=540)[0]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or "unknown"
+    commit = git_commit()
     gpu = torch.cuda.get_device_name(0)
     import triton
 

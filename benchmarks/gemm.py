@@ -16,7 +16,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -28,6 +27,7 @@ from decode_boundary.gemm.reference import check_mxfp8_mm
 from decode_boundary.gemm.tactics import sweep_tactics
 from decode_boundary.gemm.timing import L2_FLUSH_BYTES, graph_time_us, rotated_copies
 from decode_boundary.mxfp8.format import quantize_mxfp8_ref
+from decode_boundary.report import git_commit
 
 SHAPES = {  # name: (N, K)
     "wo_b": (5120, 2048),
@@ -156,8 +156,7 @@ def main() -> None:
         chains.append(entry)
     os.environ.pop("DECODE_BOUNDARY_DISABLE_PDL")
     gpu = torch.cuda.get_device_name()
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    commit = git_commit()
     report = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, commit=commit,
                   command=" ".join([sys.executable, *sys.argv]), copy_rate_gbs=rate,
                   gemm=results, chain=dict(projections=CHAIN, results=chains))

@@ -24,7 +24,9 @@ import datetime
 import importlib.metadata
 import io
 import json
+import os
 import platform
+import re
 import subprocess
 from pathlib import Path
 
@@ -50,6 +52,13 @@ def _git(*args: str) -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
+def git_commit() -> str | None:
+    """The checkout's commit, else ``DECODE_BOUNDARY_COMMIT`` (a copied working
+    tree without its .git, as on a lent GPU machine), else None."""
+    commit = _git("rev-parse", "HEAD") or os.environ.get("DECODE_BOUNDARY_COMMIT")
+    return commit if commit and re.fullmatch(r"[0-9a-f]{7,40}", commit) else None
+
+
 def environment(interpreter: bool, unreachable_pairs: list[tuple[int, int]]) -> dict:
     """Where the numbers come from (design.md §9: GPU, versions, commit)."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -61,7 +70,7 @@ def environment(interpreter: bool, unreachable_pairs: list[tuple[int, int]]) -> 
         # CLI has decided on TRITON_INTERPRET (see cli.py).
         "triton": importlib.metadata.version("triton"),
         "python": platform.python_version(),
-        "git_commit": _git("rev-parse", "HEAD"),
+        "git_commit": git_commit(),
         "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
         "interpreter": interpreter,
         "unreachable_pairs": [list(p) for p in unreachable_pairs],

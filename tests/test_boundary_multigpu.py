@@ -34,7 +34,7 @@ def test_graph_replays_random_m_all_checked():
 
 
 def test_skipped_step_raises_naming_the_rank_then_reset_recovers():
-    timeout_s = 0.2
+    timeout_s = 1.0  # also the host skew the post-reset step must tolerate
     results = launch(gpu_checks.check_skipped_step, 2, (timeout_s, HIDDEN), timeout_s=120)
     assert "rank(s) [1]" in results[0]["raised"], results[0]
     assert results[0]["seconds"] < timeout_s + 2.0, results[0]

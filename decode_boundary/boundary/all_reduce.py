@@ -273,7 +273,13 @@ class BoundaryAllReduce:
         self.compile_variants(compilers, force_barrier=True)
 
     def check(self) -> None:
-        """Raise RuntimeError if a wait of this rank gave up (device sync)."""
+        """Raise RuntimeError if a wait of this rank gave up (device sync).
+
+        After a timeout the mailbox is out of step: the waiting rank re-armed
+        slots that a slow (not absent) peer may still fill, and that peer learns
+        nothing. Every rank must then ``reset(collective=True)`` before the next
+        step; graph users who check only every few replays may have consumed
+        wrong sums since the timeout."""
         status = int(self._open().status.item())
         if status & NORM_TIMEOUT_BIT:
             raise RuntimeError(

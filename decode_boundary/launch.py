@@ -65,7 +65,8 @@ def in_torchrun() -> bool:
 
 def device_for(local_rank: int) -> torch.device:
     """Ranks beyond the GPU count share GPUs round-robin (correctness runs with
-    more ranks than GPUs; peer stores between processes on one GPU go through IPC)."""
+    more ranks than GPUs; the all-reduce of ranks sharing a GPU then takes its
+    gather transport, not the mailbox)."""
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")

@@ -103,11 +103,9 @@ class ConsumerTactic(NamedTuple):
     cooperative: bool = True
 
 
-# (largest M, tactic). 8 contiguous BF16 per thread = one 16-byte access per row;
-# 256 columns per warp keep every thread busy. Reasoned, not yet swept on H200
-# (benchmarks/consumer_variants.py prints the sweep that re-pins this table).
-# Measured on 2 x H200, H = 5120 (benchmarks/allreduce.py --sweep, 2026-11-29): M = 1 / 8
-# fastest at (512, 4) 4.61 / 4.92 us, M = 16 at (1024, 4) 5.59 us; serial tactics 10-12 us.
+# (largest M, tactic), re-pinned from `benchmarks/allreduce.py --sweep`. Measured on
+# 2 x H200, H = 5120 (2026-11-29): M = 1 / 8 fastest at (512, 4) 4.61 / 4.92 us, M = 16 at
+# (1024, 4) 5.59 us; serial tactics 10-12 us.
 CONSUMER_TACTICS = (
     (8, ConsumerTactic(512, 4)),
     (1 << 30, ConsumerTactic(1024, 4)),

@@ -11,11 +11,14 @@ shape. Row ranges (design.md §1, seed 004):
   pinned per row range for the DSV4.1 shapes so a choice never changes
   between process starts.
 
-Table values are reasoned, not yet measured on an H200: enough CTAs
-(>= ~200 of 132 SMs) that each SM keeps two 64x128-byte weight blocks in
-registers plus its L2 prefetches in flight (Little's law: ~36 KB per SM at
-4.8 TB/s and ~1 us latency). ``benchmarks/gemm.py --sweep`` prints the
-measured best; re-pin from that.
+``LOW_BATCH_TACTICS`` holds the measured winners of ``benchmarks/gemm_variants.py``
+on one H200 (benchmarks/NOTES.md; V4-Flash ``wo_b`` copies ``wo_b``'s, unmeasured);
+the wide and pinned tables are derived from it.
+Unpinned shapes get :func:`heuristic_tactic`, which is reasoned, not measured:
+enough CTAs (>= ~200 of 132 SMs) that each SM keeps two 64x128-byte weight blocks
+in registers plus its L2 prefetches in flight (Little's law: ~36 KB per SM at
+4.8 TB/s and ~1 us latency). ``benchmarks/gemm.py`` (without ``--quick``) and
+``benchmarks/gemm_variants.py`` print the measured best; re-pin from those.
 """
 
 from __future__ import annotations

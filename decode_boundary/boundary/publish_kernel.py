@@ -130,10 +130,3 @@ def publish(x: torch.Tensor, peer_ptrs: torch.Tensor, stage_state: torch.Tensor,
     )
     if compile_only:
         load_module(compiled)
-
-
-def publish_ref(mailboxes: list[torch.Tensor], x: torch.Tensor, stage: int, rank: int) -> None:
-    """What a publish does to the (simulated) mailboxes of all ranks, in torch."""
-    clean = torch.where(x.view(torch.int16) == -32768, 0, x.view(torch.int16))
-    for box in mailboxes:
-        box.view(torch.int16)[stage, rank, : x.shape[0]] = clean

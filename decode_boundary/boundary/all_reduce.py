@@ -45,6 +45,7 @@ from .consumer_kernel import (
 from .finalize_kernel import check_finalize_inputs, finalize_publish
 from .mailbox import (
     Mailbox,
+    gpu_placements,
     local_words,
     peers_reachable,
     ranks_share_a_gpu,
@@ -110,9 +111,10 @@ class BoundaryAllReduce:
                 _mailbox = simulated_mailboxes(1, capacity, hidden_size, self.device)[0]
                 transport = "mailbox"
             else:
-                shared_gpu = ranks_share_a_gpu(group, self.device)
+                placements = gpu_placements(group, self.device)
+                shared_gpu = ranks_share_a_gpu(placements)
                 if transport == "auto":
-                    reachable = not shared_gpu and peers_reachable(group, self.device)
+                    reachable = not shared_gpu and peers_reachable(group, self.device, placements)
                     transport = "mailbox" if reachable else "nccl"
                 if transport == "mailbox" and shared_gpu:
                     raise RuntimeError(

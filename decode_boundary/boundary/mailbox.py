@@ -10,8 +10,9 @@ consumer's per-token scratch for the RMSNorm hand-off.
 
 Peer memory comes from PyTorch symmetric memory with multicast disabled
 (``symm_mem.empty`` + ``rendezvous``; peers reached by unicast stores only).
-Where ranks cannot reach each other's memory, :func:`peers_reachable` says so
-and the all-reduce falls back to NCCL (no mailbox buffer at all).
+Where ranks cannot reach each other's memory (:func:`peers_reachable`) or two
+of them share a GPU (:func:`ranks_share_a_gpu`), the all-reduce falls back to
+an all-gather over the group (no mailbox buffer at all).
 :func:`simulated_mailboxes` builds tp mailboxes in one process (CPU tests:
 the "peer addresses" are ``data_ptr()`` of separate buffers).
 """
@@ -100,14 +101,22 @@ def simulated_mailboxes(tp: int, capacity: int, hidden: int,
     ]
 
 
-def peers_reachable(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """Whether every rank of ``group`` can store into every other rank's GPU
-    memory (same host and ``can_device_access_peer``). All ranks get the same answer."""
+def gpu_placements(group: dist.ProcessGroup, device: torch.device) -> list[tuple[str, int]]:
+    """(host name, device index) of every rank of ``group``, in rank order. Collective."""
     me = (socket.gethostname(), device.index if device.index is not None else 0)
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, me, group=group)
-    ok = all(host == me[0] for host, _ in everyone) and all(
-        idx == me[1] or torch.cuda.can_device_access_peer(me[1], idx) for _, idx in everyone
+    return everyone
+
+
+def peers_reachable(group: dist.ProcessGroup, device: torch.device,
+                    placements: list[tuple[str, int]]) -> bool:
+    """Whether every rank of ``group`` can store into every other rank's GPU
+    memory (same host and ``can_device_access_peer``), given the ranks'
+    :func:`gpu_placements`. Collective; all ranks get the same answer."""
+    host, index = placements[dist.get_rank(group)]
+    ok = all(h == host for h, _ in placements) and all(
+        idx == index or torch.cuda.can_device_access_peer(index, idx) for _, idx in placements
     )
     flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
@@ -135,13 +144,10 @@ def symmetric_mailbox(group: dist.ProcessGroup, capacity: int, hidden: int,
     return box
 
 
-def ranks_share_a_gpu(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """Whether two ranks of ``group`` run on one GPU of one host: symmetric
-    memory refuses to map such ranks' mailboxes. All ranks get the same answer."""
-    me = (socket.gethostname(), device.index if device.index is not None else 0)
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, me, group=group)
-    return len(set(everyone)) < len(everyone)
+def ranks_share_a_gpu(placements: list[tuple[str, int]]) -> bool:
+    """Whether two ranks run on one GPU of one host (from their
+    :func:`gpu_placements`): symmetric memory refuses to map their mailboxes."""
+    return len(set(placements)) < len(placements)
 
 
 def local_words(group: dist.ProcessGroup | None, capacity: int, hidden: int,

@@ -30,6 +30,7 @@ from decode_boundary.gemm.timing import graph_time_us, median_replay_us, rotated
 from decode_boundary.launch import RankContext
 from decode_boundary.model.baseline import RowwiseFp8Linear, rowwise_fp8
 from decode_boundary.model.chain import (
+    OUTPUT_NAMES,
     PATHS,
     AttentionBoundary,
     BoundaryOutputs,
@@ -50,7 +51,6 @@ WARMUP_REPLAYS = 3
 REPLAYS = 15
 COPY_BYTES = 1 << 30  # smaller buffers read slower than HBM can (design.md §9)
 FP8_ROW_ALIGN = 16  # cuBLASLt FP8 needs every dimension a multiple of 16
-OUTPUT_NAMES = ("residual_out", "layer_input", "q")
 
 
 @dataclass(frozen=True)

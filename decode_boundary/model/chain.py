@@ -34,6 +34,7 @@ from decode_boundary.mxfp8.linear import Mxfp8Linear, load_linear
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
 PATHS = ("baseline", "unfused", "fused")
+OUTPUT_NAMES = ("residual_out", "layer_input", "q")  # the fields of BoundaryOutputs
 WEIGHT_STD = 0.02  # synthetic weights: the scale of a trained projection's entries
 
 
@@ -319,7 +320,7 @@ CHAIN_RTOL = 2e-2
 def check_outputs(out: BoundaryOutputs, ref: BoundaryOutputs) -> list[str]:
     """Failures (empty when fine) of a path's outputs against the reference."""
     failures = []
-    for name in ("residual_out", "layer_input", "q"):
+    for name in OUTPUT_NAMES:
         got, want = getattr(out, name).float(), getattr(ref, name).float()
         if got.shape != want.shape:
             failures.append(f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}")
@@ -337,5 +338,5 @@ def outputs_identical(a: BoundaryOutputs, b: BoundaryOutputs) -> bool:
     """Bit-identical outputs (BF16 compared as raw 16-bit patterns)."""
     return all(
         torch.equal(getattr(a, n).view(torch.int16), getattr(b, n).view(torch.int16))
-        for n in ("residual_out", "layer_input", "q")
+        for n in OUTPUT_NAMES
     )

@@ -33,13 +33,11 @@ from decode_boundary.model.bench import (
     mxfp8_weight_bytes,
     step_time_us,
 )
-from decode_boundary.model.chain import AttentionBoundary
+from decode_boundary.model.chain import PATHS, AttentionBoundary
 from decode_boundary.model.config import MODELS
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 from decode_boundary.report import git_commit
-
-PATHS = ("baseline", "unfused", "fused")
 
 
 def _boundary_step(ab: AttentionBoundary, path: str, o: torch.Tensor, o_q, inputs) -> None:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from decode_boundary.boundary.reference import consumer_ref
 from decode_boundary.mxfp8.format import E4M3_MAX
 
-_ROW_ALIGN = 16  # cuBLASLt FP8 needs every dimension a multiple of 16
+FP8_ROW_ALIGN = 16  # cuBLASLt FP8 needs every dimension a multiple of 16
 
 
 def rowwise_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,7 +37,7 @@ class RowwiseFp8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        padded = -(-rows // _ROW_ALIGN) * _ROW_ALIGN
+        padded = -(-rows // FP8_ROW_ALIGN) * FP8_ROW_ALIGN
         if padded != rows:
             x = torch.nn.functional.pad(x, (0, 0, 0, padded - rows))
         data, scale = rowwise_fp8(x)

@@ -28,7 +28,7 @@ from rich.progress import Progress
 from decode_boundary.gemm import mxfp8_mm
 from decode_boundary.gemm.timing import graph_time_us, median_replay_us, rotated_copies
 from decode_boundary.launch import RankContext
-from decode_boundary.model.baseline import RowwiseFp8Linear, rowwise_fp8
+from decode_boundary.model.baseline import FP8_ROW_ALIGN, RowwiseFp8Linear, rowwise_fp8
 from decode_boundary.model.chain import (
     OUTPUT_NAMES,
     PATHS,
@@ -50,7 +50,6 @@ MIN_GRAPH_STEPS = 20  # calls per graph: dilutes the replay launch and rank skew
 WARMUP_REPLAYS = 3
 REPLAYS = 15
 COPY_BYTES = 1 << 30  # smaller buffers read slower than HBM can (design.md §9)
-FP8_ROW_ALIGN = 16  # cuBLASLt FP8 needs every dimension a multiple of 16
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from decode_boundary.boundary.consumer_kernel import (
     sumsq_columns,
 )
 from decode_boundary.boundary.reference import consumer_ref, moe_finalize_ref, reduce_ref
+from decode_boundary.gemm.reference import bf16_ulp
 from decode_boundary.mxfp8.format import (
     mxfp8_scale_bytes,
     quantize_mxfp8_ref,
@@ -53,8 +54,7 @@ def mxfp8_buffers(m, h=H):
 
 def check_layer_input(layer_input, ref):
     diff = (layer_input.float() - ref.float()).abs()
-    ulp = torch.exp2(torch.floor(torch.log2(ref.float().abs().clamp(min=2.0**-126))) - 7)
-    assert bool((diff <= ulp).all())
+    assert bool((diff <= bf16_ulp(ref.float())).all())
 
 
 def run_step(ars, d, residual_only=False, quantize=False):

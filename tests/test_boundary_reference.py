@@ -19,12 +19,8 @@ from decode_boundary.boundary.reference import (
     moe_finalize_ref,
     reduce_ref,
 )
+from decode_boundary.gemm.reference import bf16_ulp
 from decode_boundary.mxfp8.format import quantize_mxfp8_ref
-
-
-def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
-    e = torch.floor(torch.log2(x.abs().clamp(min=2.0**-126)))
-    return torch.exp2(e - 7)
 
 
 def inputs(m, hc, h, tp, seed):

@@ -15,6 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..gemm.reference import bf16_ulp
 from ..launch import RankContext
 from ..mxfp8.format import mxfp8_scale_bytes, quantize_mxfp8_ref
 from .all_reduce import BoundaryAllReduce
@@ -38,8 +39,7 @@ def _inputs(m, tp, hidden, gen, device):
 
 
 def _ulp_violations(layer, ref):
-    ulp = torch.exp2(torch.floor(torch.log2(ref.float().abs().clamp(min=2.0**-126))) - 7)
-    return ((layer.float() - ref.float()).abs() > ulp).sum()
+    return ((layer.float() - ref.float()).abs() > bf16_ulp(ref.float())).sum()
 
 
 def _mxfp8_buffers(m, hidden, device):

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from decode_boundary.boundary.all_reduce import BoundaryAllReduce
+from decode_boundary.boundary.all_reduce import BoundaryAllReduce, PublishTarget
 from decode_boundary.gemm import (
     LOW_BATCH_MAX_ROWS,
     launch_low_latency,
@@ -76,8 +76,9 @@ class PublishingMxfp8Linear:
         if qa.data.shape[1] != k:
             raise ValueError(f"x has K={qa.data.shape[1]}, linear expects K={k}")
         out = torch.empty(rows, n, dtype=torch.bfloat16, device=qa.data.device)
-        tactic = self._compiled_tactic(linear, rows)
-        launch_low_latency(linear, qa, out, tactic, publish=self.all_reduce.publish_target())
+        target = self.all_reduce.publish_target()
+        tactic = self._compiled_tactic(linear, rows, target)
+        launch_low_latency(linear, qa, out, tactic, publish=target)
         out = out.view(*qa.orig_shape[:-1], n)
         self.all_reduce.mark_published(out)
         return out
@@ -87,15 +88,14 @@ class PublishingMxfp8Linear:
         publish without its consumer would desynchronise the mailbox.
         Collective when it compiles something new (it barriers the group)."""
         if self.supports(linear, num_tokens):
-            self._compiled_tactic(linear, num_tokens)
+            self._compiled_tactic(linear, num_tokens, self.all_reduce.publish_target())
 
-    def _compiled_tactic(self, linear: torch.nn.Module, rows: int):
+    def _compiled_tactic(self, linear: torch.nn.Module, rows: int, target: PublishTarget):
         """The tactic a plain call selects for ``rows``, its publishing kernel
         compiled through the all-reduce: the first use is collective, so a rank
         still compiling cannot make a peer's consumer wait past its bound."""
         tactic = selected_tactic(linear, rows)
         k, n = linear.weight.shape
-        target = self.all_reduce.publish_target()
         self.all_reduce.compile_variants({
             ("publishing_gemm", n, k, tactic):
                 lambda: precompile(linear, [rows], publish=target),

@@ -142,6 +142,18 @@ def _digest(out: BoundaryOutputs) -> str:
     return h.hexdigest()
 
 
+def _verdict(rows: int, paths_identical: bool, fused: BoundaryOutputs,
+             unfused: BoundaryOutputs, ref: BoundaryOutputs, ranks_identical: bool) -> dict:
+    """``{"rows", "ok", "failures", "ranks_identical"}`` of one row count."""
+    failures = [] if paths_identical else ["fused and unfused outputs differ"]
+    failures += [f"fused {f}" for f in check_outputs(fused, ref)]
+    failures += [f"unfused {f}" for f in check_outputs(unfused, ref)]
+    if not ranks_identical:
+        failures.append("ranks hold different outputs")
+    return {"rows": rows, "ok": not failures, "failures": failures,
+            "ranks_identical": ranks_identical}
+
+
 def verify_rows(ab: AttentionBoundary, rows: int, group: dist.ProcessGroup | None) -> dict:
     """Correctness of one row count: ``{"rows", "ok", "failures", "ranks_identical"}``.
 
@@ -150,17 +162,12 @@ def verify_rows(ab: AttentionBoundary, rows: int, group: dist.ProcessGroup | Non
     fused = ab.run(inputs, "fused")
     unfused = ab.run(inputs, "unfused")
     ref = ab.reference(inputs)
-    failures = [] if outputs_identical(fused, unfused) else ["fused and unfused outputs differ"]
-    failures += [f"fused {f}" for f in check_outputs(fused, ref)]
-    failures += [f"unfused {f}" for f in check_outputs(unfused, ref)]
     identical = True
     if group is not None:
         digests = [None] * dist.get_world_size(group)
         dist.all_gather_object(digests, _digest(fused), group=group)
         identical = len(set(digests)) == 1
-        if not identical:
-            failures.append("ranks hold different outputs")
-    return {"rows": rows, "ok": not failures, "failures": failures, "ranks_identical": identical}
+    return _verdict(rows, outputs_identical(fused, unfused), fused, unfused, ref, identical)
 
 
 def verify_simulated(spec: BenchSpec, tp: int) -> dict:
@@ -175,16 +182,9 @@ def verify_simulated(spec: BenchSpec, tp: int) -> dict:
         unfused = run_simulated(ranks, inputs, "unfused")
         partials = [b.reference_partial(x) for b, x in zip(ranks, inputs, strict=True)]
         ref = ranks[0].reference(inputs[0], partials)
-        failures = []
-        if not all(outputs_identical(f, u) for f, u in zip(fused, unfused, strict=True)):
-            failures.append("fused and unfused outputs differ")
-        failures += [f"fused {f}" for f in check_outputs(fused[0], ref)]
-        failures += [f"unfused {f}" for f in check_outputs(unfused[0], ref)]
-        identical = len({_digest(out) for out in fused}) == 1
-        if not identical:
-            failures.append("ranks hold different outputs")
-        checks.append({"rows": rows, "ok": not failures, "failures": failures,
-                       "ranks_identical": identical})
+        paths_identical = all(outputs_identical(f, u) for f, u in zip(fused, unfused, strict=True))
+        checks.append(_verdict(rows, paths_identical, fused[0], unfused[0], ref,
+                               len({_digest(out) for out in fused}) == 1))
     return {"rank": 0, "device": "cpu", "transport": "simulated", "verify": checks}
 
 

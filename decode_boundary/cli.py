@@ -134,7 +134,6 @@ def _boundary(parser: argparse.ArgumentParser, args) -> int:
             print(NO_GPU.format(cmd="bench"), file=sys.stderr)
             return 2
         os.environ["TRITON_INTERPRET"] = "1"
-    if interpreter:
         tp = args.tp or INTERPRETER_TP
     else:
         tp = int(os.environ["WORLD_SIZE"]) if in_torchrun() else args.tp or max(1, gpus)

@@ -116,3 +116,28 @@ def test_second_publish_before_reduce_raises():
     publisher(linear, x)
     with pytest.raises(RuntimeError, match="unreduced"):
         publisher(linear, x)
+
+
+def test_second_publish_fails_before_touching_the_mailbox():
+    ar = _group()[0]
+    publisher = PublishingMxfp8Linear(ar)
+    gen = torch.Generator().manual_seed(8)
+    linear = Mxfp8Linear.from_float(torch.randn(HIDDEN, K, generator=gen).bfloat16())
+    publisher(linear, quantize_mxfp8(torch.randn(2, K, generator=gen).bfloat16()))
+    pending = ar._box.buffer.clone()
+    with pytest.raises(RuntimeError, match="unreduced"):
+        publisher(linear, quantize_mxfp8(torch.randn(2, K, generator=gen).bfloat16()))
+    assert torch.equal(pending.view(torch.int16), ar._box.buffer.view(torch.int16))
+
+
+def test_activations_that_are_not_2d_bf16_fall_back_without_publishing():
+    ar = _group()[0]
+    publisher = PublishingMxfp8Linear(ar)
+    gen = torch.Generator().manual_seed(9)
+    linear = Mxfp8Linear.from_float(torch.randn(HIDDEN, K, generator=gen).bfloat16())
+    before = ar._box.buffer.clone()
+    for x in (torch.randn(1, 2, K, generator=gen).bfloat16(), torch.randn(2, K, generator=gen)):
+        out = publisher(linear, x)
+        assert out.shape == (*x.shape[:-1], HIDDEN)
+    assert torch.equal(before.view(torch.int16), ar._box.buffer.view(torch.int16))
+    publisher(linear, quantize_mxfp8(torch.randn(2, K, generator=gen).bfloat16()))  # not pending

@@ -64,13 +64,17 @@ class PublishingMxfp8Linear:
     def __call__(
         self, linear: torch.nn.Module, x: torch.Tensor | QuantizedActivation
     ) -> torch.Tensor:
-        """``linear(x)``, published into the all-reduce's mailbox when supported."""
-        rows = x.rows if isinstance(x, QuantizedActivation) else x.reshape(-1, x.shape[-1]).shape[0]
-        if not self.supports(linear, rows):
+        """``linear(x)``, published into the all-reduce's mailbox when supported.
+
+        Only a 2-D activation [M, K] of BF16 origin publishes: the all-reduce
+        reduces [M, hidden] tensors, and a published output it then rejected
+        would leave the peers waiting."""
+        quantized = isinstance(x, QuantizedActivation)
+        shape, dtype = (x.orig_shape, x.orig_dtype) if quantized else (x.shape, x.dtype)
+        rows = x.rows if quantized else x.reshape(-1, x.shape[-1]).shape[0]
+        if len(shape) != 2 or dtype != torch.bfloat16 or not self.supports(linear, rows):
             return linear(x)
-        qa = x if isinstance(x, QuantizedActivation) else quantize_mxfp8(x)
-        if qa.orig_dtype != torch.bfloat16:
-            return linear(x)
+        qa = x if quantized else quantize_mxfp8(x)
         check_quantized(qa, "x")
         k, n = linear.weight.shape
         if qa.data.shape[1] != k:
@@ -78,9 +82,14 @@ class PublishingMxfp8Linear:
         out = torch.empty(rows, n, dtype=torch.bfloat16, device=qa.data.device)
         target = self.all_reduce.publish_target()
         tactic = self._compiled_tactic(linear, rows, target)
-        launch_low_latency(linear, qa, out, tactic, publish=target)
-        out = out.view(*qa.orig_shape[:-1], n)
+        # Marked before the launch: a second publish before the reduce must fail
+        # before it overwrites the pending one's slots in every peer's mailbox.
         self.all_reduce.mark_published(out)
+        try:
+            launch_low_latency(linear, qa, out, tactic, publish=target)
+        except Exception:
+            self.all_reduce.reset()  # nothing was launched: drop the mark
+            raise
         return out
 
     def precompile(self, linear: torch.nn.Module, num_tokens: int) -> None:

@@ -35,7 +35,6 @@ from decode_boundary.model.bench import (
 )
 from decode_boundary.model.chain import PATHS, AttentionBoundary
 from decode_boundary.model.config import MODELS
-from decode_boundary.mxfp8.format import mxfp8_scale_bytes
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 from decode_boundary.report import git_commit
 
@@ -47,18 +46,7 @@ def _boundary_step(ab: AttentionBoundary, path: str, o: torch.Tensor, o_q, input
         all_reduce_then_mhc(partial, inputs.residual, inputs.post, inputs.comb, inputs.pre,
                             ab.norm_weight, c.eps, ab.group, quantize=True)
         return
-    if path == "fused":
-        partial = ab.publisher(ab.wo_b, o_q)
-    else:
-        from decode_boundary.gemm import mxfp8_mm
-
-        partial = mxfp8_mm(ab.wo_b, o_q)
-        ab.all_reduce.publish(partial)
-    rows = o.shape[0]
-    data = torch.empty(rows, c.hidden, dtype=torch.float8_e4m3fn, device=ab.device)
-    scale = torch.empty(mxfp8_scale_bytes(rows, c.hidden), dtype=torch.uint8, device=ab.device)
-    ab.all_reduce(partial, inputs.residual, inputs.post, inputs.comb, inputs.pre,
-                  ab.norm_weight, c.eps, mxfp8_out=(data, scale))
+    ab.reduce(inputs, ab.wo_b_published(o_q, path))
 
 
 def run_rank(ctx: RankContext, model: str, rows_list: list[int]) -> dict:

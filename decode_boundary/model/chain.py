@@ -215,9 +215,14 @@ class AttentionBoundary:
         process can all publish before any consumes."""
         if path not in ("unfused", "fused"):
             raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-        o = self._wo_a(inputs.attn_out, lambda lin, x: mxfp8_mm(lin, quantize_mxfp8(x)))
-        o_q = quantize_mxfp8(o)
-        if path == "fused" and self.publisher.supports(self.wo_b, inputs.rows):
+        o = self._wo_a(inputs.attn_out, mxfp8_mm)  # mxfp8_mm quantizes the BF16 slices
+        return self.wo_b_published(quantize_mxfp8(o), path)
+
+    def wo_b_published(self, o_q: QuantizedActivation, path: str) -> torch.Tensor:
+        """``wo_b`` of the MXFP8 ``o_q``, published for the all-reduce: by the
+        GEMM's epilogue on the fused path where the publisher takes it, else by
+        the publish kernel."""
+        if path == "fused" and self.publisher.supports(self.wo_b, o_q.rows):
             return self.publisher(self.wo_b, o_q)
         partial = mxfp8_mm(self.wo_b, o_q)
         self.all_reduce.publish(partial)
@@ -225,8 +230,13 @@ class AttentionBoundary:
 
     def consume(self, inputs: BoundaryInputs, partial: torch.Tensor) -> BoundaryOutputs:
         """The consumer (all-reduce + mHC + RMSNorm + MXFP8) and ``fused_wqa_wkv``."""
-        c = self.config
-        rows = inputs.rows
+        residual_out, layer_input, next_in = self.reduce(inputs, partial)
+        return BoundaryOutputs(residual_out, layer_input, mxfp8_mm(self.fused_wqa_wkv, next_in))
+
+    def reduce(self, inputs: BoundaryInputs, partial: torch.Tensor):
+        """The consumer alone: (residual_out, layer_input, the next layer's
+        MXFP8 input) from the published ``partial``."""
+        c, rows = self.config, inputs.rows
         data = torch.empty(rows, c.hidden, dtype=torch.float8_e4m3fn, device=self.device)
         scale = torch.empty(mxfp8_scale_bytes(rows, c.hidden), dtype=torch.uint8,
                             device=self.device)
@@ -235,8 +245,7 @@ class AttentionBoundary:
             self.norm_weight, c.eps, mxfp8_out=(data, scale),
         )
         next_in = QuantizedActivation(data, scale, torch.bfloat16, layer_input.shape)
-        q = mxfp8_mm(self.fused_wqa_wkv, next_in)
-        return BoundaryOutputs(residual_out, layer_input, q)
+        return residual_out, layer_input, next_in
 
     def baseline_linear(self, name: str) -> RowwiseFp8Linear:
         """The cuBLAS FP8 row-wise twin of projection ``name`` ("wo_a<g>",

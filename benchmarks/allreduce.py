@@ -6,7 +6,8 @@ MXFP8) against (a) NCCL all-reduce + the same mHC/norm/quant in torch ops,
 Per (hidden, M, path): a CUDA graph of CALLS back-to-back calls, replayed
 REPS times between barriers, timed with CUDA events; the per-call time is the
 median replay / CALLS (rank 0's numbers; ranks run in lock step). Writes
-``benchmarks/results/allreduce-<gpu>-<date>.json`` and prints a table.
+``benchmarks/results/allreduce-<gpu>-<date-time>.json`` (``--out`` for another
+folder) and prints a table.
 
     PYTHONPATH=. python benchmarks/allreduce.py            # spawns 2 ranks
     PYTHONPATH=. torchrun --nproc-per-node 2 benchmarks/allreduce.py
@@ -182,6 +183,9 @@ def main() -> None:
     parser.add_argument("--m", type=int, nargs="*", default=list(MS))
     parser.add_argument("--sweep", action="store_true",
                         help="consumer tactics at H = 5120, M = 1, 8, 16 (ours and plain)")
+    parser.add_argument("--out", type=pathlib.Path,
+                        default=pathlib.Path(__file__).parent / "results",
+                        help="folder for the JSON (default benchmarks/results)")
     args = parser.parse_args()
     disable_multicast()
     if args.sweep:
@@ -196,10 +200,10 @@ def main() -> None:
     record = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, commit=commit,
                   command=" ".join(sys.argv), calls_per_graph=CALLS, replays=REPS,
                   date=datetime.datetime.now().isoformat(timespec="seconds"), rows=rows)
-    out_dir = pathlib.Path(__file__).parent / "results"
-    out_dir.mkdir(exist_ok=True)
+    out_dir = args.out
+    out_dir.mkdir(parents=True, exist_ok=True)
     kind = "allreduce-sweep" if args.sweep else "allreduce"
-    name = f"{kind}-{gpu.replace(' ', '_')}-{datetime.date.today().isoformat()}.json"
+    name = f"{kind}-{gpu.replace(' ', '_')}-{datetime.datetime.now():%Y-%m-%d-%H%M}.json"
     (out_dir / name).write_text(json.dumps(record, indent=1))
     print(_sweep_table(rows) if args.sweep else _table(rows))
     print(f"wrote {out_dir / name}")

@@ -9,11 +9,16 @@ ranks bit-identical.
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
 from decode_boundary.boundary.consumer_kernel import (
     FULL,
+    NORM_TIMEOUT_BIT,
     ConsumerTactic,
+    _publish_partial,
+    _wait_partials,
     consume,
     sumsq_columns,
 )
@@ -174,10 +179,11 @@ def test_missing_peer_is_named_then_reset_recovers():
 def scratch(h=H, poison=False):
     """Per-token norm scratch as the mailbox holds it (poisoned: must not leak)."""
     fill = float("nan") if poison else 0.0
-    return dict(counter=torch.zeros(CAP, dtype=torch.int32),
-                ready=torch.zeros(CAP, dtype=torch.int32),
+    # Poisoned partials carry the previous generation's tag (0): stale, never used.
+    stale_nan = torch.tensor(fill).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return dict(generation=torch.zeros(CAP, dtype=torch.int32),
                 status=torch.zeros(1, dtype=torch.int32),
-                sumsq=torch.full((CAP, sumsq_columns(h)), fill),
+                sumsq=torch.full((CAP, sumsq_columns(h)), int(stale_nan), dtype=torch.int64),
                 prenorm=torch.full((CAP, h), fill, dtype=torch.bfloat16))
 
 
@@ -204,8 +210,6 @@ def test_every_tactic_matches_reference(tactic):
     h, m = 256, 2
     d = step_inputs(m, 2, seed=33, h=h)
     s = scratch(h, poison=True)
-    s["counter"].zero_()
-    s["ready"].zero_()
     q = mxfp8_buffers(m, h)
     res_out, layer = consume(torch.stack(d["xs"]), 2, m, mode=FULL, **s, residual=d["residual"],
                              post=d["post"], comb=d["comb"], pre=d["pre"],
@@ -218,8 +222,10 @@ def test_every_tactic_matches_reference(tactic):
     want = quantize_mxfp8_ref(layer)
     assert torch.equal(bits(q[0]), bits(want.data))
     assert torch.equal(unswizzle_scales(q[1], m, h), unswizzle_scales(want.scale, m, h))
-    assert s["counter"].eq(0).all(), "per-token counters must be re-armed"
-    assert s["ready"][:m].eq(1 if tactic.cooperative else 0).all()
+    assert s["generation"][:m].eq(1).all() and s["generation"][m:].eq(0).all()
+    tags = s["sumsq"] >> 32
+    assert tags[:m].eq(1).all() and tags[m:].eq(0).all(), "each launch rewrites its rows"
+    assert s["status"].item() == 0
 
 
 def test_cooperative_tactic_refused_where_programs_cannot_meet():
@@ -301,3 +307,35 @@ def test_precompile_marks_every_variant_then_calls_compile_nothing_new():
         (0, False), (1, False), (2, False), (2, True)}
     run_step(ars, step_inputs(2, 2, seed=4), quantize=True)
     assert ars[0]._compiled == compiled
+
+
+@triton.jit
+def _handoff_probe(sumsq_ptr, status_ptr, partial_ptr, tag_ptr, total_ptr, bound,
+                   UNITS: tl.constexpr, UNITS_P2: tl.constexpr, BLOCK_H: tl.constexpr):
+    chunk = tl.program_id(0)
+    tag = tl.load(tag_ptr)
+    _publish_partial(sumsq_ptr, 0, chunk, tl.load(partial_ptr + chunk), tag, UNITS, BLOCK_H)
+    total = _wait_partials(sumsq_ptr, status_ptr, 0, tag, bound, UNITS, UNITS_P2, False)
+    tl.store(total_ptr + chunk, total)
+
+
+def test_norm_handoff_waits_for_this_generation_of_every_unit():
+    """The interpreter runs program 0 to the end before program 1 starts: program 0
+    finds chunk 1's units stale (older tag, poisoned value), gives up after the
+    bound and flags the status word without using them; program 1 then sees every
+    unit tagged and gets the exact total. Units beyond a chunk's first are +0."""
+    units, block = 4, 64  # H = 128 in two 64-column chunks of two units each
+    tag = 7
+    stale = (tag - 1) << 32 | int(torch.tensor(float("nan")).view(torch.int32)) & 0xFFFFFFFF
+    sumsq = torch.full((1, units), stale, dtype=torch.int64)
+    status = torch.zeros(1, dtype=torch.int32)
+    partials = torch.rand(2) * 100
+    total = torch.full((2,), float("nan"))
+    _handoff_probe[(2,)](sumsq, status, partials, torch.tensor([tag], dtype=torch.int32), total,
+                         50, UNITS=units, UNITS_P2=4, BLOCK_H=block)
+    assert status.item() == NORM_TIMEOUT_BIT
+    assert (sumsq >> 32).eq(tag).all()
+    values = (sumsq & 0xFFFFFFFF).to(torch.int32).view(torch.float32)[0]
+    assert torch.equal(values, torch.stack([partials[0], torch.tensor(0.0),
+                                            partials[1], torch.tensor(0.0)]))
+    assert total[1].item() == (partials[0] + partials[1]).item()

@@ -1,7 +1,7 @@
 """Compile the boundary kernels for sm_90 (no GPU needed) and check the PTX
 for what the interpreter cannot show: 16-byte unicast peer stores, volatile
-16-byte mailbox polls, the %globaltimer bound, PDL, the acq_rel counter, no
-FMA contraction (bit-exactness) and no multicast.
+16-byte mailbox polls, the %globaltimer bound, PDL, the tagged norm hand-off
+(no atomics, no fences), no FMA contraction (bit-exactness) and no multicast.
 
 Runs in a subprocess because the suite's ``TRITON_INTERPRET=1`` turns every
 ``triton.jit`` of this process into an interpreter function.
@@ -34,14 +34,14 @@ out = {}
 out["publish"] = ptx(publish_kernel, {"x_ptr": "*bf16", "peer_ptrs_ptr": "*i64",
     "stage_ptr": "*i32", "rank": "i32", "capacity": "i32"},
     dict(TP=2, HIDDEN=5120, BLOCK_H=512, USE_PDL=True), 2)
-ptrs = ["mailbox_ptr:bf16", "stage_ptr:i32", "status_ptr:i32", "counter_ptr:i32",
-        "ready_ptr:i32", "sumsq_ptr:fp32", "prenorm_ptr:bf16", "residual_ptr:bf16",
+ptrs = ["mailbox_ptr:bf16", "stage_ptr:i32", "status_ptr:i32", "generation_ptr:i32",
+        "sumsq_ptr:i64", "prenorm_ptr:bf16", "residual_ptr:bf16",
         "post_ptr:fp32", "comb_ptr:fp32",
         "pre_ptr:fp32", "gamma_ptr:bf16", "out_ptr:bf16", "layer_ptr:bf16",
         "qdata_ptr:fp8e4nv", "qscale_ptr:u8"]
 sig = {p.split(":")[0]: "*" + p.split(":")[1] for p in ptrs}
 sig.update(eps="fp32", capacity="i32", wait_bound="i64")
-full = dict(TP=2, HC=4, HIDDEN=5120, BLOCK_H=512, MODE=2, QUANT=True, LAMPORT=True,
+full = dict(TP=2, HC=4, HIDDEN=5120, BLOCK_H=512, UNITS_P2=256, MODE=2, QUANT=True, LAMPORT=True,
     COOPERATIVE=True, USE_PTX=True, USE_PDL=True)
 out["consumer"] = ptx(consumer_kernel, sig, full, 2)
 out["consumer_serial"] = ptx(consumer_kernel, sig, dict(full, BLOCK_H=1024, COOPERATIVE=False), 4)
@@ -76,8 +76,7 @@ def test_consumer_polls_volatile_with_time_bound(ptx):
     code = ptx["consumer"]
     assert "ld.volatile.global.v4" in code
     assert "%globaltimer" in code
-    assert "atom.global.gpu.acq_rel.add" in code
-    assert "atom.global.gpu.acq_rel.or" in code
+    assert "atom.global.gpu.acq_rel.or" in code  # the status word, only on a timeout
     assert "griddepcontrol.wait" in code
 
 
@@ -91,10 +90,13 @@ def test_consumer_has_no_spills_and_a_short_body(ptx):
     body = [line for line in ptx["consumer"].splitlines()
             if line.strip() and not line.strip().startswith(("//", ".", "$", "{", "}"))]
     assert len(body) < 2500, len(body)
-    assert "atom.global.gpu.release.add" in ptx["consumer"]
-    # The ready-word poll (an atomic add of 0 with acquire) becomes an acquire load.
+    # The norm hand-off: one 64-bit store of tag + partial, 64-bit volatile polls of the
+    # token's row, and neither fences nor atomics on the way (atomics only set status).
     code = ptx["consumer"]
-    assert "ld.global.gpu.acquire" in code or "atom.global.gpu.acquire" in code
+    assert "st.global.b64" in code or "st.global.v2.b64" in code
+    assert "ld.volatile.global.v2.b64" in code or "ld.volatile.global.b64" in code
+    assert "fence" not in code and "membar" not in code
+    assert all(".or." in line for line in code.splitlines() if "atom." in line)
 
 
 def test_no_fma_no_multicast(ptx):

@@ -296,7 +296,7 @@ class BoundaryAllReduce:
 
     def reset(self, collective: bool = False) -> None:
         """Drop an unreduced publish. ``collective=True`` (every rank must call
-        it): also re-arm the mailbox (-0), the stage words, counters and status."""
+        it): also re-arm the mailbox (-0), the stage words, the norm scratch and status."""
         box = self._open()
         self._published = None
         if not collective:
@@ -376,7 +376,7 @@ class BoundaryAllReduce:
         box = self._box
         m = x.shape[0]
         # The status word and bound serve the norm hand-off in both transports.
-        scratch = dict(counter=box.counter, ready=box.ready, sumsq=box.sumsq,
+        scratch = dict(generation=box.generation, sumsq=box.sumsq,
                        prenorm=box.prenorm, tactic=self.tactic, compile_only=compile_only,
                        status=box.status, wait_bound=self._wait_bound)
         if self.transport == "mailbox":

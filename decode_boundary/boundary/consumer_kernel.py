@@ -9,17 +9,21 @@ stream; ``post``/``comb``/``pre`` are scalars, so no step reduces across
 threads) and writes ``residual_out`` for its columns, then re-arms the slots.
 
 The RMSNorm needs the sum of squares of the whole row. Each program adds up
-its own chunk's squares and stores that one FP32 partial; the total is the
-partials added in chunk order 0, 1, ... (the same bits in every program and
-on every rank). Two ways to meet (``COOPERATIVE``):
+its own chunk's squares and publishes that one FP32 partial into the token's
+row of ``sumsq`` (int64 words, one per 32-column unit: the chunk's first unit
+holds the partial, its other units +0.0), each word tagged in its high half
+with the token's generation + 1. The total is one fixed tree sum over the
+row's units (the same bits in every program, on every rank). Two ways to meet
+(``COOPERATIVE``):
 
-* cooperative (GPU default): a program stores its partial, arrives on the
-  token's counter, and waits until the last arriver bumps the token's ready
-  word; then every program normalises and quantizes its own chunk. This needs
-  the programs of a token to be resident together: the grid is small (M x
-  H / BLOCK_H programs), chunks are dispatched fastest, and a dependent kernel
-  launches only after every program here has started; the wait is bounded and
-  a timeout sets ``NORM_TIMEOUT_BIT`` in the status word instead of hanging.
+* cooperative (GPU default): after publishing, a program polls the token's
+  whole row until every unit carries this launch's tag (bounded; a timeout
+  sets ``NORM_TIMEOUT_BIT`` in the status word instead of hanging), then
+  normalises and quantizes its own chunk. One store and one poll, no atomics:
+  the hand-off is a Lamport exchange like the mailbox's. This needs the
+  programs of a token to be resident together: the grid is small (M x H /
+  BLOCK_H programs), chunks are dispatched fastest, and a dependent kernel
+  launches only after every program here has started.
 * serial (the interpreter, which runs programs one after another, and a tactic
   for large M): one program per token walks its chunks twice, the first time
   keeping ``prenorm`` in a scratch row, the second time normalising it.
@@ -44,16 +48,21 @@ dependency wait (the publisher's grid has completed). Re-arming the slots
 (-0 stores) and advancing NEXT are plain stores: the next reader of either is
 a later kernel on this GPU (kernel boundary), and a peer writes this stage
 again only three boundaries later, after our later publishes, which follow this
-kernel's completion in stream order. Norm hand-off: a program reads the ready
-word (volatile) *before* it arrives, so the bump it waits for is the one after
-its own arrival; ``debug_barrier`` makes every thread's partial store precede
-the ``acq_rel`` gpu-scope ``atomic_add`` on the counter; the last arriver's
-acquire sees every partial, it bumps the ready word with a ``release`` atomic,
-the waiters poll it with ``acquire`` atomics and then read the partials with
-volatile loads. The last arriver zeroes the counter with a plain store (every
-program has arrived; the next reader is a later launch). The serial path reads
-back its own scratch after a ``debug_barrier``. The status word is set with
-``atomic_or`` (several programs may time out together).
+kernel's completion in stream order.
+
+Norm hand-off: every program of a launch writes every unit of its chunk with
+aligned 64-bit stores (tag and partial land together: a word is never seen
+half written), so a word with this launch's tag holds this launch's partial,
+and after a launch every unit of the token holds its tag. The tag is
+``generation[m] + 1``: read (volatile) after the grid dependency wait, it was
+advanced by the previous launch's chunk-0 program, which stores it only after
+seeing every unit tagged, i.e. after every program of that launch has read the
+old value; so no program ever mixes two generations. A word from an older
+launch carries the previous tag (every launch rewrites the whole row), so it
+is never taken for this one's, also when the 32-bit generation wraps. Polls
+are volatile (not served from L1). The serial path uses the same words; its
+own stores precede its reads through a ``debug_barrier``. The status word is
+set with ``atomic_or`` (several programs may time out together).
 
 **What the caller must guarantee.** Every rank publishes exactly once per
 consume into stage NEXT (publish kernel, finalize kernel or a publishing GEMM)
@@ -65,10 +74,9 @@ the kernel is compiled before the peers wait on this rank (see
 ``BoundaryAllReduce.precompile``).
 
 **Why it is CUDA-graph safe.** The stage is read and advanced on the device,
-the counter is re-armed by the launch that used it and the ready word only
-ever moves forward, the timeout and status live in device memory; no host
-value changes between replays, and the grid depends only on M, fixed per
-captured graph.
+the generation words only ever move forward (on the device), the timeout and
+status live in device memory; no host value changes between replays, and the
+grid depends only on M, fixed per captured graph.
 """
 from __future__ import annotations
 
@@ -94,7 +102,7 @@ QUANT_GROUP = 32  # MXFP8 group: a chunk holds whole groups, so it is >= 32 colu
 
 class ConsumerTactic(NamedTuple):
     """Columns per program, warps, and whether the programs of a token share the
-    RMSNorm through the ready-word hand-off (``cooperative``) or one program per
+    RMSNorm through the tagged hand-off (``cooperative``) or one program per
     token walks the row chunk by chunk (only for the full mode; the others never
     need a whole row)."""
 
@@ -220,12 +228,44 @@ def _reduce_mix(slots, res, post, comb, pre, out_ptr, m, cols, cmask,
 
 
 @triton.jit
-def _row_total(sumsq_ptr, m, CHUNKS: tl.constexpr, STRIDE: tl.constexpr):
-    """The row's sum of squares: the chunk partials added in chunk order."""
-    total = tl.load(sumsq_ptr + m * STRIDE, volatile=True)
-    for c in tl.static_range(1, CHUNKS):
-        total = total + tl.load(sumsq_ptr + m * STRIDE + c, volatile=True)
-    return total
+def _publish_partial(sumsq_ptr, m, chunk, partial, tag, UNITS: tl.constexpr,
+                     BLOCK_H: tl.constexpr):
+    """Write this chunk's units of token m's row, tagged: the first unit holds
+    ``partial``, the others +0.0 (so every launch rewrites the whole row,
+    whatever its tactic). One aligned 64-bit store per unit: tag and value
+    land together."""
+    PER_CHUNK: tl.constexpr = BLOCK_H // 32
+    k = tl.arange(0, PER_CHUNK)
+    units = chunk * PER_CHUNK + k
+    value = tl.where(k == 0, partial, 0.0).to(tl.int32, bitcast=True)
+    word = (tag.to(tl.int64) << 32) | (value.to(tl.int64) & 0xFFFFFFFF)
+    tl.store(sumsq_ptr + m * UNITS + units, word, mask=units < UNITS)
+
+
+@triton.jit
+def _wait_partials(sumsq_ptr, status_ptr, m, tag, wait_bound, UNITS: tl.constexpr,
+                   UNITS_P2: tl.constexpr, USE_PTX: tl.constexpr):
+    """Poll token m's row (volatile) until every unit carries ``tag`` or the
+    bound passes (then ``NORM_TIMEOUT_BIT``); returns the row's sum of squares,
+    one fixed tree over the units."""
+    units = tl.arange(0, UNITS_P2)
+    live = units < UNITS
+    row = sumsq_ptr + m * UNITS + units
+    words = tl.load(row, mask=live, other=0, volatile=True)
+    stale = tl.max(tl.where(live & ((words >> 32).to(tl.int32) != tag), 1, 0)) > 0
+    if stale:
+        spins = 0
+        start = _now(spins, USE_PTX)
+        go = stale
+        while go:
+            words = tl.load(row, mask=live, other=0, volatile=True)
+            stale = tl.max(tl.where(live & ((words >> 32).to(tl.int32) != tag), 1, 0)) > 0
+            spins += 1
+            go = stale & ((_now(spins, USE_PTX) - start) <= wait_bound)
+        if stale:
+            tl.atomic_or(status_ptr, _NORM_TIMEOUT_BIT)
+    partials = (words & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+    return tl.sum(partials, axis=0)
 
 
 @triton.jit
@@ -245,31 +285,6 @@ def _norm_chunk(prenorm, gamma, total, eps, layer_ptr, qdata_ptr, qscale_ptr, m,
         groups = chunk * GROUPS + tl.arange(0, GROUPS)
         tl.store(qscale_ptr + swizzled_offset(m, groups, K_TILES),
                  tl.reshape(exponent, (GROUPS,)).to(tl.uint8), mask=groups < HIDDEN // 32)
-
-
-@triton.jit
-def _norm_handoff(counter_ptr, ready_ptr, status_ptr, m, wait_bound,
-                  CHUNKS: tl.constexpr, USE_PTX: tl.constexpr):
-    """Arrive on token m's counter; the last arriver re-arms it and bumps the
-    ready word, the others wait (bounded) for that bump. Afterwards every
-    chunk's partial is visible (see the module docstring)."""
-    gen = tl.load(ready_ptr + m, volatile=True)  # before arriving: the bump comes after
-    tl.debug_barrier()  # every thread's partial store precedes the release below
-    arrived = tl.atomic_add(counter_ptr + m, 1, sem="acq_rel", scope="gpu")
-    if arrived == CHUNKS - 1:
-        tl.store(counter_ptr + m, 0)
-        tl.atomic_add(ready_ptr + m, 1, sem="release", scope="gpu")
-    else:
-        spins = 0
-        start = _now(spins, USE_PTX)
-        now_gen = gen
-        go = now_gen == gen
-        while go:
-            now_gen = tl.atomic_add(ready_ptr + m, 0, sem="acquire", scope="gpu")
-            spins += 1
-            go = (now_gen == gen) & ((_now(spins, USE_PTX) - start) <= wait_bound)
-        if now_gen == gen:
-            tl.atomic_or(status_ptr, _NORM_TIMEOUT_BIT)
 
 
 @triton.jit
@@ -296,16 +311,16 @@ def _consume_chunk(mailbox_ptr, status_ptr, out_ptr, slot_row, row_stride, wait_
 # not turn it into a Python int.
 @triton.jit(do_not_specialize=["capacity"])
 def consumer_kernel(
-    mailbox_ptr, stage_ptr, status_ptr, counter_ptr, ready_ptr, sumsq_ptr, prenorm_ptr,
+    mailbox_ptr, stage_ptr, status_ptr, generation_ptr, sumsq_ptr, prenorm_ptr,
     residual_ptr, post_ptr, comb_ptr, pre_ptr, gamma_ptr,
     out_ptr, layer_ptr, qdata_ptr, qscale_ptr,
     eps, capacity, wait_bound,
     TP: tl.constexpr, HC: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr,
-    MODE: tl.constexpr, QUANT: tl.constexpr, LAMPORT: tl.constexpr,
+    UNITS_P2: tl.constexpr, MODE: tl.constexpr, QUANT: tl.constexpr, LAMPORT: tl.constexpr,
     COOPERATIVE: tl.constexpr, USE_PTX: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     CHUNKS: tl.constexpr = (HIDDEN + BLOCK_H - 1) // BLOCK_H
-    STRIDE: tl.constexpr = (HIDDEN + 31) // 32  # sumsq row: room for 32-column chunks
+    UNITS: tl.constexpr = (HIDDEN + 31) // 32  # sumsq row: one word per 32 columns
     SERIAL: tl.constexpr = (MODE == _FULL) and (not COOPERATIVE)
     chunk = tl.program_id(0)  # always 0 when SERIAL: the program walks the row
     m = tl.program_id(1)
@@ -328,6 +343,10 @@ def consumer_kernel(
     row_stride = capacity.to(tl.int64) * HIDDEN
     slot_row = (stage * TP).to(tl.int64) * row_stride + m.to(tl.int64) * HIDDEN
     row_off = m.to(tl.int64) * HIDDEN
+    tag = tl.full((), 0, tl.int32)
+    if MODE == _FULL:
+        # After the grid wait: the previous launch advanced it (see the docstring).
+        tag = tl.load(generation_ptr + m, volatile=True) + 1
     if SERIAL:
         for c in range(CHUNKS):
             cols = c * BLOCK_H + offs
@@ -337,10 +356,13 @@ def consumer_kernel(
             prenorm = _consume_chunk(mailbox_ptr, status_ptr, out_ptr, slot_row, row_stride,
                                      wait_bound, res, post, comb, pre, m, cols, cmask,
                                      TP, HC, HIDDEN, MODE, LAMPORT, USE_PTX)
-            tl.store(sumsq_ptr + m * STRIDE + c, tl.sum(prenorm * prenorm, axis=0))
+            _publish_partial(sumsq_ptr, m, c, tl.sum(prenorm * prenorm, axis=0), tag, UNITS,
+                             BLOCK_H)
             tl.store(prenorm_ptr + row_off + cols, prenorm.to(tl.bfloat16), mask=cmask)
         tl.debug_barrier()  # this program's scratch stores precede its reads below
-        total = _row_total(sumsq_ptr, m, CHUNKS, STRIDE)
+        total = _wait_partials(sumsq_ptr, status_ptr, m, tag, wait_bound, UNITS, UNITS_P2,
+                               USE_PTX)
+        tl.store(generation_ptr + m, tag)
         for c in range(CHUNKS):
             cols = c * BLOCK_H + offs
             cmask = cols < HIDDEN
@@ -354,9 +376,12 @@ def consumer_kernel(
                                  wait_bound, res, post, comb, pre, m, cols, cmask,
                                  TP, HC, HIDDEN, MODE, LAMPORT, USE_PTX)
         if MODE == _FULL:
-            tl.store(sumsq_ptr + m * STRIDE + chunk, tl.sum(prenorm * prenorm, axis=0))
-            _norm_handoff(counter_ptr, ready_ptr, status_ptr, m, wait_bound, CHUNKS, USE_PTX)
-            total = _row_total(sumsq_ptr, m, CHUNKS, STRIDE)
+            _publish_partial(sumsq_ptr, m, chunk, tl.sum(prenorm * prenorm, axis=0), tag, UNITS,
+                             BLOCK_H)
+            total = _wait_partials(sumsq_ptr, status_ptr, m, tag, wait_bound, UNITS, UNITS_P2,
+                                   USE_PTX)
+            if chunk == 0:  # every program has read the old generation: it tagged with it
+                tl.store(generation_ptr + m, tag)
             _norm_chunk(prenorm, gamma, total, eps, layer_ptr, qdata_ptr, qscale_ptr, m, chunk,
                         cols, cmask, HIDDEN, BLOCK_H, QUANT)
 
@@ -372,7 +397,8 @@ def consumer_tactic(m: int, hidden: int) -> ConsumerTactic:
 
 
 def sumsq_columns(hidden: int) -> int:
-    """Row length of the per-token sum-of-squares scratch (one FP32 per chunk)."""
+    """Row length of the per-token sum-of-squares scratch (one tagged word per
+    32 columns, the finest chunk a tactic may use)."""
     return triton.cdiv(hidden, QUANT_GROUP)
 
 
@@ -405,8 +431,7 @@ def consume(
     mode: int,
     stage_state: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
-    counter: torch.Tensor | None = None,
-    ready: torch.Tensor | None = None,
+    generation: torch.Tensor | None = None,
     sumsq: torch.Tensor | None = None,
     prenorm: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
@@ -425,9 +450,9 @@ def consume(
     mode / ``residual_out`` [M, hc, H], ``layer_input`` [M, H] or None).
 
     ``mailbox``: BF16 [3, tp, capacity, H] (Lamport) or [tp, M, H] (gathered).
-    ``counter`` / ``ready`` int32 [rows] and ``sumsq`` FP32 [rows,
-    ``sumsq_columns(H)``] (full mode; all ``prenorm`` BF16 [rows, H] too for a
-    serial tactic): per-token scratch, rows >= M. ``wait_bound``: nanoseconds
+    ``generation`` int32 [rows] and ``sumsq`` int64 [rows, ``sumsq_columns(H)``]
+    (full mode, both zeroed once; ``prenorm`` BF16 [rows, H] too for a serial
+    tactic): per-token scratch, rows >= M. ``wait_bound``: nanoseconds
     with PTX (``%globaltimer``), spins without. ``tactic``: default from
     ``CONSUMER_TACTICS``. ``compile_only``: compile this variant, launch nothing
     (the outputs are then unwritten).
@@ -463,10 +488,9 @@ def consume(
     if mode == FULL:
         _need(pre, "pre", torch.float32, (m, hc), device)
         _need(norm_weight, "norm_weight", torch.bfloat16, (hidden,), device)
-        rows = counter.shape[0] if counter is not None else 0
-        _need(counter, "counter", torch.int32, (max(rows, m),), device)
-        _need(ready, "ready", torch.int32, (rows,), device)
-        _need(sumsq, "sumsq scratch", torch.float32, (rows, sumsq_columns(hidden)), device)
+        rows = generation.shape[0] if generation is not None else 0
+        _need(generation, "generation", torch.int32, (max(rows, m),), device)
+        _need(sumsq, "sumsq scratch", torch.int64, (rows, sumsq_columns(hidden)), device)
         if not tactic.cooperative:
             _need(prenorm, "prenorm scratch", torch.bfloat16, (rows, hidden), device)
         else:  # the norm hand-off records its own timeout, in either transport
@@ -491,12 +515,13 @@ def consume(
     kernel = consumer_kernel.warmup if compile_only else consumer_kernel[grid]
     kwargs = dict(grid=grid) if compile_only else {}
     compiled = kernel(
-        mailbox, _or(stage_state, dummy), _or(status, dummy), _or(counter, dummy),
-        _or(ready, dummy), _or(sumsq, dummy), _or(prenorm, dummy), _or(residual, dummy),
+        mailbox, _or(stage_state, dummy), _or(status, dummy), _or(generation, dummy),
+        _or(sumsq, dummy), _or(prenorm, dummy), _or(residual, dummy),
         _or(post, dummy), _or(comb, dummy), _or(pre, dummy), _or(norm_weight, dummy), out,
         _or(layer_input, dummy), mxfp8_out[0] if quant else dummy,
         mxfp8_out[1] if quant else dummy, float(eps), capacity, int(wait_bound),
-        TP=tp, HC=hc, HIDDEN=hidden, BLOCK_H=tactic.block_h, MODE=mode, QUANT=quant,
+        TP=tp, HC=hc, HIDDEN=hidden, BLOCK_H=tactic.block_h,
+        UNITS_P2=triton.next_power_of_2(sumsq_columns(hidden)), MODE=mode, QUANT=quant,
         LAMPORT=lamport, COOPERATIVE=tactic.cooperative, USE_PTX=env.use_ptx(device),
         USE_PDL=pdl, num_warps=tactic.warps, enable_fp_fusion=False, launch_pdl=pdl, **kwargs,
     )

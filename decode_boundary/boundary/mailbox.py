@@ -5,7 +5,7 @@ store into, filled with -0 (0x8000, "not yet written"); ``peer_ptrs`` int64
 [tp] on the device holds every rank's buffer address as seen from this rank;
 ``stage_state`` int32 {NEXT, ACTIVE}; ``status`` int32 [1] (bit p: rank p never
 arrived within the wait bound; ``consumer_kernel.NORM_TIMEOUT_BIT``: a norm
-hand-off timed out). ``counter`` / ``ready`` / ``sumsq`` / ``prenorm`` are the
+hand-off timed out). ``generation`` / ``sumsq`` / ``prenorm`` are the
 consumer's per-token scratch for the RMSNorm hand-off.
 
 Peer memory comes from PyTorch symmetric memory with multicast disabled
@@ -45,21 +45,20 @@ class Mailbox:
     peer_ptrs: torch.Tensor | None
     stage_state: torch.Tensor
     status: torch.Tensor
-    counter: torch.Tensor
-    ready: torch.Tensor
+    generation: torch.Tensor
     sumsq: torch.Tensor
     prenorm: torch.Tensor
     keepalive: object = None
 
     def rearm(self) -> None:
-        """-0 fill, stage words and status cleared, counters and ready words zeroed
-        (stream-ordered)."""
+        """-0 fill, stage words and status cleared, the norm hand-off's generations
+        and tagged partials zeroed together (stream-ordered)."""
         if self.buffer is not None:
             self.buffer.fill_(NEG_ZERO)
         self.stage_state.zero_()
         self.status.zero_()
-        self.counter.zero_()
-        self.ready.zero_()
+        self.generation.zero_()
+        self.sumsq.zero_()
 
 
 def _words(rank, tp, capacity, hidden, device, buffer, peer_ptrs, keepalive=None) -> Mailbox:
@@ -67,9 +66,8 @@ def _words(rank, tp, capacity, hidden, device, buffer, peer_ptrs, keepalive=None
         rank, tp, capacity, hidden, buffer, peer_ptrs,
         stage_state=torch.zeros(2, dtype=torch.int32, device=device),
         status=torch.zeros(1, dtype=torch.int32, device=device),
-        counter=torch.zeros(capacity, dtype=torch.int32, device=device),
-        ready=torch.zeros(capacity, dtype=torch.int32, device=device),
-        sumsq=torch.zeros(capacity, sumsq_columns(hidden), dtype=torch.float32, device=device),
+        generation=torch.zeros(capacity, dtype=torch.int32, device=device),
+        sumsq=torch.zeros(capacity, sumsq_columns(hidden), dtype=torch.int64, device=device),
         prenorm=torch.empty(capacity, hidden, dtype=torch.bfloat16, device=device),
         keepalive=keepalive,
     )

@@ -12,8 +12,8 @@ folder) and prints a table.
     PYTHONPATH=. python benchmarks/allreduce.py            # spawns 2 ranks
     PYTHONPATH=. torchrun --nproc-per-node 2 benchmarks/allreduce.py
 
-``--sweep``: ours (full + MXFP8) and the plain sum for H = 5120, M in {1, 8, 16}
-over the consumer tactics of ``SWEEP_TACTICS`` (< 2 minutes), to re-pin
+``--sweep``: ours (full + MXFP8) and the plain sum for H = 5120, M in {1, 8, 16,
+32, 64} over the consumer tactics of ``SWEEP_TACTICS`` (< 2 minutes), to re-pin
 ``CONSUMER_TACTICS`` in ``decode_boundary/boundary/consumer_kernel.py``.
 """
 
@@ -43,7 +43,7 @@ MS = (1, 2, 4, 8, 16, 32, 48, 64)
 HC, TOP_K, EPS, CAPACITY = 4, 6, 1e-6, 64
 CALLS, REPS = 50, 15
 PATHS = ("ours", "a_nccl_torch_mhc", "b_symm_one_shot", "c_nccl", "d_plain")
-SWEEP_HIDDEN, SWEEP_MS = 5120, (1, 8, 16)
+SWEEP_HIDDEN, SWEEP_MS = 5120, (1, 8, 16, 32, 64)
 SWEEP_TACTICS = tuple(ConsumerTactic(*t) for t in (
     (256, 1, True), (256, 2, True), (512, 1, True), (512, 2, True), (512, 4, True),
     (1024, 2, True), (1024, 4, True), (1024, 4, False), (2048, 8, False)))
@@ -182,7 +182,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, nargs="*", default=list(HIDDENS))
     parser.add_argument("--m", type=int, nargs="*", default=list(MS))
     parser.add_argument("--sweep", action="store_true",
-                        help="consumer tactics at H = 5120, M = 1, 8, 16 (ours and plain)")
+                        help="consumer tactics at H = 5120, M = 1, 8, 16, 32, 64 (ours and plain)")
     parser.add_argument("--out", type=pathlib.Path,
                         default=pathlib.Path(__file__).parent / "results",
                         help="folder for the JSON (default benchmarks/results)")

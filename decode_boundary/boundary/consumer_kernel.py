@@ -112,21 +112,45 @@ class ConsumerTactic(NamedTuple):
 
 
 # (largest M, tactic), re-pinned from `benchmarks/allreduce.py --sweep`. Measured on
-# 2 x H200, H = 5120 (2026-11-29): M = 1 / 8 fastest at (512, 4) 4.61 / 4.92 us, M = 16 at
-# (1024, 4) 5.59 us; serial tactics 10-12 us.
+# 2 x H200, H = 5120, tagged norm hand-off (2026-11-29): M = 1 fastest at (512, 4)
+# 3.99 us ((256, 2) 4.01), M = 8 at (256, 2) 4.01 ((512, 4) 4.04), M = 16 at (256, 2)
+# 4.52 ((512, 2) 4.71, (1024, 4) 5.38); serial tactics 11-13 us.
 CONSUMER_TACTICS = (
     (8, ConsumerTactic(512, 4)),
+    (16, ConsumerTactic(256, 2)),
     (1 << 30, ConsumerTactic(1024, 4)),
 )
 
 
 @triton.jit
-def _now(spins, USE_PTX: tl.constexpr):
-    """Nanoseconds from ``%globaltimer`` on the GPU; the spin count otherwise."""
+def _now(spins, like, USE_PTX: tl.constexpr):
+    """Per element of ``like`` (int32): nanoseconds from ``%globaltimer`` on the
+    GPU, read by the thread that holds the element; the spin count otherwise."""
     if USE_PTX:
-        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [],
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [like],
                                          dtype=tl.int64, is_pure=False, pack=1)
-    return spins.to(tl.int64)
+    return (like * 0 + spins).to(tl.int64)
+
+
+@triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
+def _poll_verdict(unwritten, start, spins, wait_bound, status_ptr, CHECK_STATUS: tl.constexpr,
+                  USE_PTX: tl.constexpr):
+    """One verdict per program for a spin loop: bit 0 = some element is still
+    unwritten, bit 1 = give up (the bound has passed, or with ``CHECK_STATUS``
+    another program already reported a failure). Threads read the timer and the
+    status word at different moments, so their own answers can differ; a loop
+    exit they disagreed on would leave warps in different iterations, pairing
+    the barriers of different block reductions. Hence one OR-reduction over every
+    thread's answer decides, and every thread gets the same value."""
+    stop = (_now(spins, unwritten, USE_PTX) - start) > wait_bound
+    if CHECK_STATUS:
+        stop = stop | (tl.load(status_ptr + unwritten * 0, volatile=True) != 0)
+    return tl.reduce(unwritten | tl.where(stop, 2, 0), 0, _bit_or)
 
 
 @triton.jit
@@ -156,17 +180,19 @@ def _wait_slots(slot, cmask, row_stride, status_ptr, wait_bound,
     passes (or another program already reported a failure); a rank still missing
     then sets its bit in the status word. Returns the slots (tuple of BF16)."""
     slots = _load_slots(slot, cmask, row_stride, TP, True)
-    pending = tl.max(_unwritten(slots, cmask, TP)) > 0
+    hole = _unwritten(slots, cmask, TP)
+    pending = tl.max(hole) > 0
     if pending:
         spins = 0
-        start = _now(spins, USE_PTX)
+        start = _now(spins, hole, USE_PTX)
         go = pending
         while go:
             slots = _load_slots(slot, cmask, row_stride, TP, True)
-            pending = tl.max(_unwritten(slots, cmask, TP)) > 0
             spins += 1
-            healthy = tl.load(status_ptr, volatile=True) == 0
-            go = pending & healthy & ((_now(spins, USE_PTX) - start) <= wait_bound)
+            verdict = _poll_verdict(_unwritten(slots, cmask, TP), start, spins, wait_bound,
+                                    status_ptr, True, USE_PTX)
+            pending = (verdict & 1) != 0
+            go = verdict == 1
         if pending:
             missing = 0
             for r in tl.static_range(TP):
@@ -252,16 +278,19 @@ def _wait_partials(sumsq_ptr, status_ptr, m, tag, wait_bound, UNITS: tl.constexp
     live = units < UNITS
     row = sumsq_ptr + m * UNITS + units
     words = tl.load(row, mask=live, other=0, volatile=True)
-    stale = tl.max(tl.where(live & ((words >> 32).to(tl.int32) != tag), 1, 0)) > 0
+    old = tl.where(live & ((words >> 32).to(tl.int32) != tag), 1, 0)
+    stale = tl.max(old) > 0
     if stale:
         spins = 0
-        start = _now(spins, USE_PTX)
+        start = _now(spins, old, USE_PTX)
         go = stale
         while go:
             words = tl.load(row, mask=live, other=0, volatile=True)
-            stale = tl.max(tl.where(live & ((words >> 32).to(tl.int32) != tag), 1, 0)) > 0
             spins += 1
-            go = stale & ((_now(spins, USE_PTX) - start) <= wait_bound)
+            old = tl.where(live & ((words >> 32).to(tl.int32) != tag), 1, 0)
+            verdict = _poll_verdict(old, start, spins, wait_bound, status_ptr, False, USE_PTX)
+            stale = (verdict & 1) != 0
+            go = verdict == 1
         if stale:
             tl.atomic_or(status_ptr, _NORM_TIMEOUT_BIT)
     partials = (words & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)

@@ -155,30 +155,39 @@ def check_graph_replays(ctx: RankContext, replays: int, hidden: int) -> dict:
 
 
 def check_skipped_step(ctx: RankContext, timeout_s: float, hidden: int) -> dict:
-    """Rank 1 skips a step; rank 0 must raise within the bound naming rank 1.
-    Then both ``reset(collective=True)`` and a step is exact again."""
+    """Rank 1 skips a step, twice: a plain sum, then a full step (mHC, RMSNorm,
+    MXFP8). Each time rank 0 must raise within the bound naming rank 1 alone
+    (its own rows arrived, and the norm hand-off still met), then both
+    ``reset(collective=True)`` and a step is exact again."""
     ar = BoundaryAllReduce(hidden, HC, CAPACITY, TOP_K, ctx.group, device=ctx.device,
-                           wait_timeout_s=timeout_s, transport="mailbox")
+                           wait_timeout_s=timeout_s, transport="mailbox",
+                           quantize_layer_input=True, residual_only=False)
     ar.precompile(4)  # collective: otherwise rank 1's first call would compile after the skip
     gen = torch.Generator(device=ctx.device).manual_seed(5)
     d = _inputs(4, ctx.world_size, hidden, gen, ctx.device)
     x = d["xs"][ctx.rank].contiguous()
+    steps = {
+        "plain": lambda: ar.plain_sum(x),
+        "full": lambda: ar(x, d["residual"], d["post"], d["comb"], d["pre"], d["gamma"], EPS,
+                           _mxfp8_buffers(4, hidden, ctx.device)),
+    }
     out = {}
-    if ctx.rank != 1:
-        start = time.monotonic()
+    for name, step in steps.items():
+        if ctx.rank != 1:
+            start = time.monotonic()
+            try:
+                step()
+                out[f"raised_{name}"] = ""
+            except RuntimeError as e:
+                out[f"raised_{name}"] = str(e)
+            out[f"seconds_{name}"] = time.monotonic() - start
+        ar.reset(collective=True)
         try:
-            ar.plain_sum(x)
-            out["raised"] = ""
-        except RuntimeError as e:
-            out["raised"] = str(e)
-        out["seconds"] = time.monotonic() - start
-    ar.reset(collective=True)
-    try:
-        plain = ar.plain_sum(x)
-        out["exact_after_reset"] = torch.equal(plain.view(torch.int16),
-                                               reduce_ref(list(d["xs"])).view(torch.int16))
-    except RuntimeError as e:  # a post-reset timeout comes back as data, not a dead rank
-        out["exact_after_reset"] = False
-        out["after_reset_error"] = str(e)
+            plain = ar.plain_sum(x)
+            out[f"exact_after_reset_{name}"] = torch.equal(
+                plain.view(torch.int16), reduce_ref(list(d["xs"])).view(torch.int16))
+        except RuntimeError as e:  # a post-reset timeout comes back as data, not a dead rank
+            out[f"exact_after_reset_{name}"] = False
+            out[f"after_reset_error_{name}"] = str(e)
     ar.close()
     return out

@@ -45,8 +45,8 @@ CALLS, REPS = 50, 15
 PATHS = ("ours", "a_nccl_torch_mhc", "b_symm_one_shot", "c_nccl", "d_plain")
 SWEEP_HIDDEN, SWEEP_MS = 5120, (1, 8, 16, 32, 64)
 SWEEP_TACTICS = tuple(ConsumerTactic(*t) for t in (
-    (256, 1, True), (256, 2, True), (512, 1, True), (512, 2, True), (512, 4, True),
-    (1024, 2, True), (1024, 4, True), (1024, 4, False), (2048, 8, False)))
+    (256, 2, True), (256, 4, True), (256, 8, True), (512, 2, True), (512, 4, True),
+    (512, 8, True), (1024, 4, True), (1024, 8, True), (1024, 4, False)))
 
 
 def _time_graph(fn, device, group) -> float:

@@ -53,9 +53,10 @@ def _git(*args: str) -> str | None:
 
 
 def git_commit() -> str | None:
-    """The checkout's commit, else ``DECODE_BOUNDARY_COMMIT`` (a copied working
-    tree without its .git, as on a lent GPU machine), else None."""
-    commit = _git("rev-parse", "HEAD") or os.environ.get("DECODE_BOUNDARY_COMMIT")
+    """``DECODE_BOUNDARY_COMMIT`` when set (a copied working tree, as on a lent
+    GPU machine, may carry no .git or a stale one), else the checkout's commit,
+    else None."""
+    commit = os.environ.get("DECODE_BOUNDARY_COMMIT") or _git("rev-parse", "HEAD")
     return commit if commit and re.fullmatch(r"[0-9a-f]{7,40}", commit) else None
 
 

@@ -112,13 +112,14 @@ class ConsumerTactic(NamedTuple):
 
 
 # (largest M, tactic), re-pinned from `benchmarks/allreduce.py --sweep`. Measured on
-# 2 x H200, H = 5120, tagged norm hand-off (2026-11-29): M = 1 fastest at (512, 4)
-# 3.99 us ((256, 2) 4.01), M = 8 at (256, 2) 4.01 ((512, 4) 4.04), M = 16 at (256, 2)
-# 4.52 ((512, 2) 4.71, (1024, 4) 5.38); serial tactics 11-13 us.
+# 2 x H200, H = 5120, tagged norm hand-off (2026-11-29, results/allreduce-sweep-*-2017):
+# M = 1 fastest at (512, 4) 4.03 us, M = 8 at (256, 2) / (512, 4) 4.18, M = 16 at (256, 2)
+# 4.76 ((512, 4) 5.49), M = 32 at (512, 4) 6.10 ((1024, 4) 8.13), M = 64 at (512, 4) 12.02
+# ((1024, 4) 12.69); serial tactics 11-14 us.
 CONSUMER_TACTICS = (
     (8, ConsumerTactic(512, 4)),
     (16, ConsumerTactic(256, 2)),
-    (1 << 30, ConsumerTactic(1024, 4)),
+    (1 << 30, ConsumerTactic(512, 4)),
 )
 
 

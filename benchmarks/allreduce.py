@@ -14,7 +14,8 @@ folder) and prints a table.
 
 ``--sweep``: ours (full + MXFP8) and the plain sum for H = 5120, M in {1, 8, 16,
 32, 64} over the consumer tactics of ``SWEEP_TACTICS`` (< 2 minutes), to re-pin
-``CONSUMER_TACTICS`` in ``decode_boundary/boundary/consumer_kernel.py``.
+``CONSUMER_TACTICS`` in ``decode_boundary/boundary/consumer_kernel.py``;
+``--tactics 512x4 8192x32 1024x4s`` and ``--m`` choose others.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def _rank_main(ctx: RankContext, hiddens, ms) -> list[dict]:
     return rows
 
 
-def _sweep_main(ctx: RankContext) -> list[dict]:
+def _sweep_main(ctx: RankContext, tactics, ms) -> list[dict]:
     """Ours (full + MXFP8) and plain per consumer tactic; (b) once per M."""
     import torch.distributed._symmetric_memory as symm_mem
 
@@ -131,12 +132,12 @@ def _sweep_main(ctx: RankContext) -> list[dict]:
     symm_mem.rendezvous(symm, group.group_name)
     gamma = torch.ones(hidden, dtype=torch.bfloat16, device=device)
     rows = []
-    for m in SWEEP_MS:
+    for m in ms:
         cases = _cases(ar, symm, gamma, m, hidden, device, group)
         rows.append(dict(m=m, path="b_symm_one_shot", tactic=None,
                          us=_time_graph(cases["b_symm_one_shot"], device, group)))
         timed_plain = set()
-        for tactic in SWEEP_TACTICS:
+        for tactic in tactics:
             ar.tactic = tactic
             rows.append(dict(m=m, path="ours", tactic=tuple(tactic),
                              us=_time_graph(cases["ours"], device, group)))
@@ -177,19 +178,34 @@ def _table(rows) -> str:
     return "\n".join(lines)
 
 
+def _tactic(text: str) -> ConsumerTactic:
+    serial = text.endswith("s")
+    cols, _, warps = text.rstrip("s").partition("x")
+    try:
+        return ConsumerTactic(int(cols), int(warps), not serial)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"tactic {text!r}: expected COLSxWARPS[s], "
+                                         "e.g. 512x4 or 1024x4s") from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, nargs="*", default=list(HIDDENS))
     parser.add_argument("--m", type=int, nargs="*", default=list(MS))
     parser.add_argument("--sweep", action="store_true",
                         help="consumer tactics at H = 5120, M = 1, 8, 16, 32, 64 (ours and plain)")
+    parser.add_argument("--tactics", type=_tactic, nargs="*",
+                        help="with --sweep: COLSxWARPS[s] each (s = serial), instead of the "
+                             "built-in list")
     parser.add_argument("--out", type=pathlib.Path,
                         default=pathlib.Path(__file__).parent / "results",
                         help="folder for the JSON (default benchmarks/results)")
     args = parser.parse_args()
     disable_multicast()
     if args.sweep:
-        results = launch(_sweep_main, 2, (), timeout_s=600)
+        tactics = tuple(args.tactics) if args.tactics else SWEEP_TACTICS
+        ms = tuple(args.m) if args.m != list(MS) else SWEEP_MS
+        results = launch(_sweep_main, 2, (tactics, ms), timeout_s=600)
     else:
         results = launch(_rank_main, 2, (tuple(args.hidden), tuple(args.m)), timeout_s=600)
     if 0 not in results:  # torchrun: only rank 0 reports

@@ -88,8 +88,8 @@ import triton.language as tl
 
 from .. import env
 from ..mxfp8.format import mxfp8_scale_bytes
-from ..mxfp8.quantize_kernel import quantize_groups, swizzled_offset
-from .publish_kernel import load_module, to_bf16_rne
+from ..mxfp8.quantize_kernel import quantize_groups, swizzled_offset, to_bf16_rne
+from .publish_kernel import load_module
 
 PLAIN, RESIDUAL_ONLY, FULL = 0, 1, 2  # MODE values (host side)
 _PLAIN, _FULL = tl.constexpr(PLAIN), tl.constexpr(FULL)

@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 from .. import env
-from .publish_kernel import PUBLISH_WARPS, load_module, publish_block, publish_row, to_bf16_rne
+from ..mxfp8.quantize_kernel import to_bf16_rne
+from .publish_kernel import PUBLISH_WARPS, load_module, publish_block, publish_row
 
 
 @triton.jit

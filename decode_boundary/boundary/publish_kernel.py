@@ -42,17 +42,6 @@ PUBLISH_WARPS = 2
 
 
 @triton.jit
-def to_bf16_rne(x):
-    """FP32 -> BF16, round to nearest even, done in integers so the Triton
-    interpreter (whose cast truncates) and the GPU produce the same bits.
-    NaN stays a quiet NaN."""
-    bits = x.to(tl.int32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    rounded = tl.where(x != x, (bits >> 16) | 0x40, rounded)
-    return rounded.to(tl.int16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
 def publish_row(x, peer_ptrs_ptr, stage, rank, m, cols, mask, capacity,
                 TP: tl.constexpr, HIDDEN: tl.constexpr):
     """Store BF16 ``x`` (columns ``cols`` of token ``m``) into slot

@@ -71,7 +71,7 @@ import triton.language as tl
 
 from decode_boundary.env import interpret_mode, use_pdl, use_ptx
 from decode_boundary.mxfp8.format import QuantizedActivation, mxfp8_scale_bytes
-from decode_boundary.mxfp8.quantize_kernel import swizzled_offset
+from decode_boundary.mxfp8.quantize_kernel import swizzled_offset, to_bf16_rne
 
 from .tactics import fits
 
@@ -101,21 +101,6 @@ def _upcast(x, s, R: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETER: tl.conste
     if not INTERPRETER:
         v = v.to(tl.bfloat16)
     return tl.reshape(v, (R, BLOCK_K))
-
-
-@triton.jit
-def _to_bf16(x, INTERPRETER: tl.constexpr):
-    """FP32 -> BF16, round to nearest even (subnormals kept), as ``cvt.rn.bf16.f32``.
-
-    The interpreter's cast truncates, so there the rounding is done on the bits.
-    """
-    if INTERPRETER:
-        bits = x.to(tl.int32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        rounded = tl.where(x != x, 0x7FC0, rounded)  # a NaN stays NaN
-        return rounded.to(tl.int16).to(tl.bfloat16, bitcast=True)
-    else:
-        return x.to(tl.bfloat16)
 
 
 @triton.jit
@@ -149,7 +134,7 @@ def _write_block(vals, out_ptr, rows, cols, M, N: tl.constexpr, is_first_block,
                  RANK: tl.constexpr, CAPACITY: tl.constexpr, HIDDEN: tl.constexpr,
                  INTERPRETER: tl.constexpr):
     """Store FP32 ``vals`` [BLOCK_N, ROWS] (out^T) as BF16; publish when PUBLISH."""
-    out = _to_bf16(vals, INTERPRETER)
+    out = to_bf16_rne(vals, not INTERPRETER)  # cvt.rn on the GPU
     mask = rows[None, :] < M
     tl.store(out_ptr + rows[None, :].to(tl.int64) * N + cols[:, None], out, mask=mask)
     if PUBLISH:

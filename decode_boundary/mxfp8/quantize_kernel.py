@@ -8,7 +8,8 @@ are written (padding keeps what the caller put there). The bytes equal
 NaN/Inf rules documented there.
 
 ``quantize_groups`` and ``swizzled_offset`` are device functions shared with the
-boundary consumer, which quantizes the next layer's input in its epilogue.
+boundary consumer, which quantizes the next layer's input in its epilogue;
+``to_bf16_rne`` is the FP32 -> BF16 rounding every kernel of the package uses.
 """
 
 from __future__ import annotations
@@ -18,6 +19,23 @@ import triton
 import triton.language as tl
 
 from .format import QuantizedActivation, mxfp8_scale_bytes, num_k_tiles, scale_groups
+
+
+@triton.jit
+def to_bf16_rne(x, HARDWARE: tl.constexpr = False):
+    """FP32 -> BF16, round to nearest even (subnormals kept).
+
+    ``HARDWARE``: ``cvt.rn.bf16.f32`` (a NaN becomes the canonical 0x7FFF).
+    Otherwise the rounding is done on the bits, because the Triton interpreter's
+    cast truncates: the same bits on the GPU and in the interpreter for every
+    finite value, and a NaN stays a quiet NaN with its sign and top payload bits.
+    """
+    if HARDWARE:
+        return x.to(tl.bfloat16)
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    rounded = tl.where(x != x, (bits >> 16) | 0x40, rounded)
+    return rounded.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit

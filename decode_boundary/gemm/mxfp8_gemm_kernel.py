@@ -69,6 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
+from decode_boundary.boundary.publish_kernel import publish_row
 from decode_boundary.env import interpret_mode, use_pdl, use_ptx
 from decode_boundary.mxfp8.format import QuantizedActivation, mxfp8_scale_bytes
 from decode_boundary.mxfp8.quantize_kernel import swizzled_offset, to_bf16_rne
@@ -139,16 +140,8 @@ def _write_block(vals, out_ptr, rows, cols, M, N: tl.constexpr, is_first_block,
     tl.store(out_ptr + rows[None, :].to(tl.int64) * N + cols[:, None], out, mask=mask)
     if PUBLISH:
         stage = tl.load(stage_ptr, volatile=True)
-        bits = out.to(tl.int16, bitcast=True)
-        bits = tl.where(bits == -32768, 0, bits)  # -0 -> +0: 0x8000 means "not yet written"
-        token = ((stage * TP + RANK) * CAPACITY + rows[None, :]).to(tl.int64)
-        slot = token * HIDDEN + cols[:, None]
-        for p in tl.static_range(TP):
-            # Mailboxes are 16-byte aligned (the launcher checks the table's values).
-            base = tl.load(peer_ptrs_ptr + p).to(tl.pointer_type(tl.int16))
-            # Alignment stated on the pointers themselves (an int64's is lost in the cast):
-            # runs of 8 columns start 16-byte aligned, so the stores become v4.
-            tl.store(tl.multiple_of(base + slot, [16, 1]), bits, mask=mask)
+        publish_row(out, peer_ptrs_ptr, stage, RANK, rows[None, :], cols[:, None], mask,
+                    CAPACITY, TP=TP, HIDDEN=HIDDEN, TILE=True)
         if is_first_block:
             tl.store(stage_ptr + 1, stage)
 

@@ -34,8 +34,8 @@ from decode_boundary.boundary.all_reduce import BoundaryAllReduce
 from decode_boundary.boundary.consumer_kernel import ConsumerTactic
 from decode_boundary.boundary.reference import consumer_ref
 from decode_boundary.env import disable_multicast
-from decode_boundary.gemm.timing import median_replay_us
 from decode_boundary.launch import RankContext, launch
+from decode_boundary.model.bench import step_time_us
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes
 from decode_boundary.report import git_commit
 
@@ -51,25 +51,9 @@ SWEEP_TACTICS = tuple(ConsumerTactic(*t) for t in (
 
 
 def _time_graph(fn, device, group) -> float:
-    """Median µs per call of ``fn`` over graph replays of CALLS calls."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()  # compile + warm up outside the capture
-        torch.cuda.synchronize(device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(CALLS):
-                fn()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph.replay()
-
-    def barrier():
-        torch.cuda.synchronize(device)
-        dist.barrier(group=group)
-
-    return median_replay_us(graph, CALLS, REPS, before=barrier)
+    """Median µs per call of ``fn`` over REPS replays of a graph of CALLS calls,
+    ranks barriered before each replay."""
+    return step_time_us([fn], device, group, min_calls=CALLS, replays=REPS)
 
 
 def _cases(ar, symm, gamma, m, hidden, device, group) -> dict:

@@ -24,12 +24,12 @@ import sys
 
 import torch
 
+from decode_boundary.gemm.timing import copy_rate
 from decode_boundary.launch import RankContext, launch
 from decode_boundary.model.baseline import all_reduce_then_mhc
 from decode_boundary.model.bench import (
     boundary_weight_bytes,
     copies_for_cold_l2,
-    copy_rate,
     mxfp8_weight_bytes,
     step_time_us,
 )

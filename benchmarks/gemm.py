@@ -25,7 +25,7 @@ import triton
 from decode_boundary.gemm import launch_low_latency, selected_tactic
 from decode_boundary.gemm.reference import check_mxfp8_mm
 from decode_boundary.gemm.tactics import sweep_tactics
-from decode_boundary.gemm.timing import L2_FLUSH_BYTES, graph_time_us, rotated_copies
+from decode_boundary.gemm.timing import L2_FLUSH_BYTES, copy_rate, graph_time_us, rotated_copies
 from decode_boundary.mxfp8.format import quantize_mxfp8_ref
 from decode_boundary.report import git_commit
 
@@ -41,24 +41,6 @@ ROWS = (1, 2, 4, 8, 16, 32, 48, 64)
 QUICK_ROWS = (1, 8, 32, 64)
 SWEEP_ROWS = (8, 32)  # a sweep per row class keeps the run (compiles) under 4 minutes
 SWEEP_MAX = 6
-
-
-def copy_rate_gbs() -> float:
-    """HBM rate of a 1 GiB device copy, counting read + write (GB/s)."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del src, dst
-    return 2 * (1 << 30) / (sorted(times)[len(times) // 2] * 1e-3) / 1e9
 
 
 def make_layer(n: int, k: int):
@@ -118,7 +100,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
     torch.manual_seed(0)
-    rate = copy_rate_gbs()
+    rate = copy_rate() / 1e9  # GB/s
     results = []
     for name, (n, k) in SHAPES.items():
         layer = make_layer(n, k)

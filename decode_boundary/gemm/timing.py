@@ -10,6 +10,26 @@ from types import SimpleNamespace
 import torch
 
 L2_FLUSH_BYTES = 64 << 20  # H200 L2 is 50 MB: rotating more than this leaves none cached
+COPY_BYTES = 1 << 30  # smaller buffers read slower than HBM can (design.md §9)
+
+
+def copy_rate(device: torch.device | str = "cuda", nbytes: int = COPY_BYTES,
+              reps: int = 10) -> float:
+    """HBM bytes/s of an ``nbytes`` device copy (read + write counted): median of
+    ``reps`` event-timed copies after warm-up. The floor every benchmark reports."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    seconds = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        seconds.append(start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / statistics.median(seconds)
 
 
 def rotated_copies(layer, min_bytes: int = L2_FLUSH_BYTES) -> list[SimpleNamespace]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import statistics
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -26,7 +25,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from decode_boundary.gemm import mxfp8_mm
-from decode_boundary.gemm.timing import graph_time_us, median_replay_us, rotated_copies
+from decode_boundary.gemm.timing import copy_rate, graph_time_us, median_replay_us, rotated_copies
 from decode_boundary.launch import RankContext
 from decode_boundary.model.baseline import FP8_ROW_ALIGN, RowwiseFp8Linear, rowwise_fp8
 from decode_boundary.model.chain import (
@@ -49,7 +48,6 @@ L2_MULTIPLE = 2  # rotated weights exceed this many L2s
 MIN_GRAPH_STEPS = 20  # calls per graph: dilutes the replay launch and rank skew
 WARMUP_REPLAYS = 3
 REPLAYS = 15
-COPY_BYTES = 1 << 30  # smaller buffers read slower than HBM can (design.md §9)
 
 
 @dataclass(frozen=True)
@@ -92,13 +90,15 @@ def _barrier(group: dist.ProcessGroup | None, device: torch.device) -> None:
 
 
 def step_time_us(steps: Sequence[Callable[[], object]], device: torch.device,
-                 group: dist.ProcessGroup | None = None) -> float:
+                 group: dist.ProcessGroup | None = None, min_calls: int = MIN_GRAPH_STEPS,
+                 replays: int = REPLAYS) -> float:
     """Median µs of one call, from a CUDA graph of back-to-back calls.
 
     ``steps`` holds one callable per weight copy; the graph calls them
-    round-robin, MIN_GRAPH_STEPS times or more. Each is run once eagerly first
-    so that nothing compiles or allocates lazily during capture. With a group,
-    every rank must call this with the same steps (the graph holds collectives)."""
+    round-robin, ``min_calls`` times or more, and is replayed ``replays`` times.
+    Each is run once eagerly first so that nothing compiles or allocates lazily
+    during capture. With a group, every rank must call this with the same steps
+    (the graph holds collectives)."""
     # Warm up on a side stream, as CUDA-graph capture recommends (lazy workspaces,
     # NCCL communicators and Triton compiles all happen here, not under capture).
     side = torch.cuda.Stream(device)
@@ -107,7 +107,7 @@ def step_time_us(steps: Sequence[Callable[[], object]], device: torch.device,
         for step in steps:
             step()
     torch.cuda.current_stream(device).wait_stream(side)
-    calls = len(steps) * -(-MIN_GRAPH_STEPS // len(steps))
+    calls = len(steps) * -(-min_calls // len(steps))
     _barrier(group, device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -115,24 +115,7 @@ def step_time_us(steps: Sequence[Callable[[], object]], device: torch.device,
             steps[i % len(steps)]()
     for _ in range(WARMUP_REPLAYS):
         graph.replay()
-    return median_replay_us(graph, calls, REPLAYS, before=lambda: _barrier(group, device))
-
-
-def copy_rate(device: torch.device) -> float:
-    """HBM bytes/s of a COPY_BYTES device copy after warm-up, read + write counted."""
-    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    seconds = []
-    for _ in range(5):
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        seconds.append(start.elapsed_time(end) / 1e3)
-    return 2 * COPY_BYTES / statistics.median(seconds)
+    return median_replay_us(graph, calls, replays, before=lambda: _barrier(group, device))
 
 
 def _digest(out: BoundaryOutputs) -> str:

@@ -174,24 +174,27 @@ def _tactic(text: str) -> ConsumerTactic:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, nargs="*", default=list(HIDDENS))
-    parser.add_argument("--m", type=int, nargs="*", default=list(MS))
+    parser.add_argument("--hidden", type=int, nargs="+", default=list(HIDDENS))
+    parser.add_argument("--m", type=int, nargs="+", help=f"token counts (default {list(MS)}; "
+                        f"with --sweep {list(SWEEP_MS)})")
     parser.add_argument("--sweep", action="store_true",
                         help="consumer tactics at H = 5120, M = 1, 8, 16, 32, 64 (ours and plain)")
-    parser.add_argument("--tactics", type=_tactic, nargs="*",
+    parser.add_argument("--tactics", type=_tactic, nargs="+",
                         help="with --sweep: COLSxWARPS[s] each (s = serial), instead of the "
                              "built-in list")
     parser.add_argument("--out", type=pathlib.Path,
                         default=pathlib.Path(__file__).parent / "results",
                         help="folder for the JSON (default benchmarks/results)")
     args = parser.parse_args()
+    if args.tactics and not args.sweep:
+        parser.error("--tactics needs --sweep")
     disable_multicast()
     if args.sweep:
         tactics = tuple(args.tactics) if args.tactics else SWEEP_TACTICS
-        ms = tuple(args.m) if args.m != list(MS) else SWEEP_MS
-        results = launch(_sweep_main, 2, (tactics, ms), timeout_s=600)
+        results = launch(_sweep_main, 2, (tactics, tuple(args.m or SWEEP_MS)), timeout_s=600)
     else:
-        results = launch(_rank_main, 2, (tuple(args.hidden), tuple(args.m)), timeout_s=600)
+        results = launch(_rank_main, 2, (tuple(args.hidden), tuple(args.m or MS)),
+                         timeout_s=600)
     if 0 not in results:  # torchrun: only rank 0 reports
         return
     rows = results[0]

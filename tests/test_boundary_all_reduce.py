@@ -182,7 +182,7 @@ def scratch(h=H, poison=False):
     # Poisoned partials carry the previous generation's tag (0): stale, never used.
     stale_nan = torch.tensor(fill).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     return dict(generation=torch.zeros(CAP, dtype=torch.int32),
-                status=torch.zeros(1, dtype=torch.int32),
+                status=torch.zeros(1, dtype=torch.int32), wait_bound=1000,
                 sumsq=torch.full((CAP, sumsq_columns(h)), int(stale_nan), dtype=torch.int64),
                 prenorm=torch.full((CAP, h), fill, dtype=torch.bfloat16))
 
@@ -226,6 +226,54 @@ def test_every_tactic_matches_reference(tactic):
     tags = s["sumsq"] >> 32
     assert tags[:m].eq(1).all() and tags[m:].eq(0).all(), "each launch rewrites its rows"
     assert s["status"].item() == 0
+
+
+@pytest.mark.parametrize("h", [128, 96])
+def test_scratch_reused_across_tactics_and_ragged_chunks(h):
+    """One scratch through launches whose tactics cut the row differently (one
+    32-column unit per chunk, one chunk for the whole row, 64-column chunks that
+    do not divide H = 96): each launch rewrites the token's whole row with its
+    own tag, so none reads a partial of the launch before, and every one matches
+    the reference."""
+    s = scratch(h, poison=True)
+    tactics = [ConsumerTactic(32, 1, False), ConsumerTactic(256, 4, False),
+               ConsumerTactic(64, 2, False), ConsumerTactic(128, 1, True),
+               ConsumerTactic(32, 1, False)]
+    m = 3
+    for step, tactic in enumerate(tactics, start=1):
+        d = step_inputs(m, 2, seed=40 + step, h=h)
+        q = mxfp8_buffers(m, h)
+        res_out, layer = consume(torch.stack(d["xs"]), 2, m, mode=FULL, **s,
+                                 residual=d["residual"], post=d["post"], comb=d["comb"],
+                                 pre=d["pre"], norm_weight=d["gamma"], eps=EPS, mxfp8_out=q,
+                                 lamport=False, tactic=tactic)
+        ref_res, ref_layer, _ = consumer_ref(d["xs"], d["residual"], d["post"], d["comb"],
+                                             d["pre"], d["gamma"], EPS)
+        assert torch.equal(bits(res_out), bits(ref_res)), tactic
+        check_layer_input(layer, ref_layer)
+        assert s["generation"][:m].eq(step).all() and s["generation"][m:].eq(0).all()
+        assert (s["sumsq"][:m] >> 32).eq(step).all(), tactic
+        assert s["status"].item() == 0
+
+
+def test_check_names_the_missing_rank_before_a_norm_timeout():
+    """A norm timeout next to a missing rank is the rank's doing: the error names
+    the rank; a norm timeout alone says the programs did not meet."""
+    ar = BoundaryAllReduce.simulated(2, H, HC, CAP, TOP_K)[0]
+    ar._box.status.fill_(NORM_TIMEOUT_BIT | 0b10)
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] did not publish"):
+        ar.check()
+    ar._box.status.fill_(NORM_TIMEOUT_BIT)
+    with pytest.raises(RuntimeError, match="did not meet for the RMSNorm"):
+        ar.check()
+
+
+def test_consume_needs_a_positive_wait_bound():
+    d = step_inputs(1, 2, seed=3)
+    with pytest.raises(ValueError, match="wait_bound"):
+        consume(torch.stack(d["xs"]), 2, 1, mode=FULL, **dict(scratch(), wait_bound=0),
+                residual=d["residual"], post=d["post"], comb=d["comb"], pre=d["pre"],
+                norm_weight=d["gamma"], eps=EPS, lamport=False)
 
 
 def test_cooperative_tactic_refused_where_programs_cannot_meet():

@@ -283,16 +283,19 @@ class BoundaryAllReduce:
         step; graph users who check only every few replays may have consumed
         wrong sums since the timeout."""
         status = int(self._open().status.item())
-        if status & NORM_TIMEOUT_BIT:
-            raise RuntimeError(
-                f"BoundaryAllReduce rank {self.rank}: the programs of a token did not meet for "
-                f"the RMSNorm within {self.wait_timeout_s} s (not co-resident? pick a serial "
-                "consumer tactic); call reset(collective=True) on every rank")
-        if status:
-            missing = [p for p in range(self.tp) if status >> p & 1]
+        missing = [p for p in range(self.tp) if status >> p & 1]
+        if missing:
+            # A norm timeout next to a missing rank is its consequence (a program still
+            # waiting for that rank published its partial late): name the rank.
             raise RuntimeError(
                 f"BoundaryAllReduce rank {self.rank}: rank(s) {missing} did not publish within "
                 f"{self.wait_timeout_s} s; call reset(collective=True) on every rank")
+        if status & NORM_TIMEOUT_BIT:
+            raise RuntimeError(
+                f"BoundaryAllReduce rank {self.rank}: the programs of a token did not meet for "
+                f"the RMSNorm within {self.wait_timeout_s} s (cooperative tactic: were they "
+                "co-resident? a serial consumer tactic needs no meeting); call "
+                "reset(collective=True) on every rank")
 
     def reset(self, collective: bool = False) -> None:
         """Drop an unreduced publish. ``collective=True`` (every rank must call

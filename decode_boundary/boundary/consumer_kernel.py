@@ -24,8 +24,8 @@ row's units (the same bits in every program, on every rank). Two ways to meet
   programs of a token to be resident together: the grid is small (M x H /
   BLOCK_H programs), chunks are dispatched fastest, and a dependent kernel
   launches only after every program here has started.
-* serial (the interpreter, which runs programs one after another, and a tactic
-  for large M): one program per token walks its chunks twice, the first time
+* serial (the interpreter, which runs programs one after another; selectable
+  on the GPU, never faster there): one program per token walks its chunks twice, the first time
   keeping ``prenorm`` in a scratch row, the second time normalising it.
 
 Modes (``MODE``): 0 = plain sum (``reduced`` only; the benchmark's baseline of
@@ -57,7 +57,10 @@ and after a launch every unit of the token holds its tag. The tag is
 ``generation[m] + 1``: read (volatile) after the grid dependency wait, it was
 advanced by the previous launch's chunk-0 program, which stores it only after
 seeing every unit tagged, i.e. after every program of that launch has read the
-old value; so no program ever mixes two generations. A word from an older
+old value; so no program ever mixes two generations. (After a norm timeout
+chunk 0 advances it anyway; a program that had not started yet may then tag a
+unit with the next launch's tag, which is why every timeout needs
+``reset(collective=True)``, which zeroes generations and words together.) A word from an older
 launch carries the previous tag (every launch rewrites the whole row), so it
 is never taken for this one's, also when the 32-bit generation wraps. Polls
 are volatile (not served from L1). The serial path uses the same words; its
@@ -481,9 +484,12 @@ def consume(
 
     ``mailbox``: BF16 [3, tp, capacity, H] (Lamport) or [tp, M, H] (gathered).
     ``generation`` int32 [rows] and ``sumsq`` int64 [rows, ``sumsq_columns(H)``]
-    (full mode, both zeroed once; ``prenorm`` BF16 [rows, H] too for a serial
-    tactic): per-token scratch, rows >= M. ``wait_bound``: nanoseconds
-    with PTX (``%globaltimer``), spins without. ``tactic``: default from
+    (full mode; zeroed together at allocation and after any timeout, never one
+    without the other; ``prenorm`` BF16 [rows, H] too for a serial tactic):
+    per-token scratch, rows >= M. ``status`` int32 [1]: the mailbox's status
+    word, also required in full mode with ``lamport=False`` (the norm hand-off
+    records its timeout there). ``wait_bound``: nanoseconds with PTX
+    (``%globaltimer``), spins without; > 0 whenever something may wait. ``tactic``: default from
     ``CONSUMER_TACTICS``. ``compile_only``: compile this variant, launch nothing
     (the outputs are then unwritten).
     """
@@ -500,6 +506,8 @@ def consume(
         _need(mailbox, "mailbox", torch.bfloat16, (tp, m, hidden), device)
     if not 0 < m <= capacity:
         raise ValueError(f"M = {m} must be in [1, capacity = {capacity}]")
+    if (lamport or mode == FULL) and wait_bound <= 0:
+        raise ValueError(f"wait_bound must be > 0 (ns with PTX, spins without), got {wait_bound}")
     tactic = ConsumerTactic(*(tactic or consumer_tactic(m, hidden)))
     _check_tactic(tactic, hidden, mode)
     if mode == PLAIN:
@@ -523,8 +531,8 @@ def consume(
         _need(sumsq, "sumsq scratch", torch.int64, (rows, sumsq_columns(hidden)), device)
         if not tactic.cooperative:
             _need(prenorm, "prenorm scratch", torch.bfloat16, (rows, hidden), device)
-        else:  # the norm hand-off records its own timeout, in either transport
-            _need(status, "status", torch.int32, (1,), device)
+        # Serial or cooperative, the norm hand-off records its timeout, in either transport.
+        _need(status, "status", torch.int32, (1,), device)
         layer_input = torch.empty(m, hidden, dtype=torch.bfloat16, device=device)
         if quant:
             if hidden % 32:

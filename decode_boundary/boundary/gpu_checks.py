@@ -158,7 +158,7 @@ def check_skipped_step(ctx: RankContext, timeout_s: float, hidden: int) -> dict:
     """Rank 1 skips a step, twice: a plain sum, then a full step (mHC, RMSNorm,
     MXFP8). Each time rank 0 must raise within the bound naming rank 1 alone
     (its own rows arrived, and the norm hand-off still met), then both
-    ``reset(collective=True)`` and a step is exact again."""
+    ``reset(collective=True)`` and a plain and a full step are exact again."""
     ar = BoundaryAllReduce(hidden, HC, CAPACITY, TOP_K, ctx.group, device=ctx.device,
                            wait_timeout_s=timeout_s, transport="mailbox",
                            quantize_layer_input=True, residual_only=False)
@@ -182,10 +182,13 @@ def check_skipped_step(ctx: RankContext, timeout_s: float, hidden: int) -> dict:
                 out[f"raised_{name}"] = str(e)
             out[f"seconds_{name}"] = time.monotonic() - start
         ar.reset(collective=True)
-        try:
+        try:  # both kinds of step again: the mailbox and the norm scratch were re-armed
             plain = ar.plain_sum(x)
+            q = _mxfp8_buffers(4, hidden, ctx.device)
+            full = ar(x, d["residual"], d["post"], d["comb"], d["pre"], d["gamma"], EPS, q)
             out[f"exact_after_reset_{name}"] = torch.equal(
-                plain.view(torch.int16), reduce_ref(list(d["xs"])).view(torch.int16))
+                plain.view(torch.int16), reduce_ref(list(d["xs"])).view(torch.int16)) and (
+                int(_mismatches((*full, q), d, d["xs"], True, False)) == 0)
         except RuntimeError as e:  # a post-reset timeout comes back as data, not a dead rank
             out[f"exact_after_reset_{name}"] = False
             out[f"after_reset_error_{name}"] = str(e)

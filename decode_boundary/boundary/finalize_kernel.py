@@ -26,8 +26,9 @@ import triton
 import triton.language as tl
 
 from .. import env
+from ..mailbox_store import publish_row
 from ..mxfp8.quantize_kernel import to_bf16_rne
-from .publish_kernel import PUBLISH_WARPS, load_module, publish_block, publish_row
+from .publish_kernel import PUBLISH_WARPS, load_module, publish_block
 
 
 @triton.jit

@@ -3,9 +3,9 @@
 The mailbox layout is the one of docs/CONTRACTS.md: rank p owns BF16
 ``[3, tp, capacity, hidden]`` filled with -0 (0x8000, "not yet written");
 ``peer_ptrs[p]`` is its base address as seen from here; ``stage_state`` is this
-rank's int32 {NEXT, ACTIVE}. ``publish_row`` is the device function the
-publish kernel, the MoE finalize kernel and the GEMM's publishing epilogue
-share, so all store identical bits.
+rank's int32 {NEXT, ACTIVE}. ``decode_boundary.mailbox_store.publish_row``
+is the store every publisher shares (this kernel, the MoE finalize kernel and the
+GEMM's publishing epilogue), so all store identical bits.
 
 **Memory consistency.** Stores are plain (weak) unicast stores over NVLink; no
 fence and no flag. The consumer polls the data itself with volatile loads
@@ -37,31 +37,10 @@ import triton
 import triton.language as tl
 
 from .. import env
+from ..mailbox_store import publish_row
 
 PUBLISH_BLOCK_H = 512  # columns per program: 64 threads x one 16-byte store per peer
 PUBLISH_WARPS = 2
-
-
-@triton.jit
-def publish_row(x, peer_ptrs_ptr, stage, rank, m, cols, mask, capacity,
-                TP: tl.constexpr, HIDDEN: tl.constexpr, TILE: tl.constexpr = False):
-    """Store BF16 ``x`` (columns ``cols`` of token ``m``) into slot
-    [stage][rank][m] of every peer's mailbox, -0 turned into +0. ``x`` is a
-    [BLOCK] row, or with ``TILE`` the GEMM epilogue's [BLOCK_N, ROWS] out^T
-    tile (``cols`` [BLOCK_N, 1], ``m`` [1, ROWS])."""
-    bits = x.to(tl.int16, bitcast=True)
-    clean = tl.where(bits == -32768, 0, bits).to(tl.bfloat16, bitcast=True)
-    row = ((stage * TP + rank).to(tl.int64) * capacity + m) * HIDDEN
-    for p in tl.static_range(TP):
-        base = tl.load(peer_ptrs_ptr + p).to(tl.pointer_type(tl.bfloat16))
-        # Mailboxes are 16-byte aligned and HIDDEN % 8 == 0, stated on the pointers
-        # themselves (an int64's alignment is lost in the cast): runs of 8 columns
-        # start 16-byte aligned, so the stores become v4.
-        if TILE:
-            ptrs = tl.multiple_of(base + row + cols, [16, 1])
-        else:
-            ptrs = tl.multiple_of(base + row + cols, 16)
-        tl.store(ptrs, clean, mask=mask)
 
 
 @triton.jit

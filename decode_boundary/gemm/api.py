@@ -1,19 +1,22 @@
 """Public MXFP8 GEMM entry points (the seed 004 functions, on our Triton kernel).
 
 A *layer* is any object with ``weight`` (column-major [K, N] view of e4m3
-[N, K] storage), ``weight_scale`` (1-D uint8, 128x4-swizzled over (N, K/32))
-and ``bias`` (None, or BF16 [N] added after the product), e.g.
-``decode_boundary.mxfp8.linear.Mxfp8Linear``. ``x`` is a float tensor
-[..., K] (quantized here with the Triton MXFP8 quantizer) or a
-``QuantizedActivation``. Outputs are [..., N] in the input's original dtype
-(computed as BF16).
+[N, K] storage), ``weight_scale`` (1-D uint8, 128x4-swizzled over (N, K/32)),
+``bias`` (None, or BF16 [N] added after the product) and optionally
+``groups`` (> 1: a grouped layer, e.g. ``wo_a``: input [..., G*K], output the
+concatenation of the G groups' [..., N/G] products), e.g.
+``decode_boundary.mxfp8.linear.Mxfp8Linear``. ``x`` is a BF16 tensor
+[..., G*K] (quantized inside the GEMM's prologue, bit-identical to
+``quantize_mxfp8`` first), another float tensor (quantized by
+``quantize_mxfp8``), or a ``QuantizedActivation``. Outputs are [..., N] in the
+input's original dtype (computed as BF16).
 
 Row ranges and who chooses the tactic (tactics.py): ``low_latency_mm`` (<= 8
 rows, the autotuner's choice else the table), ``wide_mm`` (9..48 rows, the
-fixed wide table), ``pinned_mm`` (above 48, only pinned shapes). ``mxfp8_mm``
-runs any row count with :func:`selected_tactic`; layers no kernel takes
-(N % 64 != 0, misaligned buffers) get the reference computation, which is
-correct but slow. Malformed operands raise ValueError.
+table or heuristic, never the autotuner), ``pinned_mm`` (above 48, only tabled
+shapes). ``mxfp8_mm`` runs any row count with :func:`selected_tactic`; layers
+no kernel takes (N/groups % 4 != 0, misaligned buffers) get the reference
+computation, which is correct but slow. Malformed operands raise ValueError.
 """
 
 from __future__ import annotations
@@ -26,128 +29,147 @@ from decode_boundary.mxfp8.format import QuantizedActivation, check_quantized, m
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
 from .autotune import AUTOTUNER
-from .mxfp8_gemm_kernel import (
-    launch_low_latency,
-    warmup_low_latency,
-    weight_operands,
-)
+from .mxfp8_gemm_kernel import launch_low_latency, warmup_low_latency, weight_operands
 from .reference import mxfp8_mm_ref
 from .tactics import (
+    BF16_TABLE,
     LOW_BATCH_MAX_ROWS,
-    PINNED_TACTICS,
+    TABLE,
     WIDE_LOW_LATENCY_MAX_ROWS,
-    WIDE_TACTICS,
     Tactic,
     default_tactic,
-    heuristic_tactic,
-    rows_tiles_for,
     table_tactic,
 )
+
+
+def _shape(layer) -> tuple[int, int, int]:
+    """(N, K, groups) of a layer."""
+    k, n = layer.weight.shape
+    return n, k, getattr(layer, "groups", 1)
 
 
 def mxfp8_eligible(layer) -> bool:
     """Whether ``layer``'s weights are ones the kernel takes (else: reference path)."""
     try:
-        storage, scale, n, k = weight_operands(layer)
+        storage, scale, n, k, groups = weight_operands(layer)
     except ValueError:
         return False
-    return n % 64 == 0 and k % 32 == 0 and storage.data_ptr() % 16 == 0 and \
+    return (n // groups) % 4 == 0 and k % 32 == 0 and storage.data_ptr() % 16 == 0 and \
         scale.data_ptr() % 16 == 0
 
 
-def selected_tactic(layer_or_shape, rows: int) -> Tactic:
-    """The tactic ``mxfp8_mm`` runs for ``rows`` rows: the autotuner's cached
-    choice, else the pinned table, else the heuristic. ``layer_or_shape`` is a
-    layer or an (N, K) pair."""
-    if isinstance(layer_or_shape, tuple):
-        n, k = layer_or_shape
-    else:
-        k, n = layer_or_shape.weight.shape
-    cached = AUTOTUNER.lookup(n, k, rows)
-    return cached if cached is not None else default_tactic(n, k, rows)
+def selected_tactic(layer_or_shape, rows: int, bf16_input: bool = False) -> Tactic:
+    """The tactic ``mxfp8_mm`` runs for ``rows`` rows of MXFP8 (or, with
+    ``bf16_input``, BF16) activations: the autotuner's cached choice, else the
+    pinned table, else the heuristic. ``layer_or_shape`` is a layer or an
+    (N, K) / (N, K, groups) tuple."""
+    n, k, groups = (*layer_or_shape, 1)[:3] if isinstance(layer_or_shape, tuple) \
+        else _shape(layer_or_shape)
+    cached = AUTOTUNER.lookup(n, k, rows, groups, bf16_input)
+    return cached if cached is not None else default_tactic(n, k, rows, groups, bf16_input)
 
 
-def _quantized(layer, x) -> QuantizedActivation:
-    k = layer.weight.shape[0]
+def _activation(layer, x):
+    """(kernel operand, rows, original dtype, original shape): a BF16 tensor
+    [rows, G*K] goes to the kernel as it is, other inputs as MXFP8."""
+    n, k, groups = _shape(layer)
+    width = groups * k
     if isinstance(x, QuantizedActivation):
         check_quantized(x)
-        qa = x
+        a, shape, dtype = x, x.orig_shape, x.orig_dtype
+        if a.data.data_ptr() % 16 or a.scale.data_ptr() % 16:
+            a = QuantizedActivation(a.data.clone(), a.scale.clone(), dtype, shape)
+        got = a.data.shape[1]
     elif isinstance(x, torch.Tensor):
         if not x.is_floating_point():
-            raise ValueError(f"x must be a float tensor [..., {k}], got {x.dtype}")
-        qa = quantize_mxfp8(x)
+            raise ValueError(f"x must be a float tensor [..., {width}], got {x.dtype}")
+        shape, dtype, got = x.shape, x.dtype, x.shape[-1]
+        if got != width:
+            raise ValueError(f"x has K = {got}, the layer takes {width} "
+                             f"({groups} group(s) of K={k})")
+        flat = x.reshape(-1, width)
+        if x.dtype == torch.bfloat16:
+            a = flat if flat.is_contiguous() and flat.data_ptr() % 16 == 0 else flat.clone()
+        else:
+            a = quantize_mxfp8(flat)
     else:
         raise ValueError(f"x must be a tensor or QuantizedActivation, got {type(x).__name__}")
-    if qa.data.shape[1] != k or qa.orig_shape[-1] != k:
-        raise ValueError(f"x has K = {qa.data.shape[1]}, the layer's weight is [K={k}, N]")
-    if qa.data.data_ptr() % 16 or qa.scale.data_ptr() % 16:
-        qa = QuantizedActivation(qa.data.clone(), qa.scale.clone(), qa.orig_dtype, qa.orig_shape)
-    return qa
+    if got != width or shape[-1] != width:
+        raise ValueError(f"x has K = {got}, the layer takes {width} ({groups} group(s) of K={k})")
+    rows = (a if isinstance(a, torch.Tensor) else a.data).shape[0]
+    return a, rows, dtype, shape
 
 
-def _finish(layer, qa: QuantizedActivation, out: torch.Tensor) -> torch.Tensor:
+def _finish(layer, out: torch.Tensor, dtype, shape) -> torch.Tensor:
     if layer.bias is not None:
         out = out + layer.bias
-    return out.view(*qa.orig_shape[:-1], out.shape[-1]).to(qa.orig_dtype)
+    return out.view(*shape[:-1], out.shape[-1]).to(dtype)
 
 
-def _run(layer, qa: QuantizedActivation, tactic: Tactic) -> torch.Tensor:
+def _reference(layer, a) -> torch.Tensor:
+    qa = a if isinstance(a, QuantizedActivation) else quantize_mxfp8(a)
+    return mxfp8_mm_ref(qa, layer.weight, layer.weight_scale, getattr(layer, "groups", 1)) \
+        .reshape(qa.rows, -1)
+
+
+def _run(layer, x, tactic_for) -> torch.Tensor | None:
+    """Run ``layer`` on ``x`` with ``tactic_for(rows, bf16_input)`` (None: not
+    this entry point's)."""
+    a, rows, dtype, shape = _activation(layer, x)
     n = layer.weight.shape[1]
-    out = torch.empty(qa.rows, n, dtype=torch.bfloat16, device=qa.data.device)
-    launch_low_latency(layer, qa, out, tactic)
-    return _finish(layer, qa, out)
+    device = layer.weight.device
+    if rows == 0:
+        return _finish(layer, torch.empty(0, n, dtype=torch.bfloat16, device=device), dtype,
+                       shape)
+    tactic = tactic_for(rows, isinstance(a, torch.Tensor))
+    if tactic is None:
+        return None
+    out = torch.empty(rows, n, dtype=torch.bfloat16, device=device)
+    return _finish(layer, launch_low_latency(layer, a, out, tactic), dtype, shape)
 
 
 def mxfp8_mm(layer, x) -> torch.Tensor:
     """``layer``'s GEMM of ``x`` with the selected tactic (any row count)."""
     weight_operands(layer)  # malformed weights raise here
-    qa = _quantized(layer, x)
     if not mxfp8_eligible(layer):
-        return _finish(layer, qa, mxfp8_mm_ref(qa, layer.weight, layer.weight_scale)
-                       .reshape(qa.rows, -1))
-    if qa.rows == 0:
-        return _finish(layer, qa, torch.empty(0, layer.weight.shape[1], dtype=torch.bfloat16,
-                                              device=qa.data.device))
-    return _run(layer, qa, selected_tactic(layer, qa.rows))
+        a, _, dtype, shape = _activation(layer, x)
+        return _finish(layer, _reference(layer, a), dtype, shape)
+    return _run(layer, x, lambda rows, bf16: selected_tactic(layer, rows, bf16))
 
 
 def low_latency_mm(layer, x) -> torch.Tensor | None:
     """The low-latency GEMM (<= LOW_BATCH_MAX_ROWS rows) of an eligible layer; None otherwise."""
-    qa = _quantized(layer, x)
-    if not (mxfp8_eligible(layer) and 0 < qa.rows <= LOW_BATCH_MAX_ROWS):
+    if not mxfp8_eligible(layer):
         return None
-    return _run(layer, qa, selected_tactic(layer, qa.rows))
+    return _run(layer, x, lambda rows, bf16: selected_tactic(layer, rows, bf16)
+                if rows <= LOW_BATCH_MAX_ROWS else None)
 
 
-def wide_tactic(n: int, k: int, rows: int) -> Tactic | None:
-    """The wide low-latency tactic (rows tile 16/32/64) of (N, K) at ``rows``
-    rows: the wide table's, else the heuristic; None outside 9..48 rows."""
+def wide_tactic(n: int, k: int, rows: int, groups: int = 1,
+                bf16_input: bool = False) -> Tactic | None:
+    """The wide-tile tactic (rows tile 16/32/64) of (N, K, groups) at ``rows``
+    rows: the table's, else the heuristic; None outside 9..48 rows."""
     if not LOW_BATCH_MAX_ROWS < rows <= WIDE_LOW_LATENCY_MAX_ROWS:
         return None
-    tactic = WIDE_TACTICS.get((n, k), {}).get(rows_tiles_for(rows)[0])
-    return tactic if tactic is not None else heuristic_tactic(n, k, rows)
+    return default_tactic(n, k, rows, groups, bf16_input)
 
 
 def wide_mm(layer, x) -> torch.Tensor | None:
     """The wide-tile GEMM (9..48 rows) of an eligible layer; None otherwise."""
-    qa = _quantized(layer, x)
-    k, n = layer.weight.shape
-    tactic = wide_tactic(n, k, qa.rows)
-    if tactic is None or not mxfp8_eligible(layer):
+    if not mxfp8_eligible(layer):
         return None
-    return _run(layer, qa, tactic)
+    n, k, groups = _shape(layer)
+    return _run(layer, x, lambda rows, bf16: wide_tactic(n, k, rows, groups, bf16))
 
 
 def pinned_mm(layer, x) -> torch.Tensor | None:
     """The GEMM above 48 rows with the tactic pinned for the layer's shape and
     row range; None where no tactic is pinned."""
-    qa = _quantized(layer, x)
-    k, n = layer.weight.shape
-    if qa.rows <= WIDE_LOW_LATENCY_MAX_ROWS or (n, k) not in PINNED_TACTICS or \
-            not mxfp8_eligible(layer):
+    n, k, groups = _shape(layer)
+    if not mxfp8_eligible(layer) or (n, k, groups) not in TABLE:
         return None
-    tactic = table_tactic(n, k, qa.rows)
-    return None if tactic is None else _run(layer, qa, tactic)
+    return _run(layer, x, lambda rows, bf16: table_tactic(n, k, rows, groups, bf16)
+                if rows > WIDE_LOW_LATENCY_MAX_ROWS else None)
 
 
 def wide_or_pinned_mm(layer, x) -> torch.Tensor | None:
@@ -163,24 +185,23 @@ def projection_mm(layer, x, low_batch: bool) -> torch.Tensor | None:
 
 
 def shape_representatives(layers: Iterable) -> list:
-    """One eligible layer per distinct (N, K), sorted by (N, K) so every rank
-    tunes and compiles the same problems in the same order."""
+    """One eligible layer per distinct (N, K, groups), sorted by it so every
+    rank tunes and compiles the same problems in the same order."""
     by_shape = {}
     for layer in layers:
         if mxfp8_eligible(layer):
-            k, n = layer.weight.shape
-            by_shape.setdefault((n, k), layer)
+            by_shape.setdefault(_shape(layer), layer)
     return [by_shape[shape] for shape in sorted(by_shape)]
 
 
 def zeros_input(layer, rows: int) -> QuantizedActivation:
     """An all-zero MXFP8 input of ``layer`` laid out like the quantizer's output."""
-    k = layer.weight.shape[0]
+    n, k, groups = _shape(layer)
     device = layer.weight.device
-    shape = torch.Size((rows, k))
+    shape = torch.Size((rows, groups * k))
     return QuantizedActivation(torch.zeros(shape, dtype=torch.float8_e4m3fn, device=device),
-                               torch.zeros(mxfp8_scale_bytes(rows, k), dtype=torch.uint8,
-                                           device=device),
+                               torch.zeros(mxfp8_scale_bytes(rows, groups * k),
+                                           dtype=torch.uint8, device=device),
                                torch.bfloat16, shape)
 
 
@@ -189,24 +210,27 @@ def run_zeros(layer, rows: int) -> torch.Tensor:
     return mxfp8_mm(layer, zeros_input(layer, rows))
 
 
-def precompile(layer, rows_list: Iterable[int], publish=None) -> None:
+def precompile(layer, rows_list: Iterable[int], publish=None, bf16_input: bool | None = None):
     """Compile the kernels ``mxfp8_mm`` (or, with ``publish``, the publishing
     launch) uses for each row count and allocate their workspaces, launching
-    nothing, so CUDA-graph capture never compiles or allocates. Call it
-    again after the autotuner changes a choice."""
+    nothing, so CUDA-graph capture never compiles or allocates. ``bf16_input``:
+    the BF16-in (prologue-quantized) kernel, the MXFP8-in one, or both (None).
+    Call it again after the autotuner changes a choice."""
     if not mxfp8_eligible(layer):
         return
+    kinds = (False, True) if bf16_input is None else (bf16_input,)
     for rows in rows_list:
-        warmup_low_latency(layer, rows, selected_tactic(layer, rows), publish)
+        for bf16 in kinds:
+            warmup_low_latency(layer, rows, selected_tactic(layer, rows, bf16), publish, bf16)
 
 
 def compile_pinned(layer) -> None:
-    """Compile ``layer``'s pinned tactics (each at its range's largest row
-    count, capped at 4096) and its wide tiles."""
+    """Compile ``layer``'s tabled tactics (each at its bucket's largest row
+    count) and its wide tiles, for MXFP8 and BF16 inputs."""
     if not mxfp8_eligible(layer):
         return
-    k, n = layer.weight.shape
-    for max_rows, tactic in PINNED_TACTICS.get((n, k), ()):
-        warmup_low_latency(layer, min(max_rows, 4096), tactic)
-    for rows in (16, 32, 48):
-        warmup_low_latency(layer, rows, wide_tactic(n, k, rows))
+    n, k, groups = _shape(layer)
+    for bf16 in (False, True):
+        buckets = (BF16_TABLE if bf16 else TABLE).get((n, k, groups), {})
+        for rows in sorted({*buckets, 16, 32, 48}):
+            warmup_low_latency(layer, rows, default_tactic(n, k, rows, groups, bf16), None, bf16)

@@ -1,6 +1,7 @@
 """Autotuner of the MXFP8 GEMM: the best tactic per (N, K, row bucket).
 
-Buckets: 1, 2, 4, 8, 16, 32, 48, then powers of two (tactics.row_bucket).
+Keys: (N, K, groups, row bucket, BF16 input); buckets 1, 2, 4, 8, 16, 32, 48,
+then powers of two (tactics.row_bucket).
 Candidates are timed with CUDA graphs on rotated weight copies (timing.py);
 the cache saves to / loads from JSON so a server start reuses a measured
 choice instead of re-timing close candidates (whose pick varies between
@@ -17,7 +18,14 @@ from contextlib import contextmanager
 
 import torch
 
+from decode_boundary.mxfp8.format import QuantizedActivation, mxfp8_scale_bytes
+
+from .mxfp8_gemm_kernel import launch_low_latency
 from .tactics import PINNED_MIN_ROWS, Tactic, row_bucket, sweep_tactics, table_tactic
+from .timing import graph_time_us, rotated_copies
+
+CACHE_VERSION = 2  # 2: Tactic(block_n, rows_tile, split_k, num_warps, chunk_k); keys with
+# groups and the input kind
 
 _pinned_only = False
 
@@ -33,64 +41,79 @@ def pinned_tactics() -> Iterator[None]:
         _pinned_only = previous
 
 
-def default_timer(layer, rows: int, tactic: Tactic) -> float:
-    """µs per call of ``tactic`` on ``rows`` zero rows, L2 cold (GPU only)."""
-    from .api import zeros_input
-    from .mxfp8_gemm_kernel import launch_low_latency
-    from .timing import graph_time_us, rotated_copies
-
+def default_timer(layer, rows: int, tactic: Tactic, bf16_input: bool = False) -> float:
+    """µs per call of ``tactic`` on ``rows`` random rows (MXFP8, or BF16 quantized
+    in the prologue), L2 cold (GPU only)."""
     if layer.weight.device.type != "cuda":
         raise RuntimeError("the autotuner times on a CUDA device; pass timer= elsewhere")
     copies = rotated_copies(layer)
-    qa = zeros_input(layer, rows)
-    out = torch.empty(rows, layer.weight.shape[1], dtype=torch.bfloat16, device=qa.data.device)
+    width = getattr(layer, "groups", 1) * layer.weight.shape[0]
+    device = layer.weight.device
+    out = torch.empty(rows, layer.weight.shape[1], dtype=torch.bfloat16, device=device)
+    if bf16_input:
+        x = torch.randn(rows, width, device=device).bfloat16()
+        return graph_time_us(lambda i: launch_low_latency(copies[i], x, out, tactic), len(copies))
+    # Random bytes, not zeros (zeros can run faster than real data); NaN-free
+    # e4m3 codes and scale bytes near 127 keep the sums finite.
+    data = torch.randint(0, 0x7E, (rows, width), dtype=torch.uint8, device=device)
+    scale = torch.randint(120, 128, (mxfp8_scale_bytes(rows, width),), dtype=torch.uint8,
+                          device=device)
+    qa = QuantizedActivation(data.view(torch.float8_e4m3fn), scale, torch.bfloat16,
+                             data.shape)
     return graph_time_us(lambda i: launch_low_latency(copies[i], qa, out, tactic), len(copies))
 
 
 class Autotuner:
-    """Cache (N, K, row bucket) -> Tactic, filled by :meth:`tune`."""
+    """Cache (N, K, groups, row bucket, BF16 input) -> Tactic, filled by :meth:`tune`."""
 
     def __init__(self) -> None:
-        self.cache: dict[tuple[int, int, int], Tactic] = {}
+        self.cache: dict[tuple[int, int, int, int, bool], Tactic] = {}
 
-    def lookup(self, n: int, k: int, rows: int) -> Tactic | None:
-        return self.cache.get((n, k, row_bucket(rows)))
+    def lookup(self, n: int, k: int, rows: int, groups: int = 1,
+               bf16_input: bool = False) -> Tactic | None:
+        return self.cache.get((n, k, groups, row_bucket(rows), bf16_input))
 
-    def candidates(self, n: int, k: int, rows: int) -> list[Tactic]:
-        """Tactics offered for (N, K, rows): only the pinned one under
-        pinned_tactics() for a pinned problem, else a small sweep."""
-        pinned = table_tactic(n, k, rows)
+    def candidates(self, n: int, k: int, rows: int, groups: int = 1,
+                   bf16_input: bool = False) -> list[Tactic]:
+        """Tactics offered for (N, K, groups, rows, input kind): only the pinned
+        one under pinned_tactics() for a pinned problem, else a small sweep."""
+        pinned = table_tactic(n, k, rows, groups, bf16_input)
         if _pinned_only and pinned is not None and rows >= PINNED_MIN_ROWS:
             return [pinned]
-        return sweep_tactics(n, k, rows)
+        return sweep_tactics(n, k, rows, groups, bf16_input)
 
-    def tune(self, layer, rows: int,
-             timer: Callable[[object, int, Tactic], float] = default_timer) -> Tactic:
+    def tune(self, layer, rows: int, timer: Callable[..., float] = default_timer,
+             bf16_input: bool = False) -> Tactic:
         """Time the candidates for ``layer`` at ``rows`` rows (the bucket's
         largest count, so the chosen tiles cover every row of the bucket) and
-        cache the fastest; ties keep the earlier (default-first) candidate."""
+        cache the fastest; ties keep the earlier (default-first) candidate.
+        ``timer(layer, rows, tactic, bf16_input)`` returns µs."""
         k, n = layer.weight.shape
+        groups = getattr(layer, "groups", 1)
         bucket = row_bucket(rows)
-        offered = self.candidates(n, k, bucket)
-        timed = [(timer(layer, bucket, t), i, t) for i, t in enumerate(offered)]
+        offered = self.candidates(n, k, bucket, groups, bf16_input)
+        timed = [(timer(layer, bucket, t, bf16_input), i, t) for i, t in enumerate(offered)]
         best = min(timed)[2]
-        self.cache[(n, k, bucket)] = best
+        self.cache[(n, k, groups, bucket, bf16_input)] = best
         return best
 
     def save(self, path: str) -> None:
-        entries = [{"n": n, "k": k, "bucket": b, "tactic": t._asdict()}
-                   for (n, k, b), t in sorted(self.cache.items())]
+        entries = [{"n": n, "k": k, "groups": g, "bucket": b, "bf16_input": bf16,
+                    "tactic": t._asdict()}
+                   for (n, k, g, b, bf16), t in sorted(self.cache.items())]
         with open(path, "w") as f:
-            json.dump({"version": 1, "entries": entries}, f, indent=1)
+            json.dump({"version": CACHE_VERSION, "entries": entries}, f, indent=1)
 
     def load(self, path: str) -> None:
         """Merge a saved cache (entries for the same key are replaced)."""
         with open(path) as f:
             data = json.load(f)
-        if data.get("version") != 1:
-            raise ValueError(f"{path}: unknown autotuner cache version {data.get('version')}")
+        if data.get("version") != CACHE_VERSION:
+            raise ValueError(f"{path}: autotuner cache version {data.get('version')}, this "
+                             f"library reads version {CACHE_VERSION} (re-tune)")
         for entry in data["entries"]:
-            self.cache[(entry["n"], entry["k"], entry["bucket"])] = Tactic(**entry["tactic"])
+            key = (entry["n"], entry["k"], entry["groups"], entry["bucket"], entry["bf16_input"])
+            self.cache[key] = Tactic(**entry["tactic"])
 
 
 AUTOTUNER = Autotuner()

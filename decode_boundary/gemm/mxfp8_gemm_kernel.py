@@ -1,64 +1,76 @@
-"""The low-latency MXFP8 GEMM (Triton, Hopper): ``out = a @ weight`` with an
-optional epilogue that publishes ``out`` into the boundary mailbox.
+"""The low-row MXFP8 GEMM (Triton, Hopper): ``out = a @ weight``, optionally
+grouped (``wo_a``), optionally quantizing BF16 activations in its prologue,
+optionally publishing ``out`` into the boundary mailbox from its epilogue.
 
-**Product.** Hopper has no block-scaled MMA, so each e4m3 operand is upcast to
-BF16 *times its power-of-two group scale*: e4m3 has 4 significant bits, so
-``e4m3 * 2^(byte - 127)`` is exact in BF16 whenever it is a normal BF16 number,
-i.e. for scale bytes 10..246 (byte 0, the scale of an all-zero group, is read
-as 0; results below 2^-126 flush, above 2^128 overflow). The BF16 ``tl.dot``
-accumulates in FP32 over K-blocks of ``block_k`` >= 128. Computed transposed,
-``out^T[BLOCK_N, ROWS] = W[BLOCK_N, BLOCK_K] . A^T[BLOCK_K, ROWS]``: the weight
-is the dot's M side and streams; the few activation rows are the N side.
+**Structure: weight-row owners, everything in flight at once.** A program owns
+``BLOCK_N`` weight rows (output columns) and a contiguous K-slice of them
+(the whole K unless ``SPLIT_K`` > 1). Before the PDL grid wait it issues
+*every* load of that slice (e4m3 bytes and scale bytes) into registers: one
+wide 16-byte-vector load per piece, the slice cut into at most three
+power-of-two pieces (``P0 + P1 + P2``, the last one masked), because
+``tl.arange`` needs powers of two. Nothing it loads there is written by the
+previous kernel, so the weight stream overlaps the previous kernel's tail.
+Thousands of small programs (wo_b: 640 of 8 rows x 2048) keep enough bytes in
+flight per SM to stream at HBM speed; no shared memory, no software pipeline.
+
+**Two products, one per row range** (``ROWS``, the activation tile):
+
+* ``ROWS`` <= 8, CUDA cores: for each activation row, elementwise products of
+  ``w * 2^sw`` and ``a * 2^sa`` in FP32, summed over the slice. Cheap because
+  there are few rows; no tensor-core layout conversion.
+* ``ROWS`` >= 16, tensor cores: both operands upcast exactly to BF16 (e4m3 has
+  4 significant bits, so ``e4m3 * 2^(byte-127)`` is a BF16 number for scale
+  bytes 10..246) and one ``tl.dot`` per piece, FP32 accumulation, computed
+  transposed ``out^T[BLOCK_N, ROWS] = W . A^T`` (the weight streams on the
+  dot's M side). In the interpreter the operands stay FP32 (its BF16 dot is
+  wrong, design.md §8.1): the same exact values.
+
+Every product of two scaled e4m3 values is exact in FP32 (8 significant bits),
+so products need no fixed rounding point; the only roundings are the FP32
+sums, whose order is fixed by the tactic (``BLOCK_N``, ``ROWS``, ``SPLIT_K``,
+``num_warps``) and K: the same bits on every run, and fused (publishing) and
+plain launches of one tactic are bit-identical.
+
+**BF16 activations** (``A_BF16``): each program quantizes the activation
+columns of its slice with ``quantize_groups``, the quantizer kernel's own
+device function, so its e4m3 bytes and exponents equal ``quantize_mxfp8``'s
+and the output equals quantize-then-GEMM bit for bit.
+
+**Grouped** (``GROUPS`` > 1, ``wo_a``): the weight is the row-stack of the
+groups' [N/G, K] weights (scales swizzled over (N, K/32)), activations are
+[M, G*K] with group g in columns [g*K, (g+1)*K), and out [M, N] is the
+concatenation of the groups' outputs. A program's columns lie in one group
+(``(N/G) % BLOCK_N == 0``).
 
 **Layout contract** (the launcher checks it, the kernel assumes it): weight
 e4m3 [N, K] K-contiguous (the column-major [K, N] view's storage), scales 1-D
-128x4-swizzled over (N, K/32) and (M, K/32); activations e4m3 [M, K]
-contiguous; out BF16 [M, N] contiguous; N % block_n == 0, K % 32 == 0; every
-pointer 16-byte aligned (also what Triton specializes on: precompile relies
-on it).
+128x4-swizzled; activations contiguous [M, G*K] (e4m3 + swizzled scales over
+(M, G*K/32), or BF16); out BF16 [M, N] contiguous; K % 32 == 0; every pointer
+16-byte aligned.
 
-**Deterministic split-K.** ``split_k`` CTAs per output block each own a
-contiguous range of K-blocks and store FP32 partials to a workspace. Each
-then arrives on the block's int32 counter (partials of rows >= M are
-neither stored nor read: at M = 1 a split moves 1/16 of the tile) (integer ``atomic_add``, acq_rel,
-GPU scope, after a CTA barrier so all its threads' stores are ordered before
-the release). The CTA that sees ``split_k - 1`` sums the partials in split
-order 0..S-1 (so the bits do not depend on who arrives last), writes the
-block and stores 0 to the counter: the next launch (stream order, or its
-grid wait under PDL) finds it re-armed, which is what CUDA-graph replay needs.
-No float atomics. What must not race: two launches sharing a workspace
-concurrently (different streams); stream order or the PDL grid wait
-serializes launches on one stream, because nothing is written before it.
+**Deterministic split-K** (``SPLIT_K`` > 1, only where too few programs would
+otherwise stream a short weight). Each split stores its FP32 partial tile to a
+workspace and arrives on the block's int32 counter (integer ``atomic_add``,
+acq_rel, GPU scope, after a CTA barrier so all threads' stores precede the
+release). The program that sees ``SPLIT_K - 1`` sums the partials in split
+order 0..S-1 (bits independent of who arrives last), writes the block and
+stores 0 to the counter, re-armed for the next launch or graph replay. No
+float atomics. Must not race with another launch sharing the workspace on a
+different stream; on one stream, order or the PDL wait serializes them.
 
-**Main-loop structure** (``tactic.num_stages``). 0: register
-double-buffering, block kb+1's weight loads issued before block kb's dot and
-the first block loaded before the PDL wait. >= 2: ``tl.range(num_stages=S)``,
-Triton's software pipeline (S - 1 K-blocks in flight through shared memory);
-its prologue runs after the PDL wait. A "row-owner" tactic (small
-``block_n``, split_k 1..4) streams long contiguous runs of BLOCK_N rows x its
-K range; both structures compute the same sums in the same order.
+**PDL.** Before ``gdc_wait`` a program reads only weights and weight scales.
+It then releases its dependents and waits; activations, workspace, counters,
+the stage word and every store come after the wait.
 
-**PDL.** Before ``gdc_wait`` the CTA only reads its weight and weight scales
-(with num_stages 0 the first K-block into registers; with USE_PTX and
-``prefetch`` its slice is prefetched into L2), which the previous kernel must
-not write. Then it
-releases its dependents and waits; activations, workspace, counters, the
-stage word and every store come after the wait.
-
-**Publishing epilogue** (PUBLISH; the boundary's mailbox, CONTRACTS.md). The
-one CTA that writes an output block (after the split-K reduction, so each
-value is published once) reads ``s = stage_state[NEXT]`` after its grid wait
-(a volatile load: the previous consumer's advance is visible and the load is
-not hoisted above the wait), and stores the same BF16 bits with -0 turned
-into +0 (0x8000 is the consumer's "not yet written") to
-``mailbox_p[s, RANK, m, col]`` of every peer p, itself included; ``cols``
-are ``block_n``-aligned runs, so the stores vectorize to 16 bytes. The
-writer of output block (0, 0) stores ``stage_state[ACTIVE] = s`` after its
-own stores; the consumer, the PDL dependent, reads ACTIVE and the mailbox
-only after this whole grid completed, so no other ordering is needed. TP,
-RANK, CAPACITY and HIDDEN are compile-time constants (a publisher serves one
-mailbox for its lifetime); the peer addresses are read at run time from the
-``peer_ptrs`` int64 table.
+**Publishing epilogue** (PUBLISH; the mailbox of CONTRACTS.md). The program
+that writes an output block (after any split-K reduction, so each value is
+published once) reads ``s = stage_state[NEXT]`` after its grid wait (volatile:
+the previous consumer's advance is visible and the load is not hoisted above
+the wait) and stores the same BF16 bits, -0 turned into +0, to
+``mailbox_p[s, RANK, m, col]`` of every peer p through ``publish_row``
+(16-byte stores: ``BLOCK_N`` >= 8). The writer of block (0, 0) stores
+``stage_state[ACTIVE] = s`` after its own stores; the consumer, the PDL
+dependent, reads ACTIVE and the mailbox only after this grid completed.
 """
 
 from __future__ import annotations
@@ -69,64 +81,97 @@ import torch
 import triton
 import triton.language as tl
 
-from decode_boundary.boundary.publish_kernel import publish_row
-from decode_boundary.env import interpret_mode, use_pdl, use_ptx
+from decode_boundary.env import interpret_mode, use_pdl
+from decode_boundary.mailbox_store import publish_row
 from decode_boundary.mxfp8.format import QuantizedActivation, mxfp8_scale_bytes
-from decode_boundary.mxfp8.quantize_kernel import swizzled_offset, to_bf16_rne
+from decode_boundary.mxfp8.quantize_kernel import quantize_groups, swizzled_offset, to_bf16_rne
 
-from .tactics import fits
-
-
-@triton.jit
-def _load_block(ptr, scale_ptr, rows, row_mask, kb, K_GROUPS, K_TILES, BLOCK_K: tl.constexpr, K):
-    """e4m3 [R, BLOCK_K/32, 32] elements and uint8 [R, BLOCK_K/32] scales of
-    K-block ``kb`` of rows ``rows`` (groups past K and masked rows read 0)."""
-    g = kb * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
-    mask = row_mask[:, None] & (g[None, :] < K_GROUPS)
-    e = tl.arange(0, 32)
-    offs = rows[:, None, None].to(tl.int64) * K + g[None, :, None] * 32 + e[None, None, :]
-    x = tl.load(ptr + offs, mask=mask[:, :, None], other=0.0)
-    s = tl.load(scale_ptr + swizzled_offset(rows[:, None], g[None, :], K_TILES), mask=mask, other=0)
-    return x, s
+from .tactics import Tactic, fits, k_pieces
 
 
 @triton.jit
-def _upcast(x, s, R: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETER: tl.constexpr):
-    """BF16 [R, BLOCK_K] of e4m3 ``x`` times 2^(s - 127): exact (module docstring).
-
-    The interpreter's ``tl.dot`` multiplies BF16 *bit patterns* as integers, so
-    there the operands stay FP32: the same (exact) values, FP32 products and sums.
-    """
-    scale = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    v = x.to(tl.float32) * scale[:, :, None]
-    if not INTERPRETER:
-        v = v.to(tl.bfloat16)
-    return tl.reshape(v, (R, BLOCK_K))
+def _exp2(byte):
+    """2^(byte - 127) as FP32 (byte 0, the scale of an all-zero group, reads 0)."""
+    return (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _mma(acc, w, ws, a, sa, BLOCK_N: tl.constexpr, ROWS_TILE: tl.constexpr,
-         BLOCK_K: tl.constexpr, INTERPRETER: tl.constexpr):
-    """acc [BLOCK_N, ROWS_TILE] += upcast(w) . upcast(a)^T (one K-block)."""
-    w_bf16 = _upcast(w, ws, BLOCK_N, BLOCK_K, INTERPRETER)
-    a_bf16 = _upcast(a, sa, ROWS_TILE, BLOCK_K, INTERPRETER)
-    return tl.dot(w_bf16, tl.trans(a_bf16), acc)
+def _load_weight(w_ptr, ws_ptr, cols, k0, k_end, CH: tl.constexpr, K: tl.constexpr,
+                 K_TILES: tl.constexpr):
+    """e4m3 [BLOCK_N, CH] and scale bytes [BLOCK_N, CH/32] of weight rows
+    ``cols``, K from ``k0`` (groups at or past ``k_end`` read 0)."""
+    k = k0 + tl.arange(0, CH)
+    g = k0 // 32 + tl.arange(0, CH // 32)
+    w = tl.load(w_ptr + cols[:, None].to(tl.int64) * K + k[None, :], mask=(k < k_end)[None, :],
+                other=0.0)
+    s = tl.load(ws_ptr + swizzled_offset(cols[:, None], g[None, :], K_TILES),
+                mask=(g * 32 < k_end)[None, :], other=0)
+    return w, s
 
 
 @triton.jit
-def _prefetch_slice(w_ptr, cols, kb0, first, PER_SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
-                    K: tl.constexpr, USE_PTX: tl.constexpr, PREFETCH: tl.constexpr):
-    """Prefetch K-blocks kb0+first .. kb0+PER_SPLIT-1 of rows ``cols`` into L2,
-    one ``prefetch.global.L2`` per 128-byte line (inline PTX: only with USE_PTX
-    and PREFETCH), so the main loop's loads hit L2 while the previous kernel
-    finishes."""
-    if USE_PTX and PREFETCH:
-        for step in range(first, PER_SPLIT):
-            kb = kb0 + step
-            line = tl.minimum(kb * BLOCK_K + tl.arange(0, BLOCK_K // 128) * 128, K - 32)
-            addr = (w_ptr + cols[:, None].to(tl.int64) * K + line[None, :]).to(tl.int64)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [addr],
-                                      dtype=tl.int32, is_pure=False, pack=1)
+def _scaled(x, scale, R: tl.constexpr, CH: tl.constexpr):
+    """FP32 [R, CH] of values ``x`` [R, CH] times their group scales [R, CH/32] (exact)."""
+    v = tl.reshape(x.to(tl.float32), (R, CH // 32, 32)) * _exp2(scale)[:, :, None]
+    return tl.reshape(v, (R, CH))
+
+
+@triton.jit
+def _load_activation(a_ptr, as_ptr, rows, row_live, a_k0, k0, k_end, CH: tl.constexpr,
+                     A_K: tl.constexpr, A_K_TILES: tl.constexpr, A_BF16: tl.constexpr,
+                     HARDWARE: tl.constexpr):
+    """FP32 values [R, CH] and UE8M0 exponents [R, CH/32] of activation rows
+    ``rows`` [R], weight K from ``k0`` (activation column ``a_k0 + k``); with
+    ``A_BF16`` quantized here exactly as ``quantize_mxfp8`` does."""
+    R: tl.constexpr = rows.shape[0]
+    k = k0 + tl.arange(0, CH)
+    g = k0 // 32 + tl.arange(0, CH // 32)
+    live = row_live[:, None] & (k < k_end)[None, :]
+    offs = rows[:, None].to(tl.int64) * A_K + a_k0 + k[None, :]
+    if A_BF16:
+        x = tl.load(a_ptr + offs, mask=live, other=0.0).to(tl.float32)
+        q, exponent = quantize_groups(tl.reshape(x, (R, CH // 32, 32)), HARDWARE)
+        q = tl.reshape(q, (R, CH))
+    else:
+        q = tl.load(a_ptr + offs, mask=live, other=0.0)
+        exponent = tl.load(as_ptr + swizzled_offset(rows[:, None], a_k0 // 32 + g[None, :],
+                                                    A_K_TILES),
+                           mask=row_live[:, None] & (g * 32 < k_end)[None, :], other=0)
+        exponent = exponent.to(tl.int32)
+    return q.to(tl.float32), exponent
+
+
+@triton.jit
+def _chunk(acc, w, ws, a_ptr, as_ptr, row0, M, a_k0, k0, k_end,
+           CH: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+           A_K: tl.constexpr, A_K_TILES: tl.constexpr, A_BF16: tl.constexpr,
+           INTERPRETER: tl.constexpr):
+    """acc [BLOCK_N, ROWS] += W_chunk . A_chunk^T (module docstring: the products)."""
+    if ROWS >= 16:
+        rows = row0 + tl.arange(0, ROWS)
+        a, sa = _load_activation(a_ptr, as_ptr, rows, rows < M, a_k0, k0, k_end, CH, A_K,
+                                 A_K_TILES, A_BF16, not INTERPRETER)
+        af = _scaled(a, sa, ROWS, CH)
+        wf = _scaled(w, ws, BLOCK_N, CH)
+        if not INTERPRETER:
+            af = af.to(tl.bfloat16)  # exact (module docstring)
+            wf = wf.to(tl.bfloat16)
+        acc = tl.dot(wf, tl.trans(af), acc)
+    else:
+        # Unscaled e4m3 products summed per 32-group (exact products, FP32 sums,
+        # as the reference), then the groups weighted by both scales.
+        wf = w.to(tl.float32)
+        sw = _exp2(ws)
+        lane = tl.arange(0, ROWS)
+        for r in tl.static_range(ROWS):
+            row = row0 + r + tl.zeros((1,), dtype=tl.int32)
+            a, sa = _load_activation(a_ptr, as_ptr, row, row < M, a_k0, k0, k_end, CH, A_K,
+                                     A_K_TILES, A_BF16, not INTERPRETER)
+            a = tl.reshape(a, (CH,))
+            sums = tl.sum(tl.reshape(wf * a[None, :], (BLOCK_N, CH // 32, 32)), axis=2)
+            part = tl.sum(sums * (sw * _exp2(tl.reshape(sa, (CH // 32,)))[None, :]), axis=1)
+            acc = tl.where(lane[None, :] == r, acc + part[:, None], acc)
+    return acc
 
 
 @triton.jit
@@ -151,83 +196,98 @@ def mxfp8_gemm_kernel(
     w_ptr, w_scale_ptr, a_ptr, a_scale_ptr, out_ptr,
     partial_ptr, counter_ptr, peer_ptrs_ptr, stage_ptr,
     M,
-    N: tl.constexpr, K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_TILE: tl.constexpr,
-    SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr,
-    USE_PTX: tl.constexpr, USE_PDL: tl.constexpr, INTERPRETER: tl.constexpr,
+    N: tl.constexpr, K: tl.constexpr, GROUPS: tl.constexpr,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr,
+    K_SLICE: tl.constexpr, CHUNK: tl.constexpr, PIECES: tl.constexpr,
+    A_BF16: tl.constexpr, USE_PDL: tl.constexpr, INTERPRETER: tl.constexpr,
     PUBLISH: tl.constexpr, TP: tl.constexpr, RANK: tl.constexpr,
     CAPACITY: tl.constexpr, HIDDEN: tl.constexpr,
 ):
-    K_GROUPS: tl.constexpr = K // 32
-    K_TILES: tl.constexpr = (K_GROUPS + 3) // 4
-    K_BLOCKS: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
-    PER_SPLIT: tl.constexpr = (K_BLOCKS + SPLIT_K - 1) // SPLIT_K
+    W_K_TILES: tl.constexpr = (K // 32 + 3) // 4
+    A_K: tl.constexpr = GROUPS * K
+    A_K_TILES: tl.constexpr = (A_K // 32 + 3) // 4
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
-    # Every split runs PER_SPLIT steps (a compile-time trip count); steps past
-    # K_BLOCKS (the last split when SPLIT_K does not divide it) load zeros.
-    kb0 = pid_k * PER_SPLIT
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    all_cols = cols < N  # N % BLOCK_N == 0: a mask of the right shape, always true
+    k0 = pid_k * K_SLICE
+    k_end = tl.minimum(k0 + K_SLICE, K)
+    a_k0 = (pid_n * BLOCK_N) // (N // GROUPS) * K  # this group's first activation column
 
-    rows = pid_m * ROWS_TILE + tl.arange(0, ROWS_TILE)
-    row_mask = rows < M
-    acc = tl.zeros((BLOCK_N, ROWS_TILE), dtype=tl.float32)
-    if NUM_STAGES == 0:
-        # Independent of the previous kernel: this CTA's first weight block ...
-        w, ws = _load_block(w_ptr, w_scale_ptr, cols, all_cols & (kb0 < K_BLOCKS), kb0,
-                            K_GROUPS, K_TILES, BLOCK_K, K)
-        _prefetch_slice(w_ptr, cols, kb0, 1, PER_SPLIT, BLOCK_K, K, USE_PTX, PREFETCH)
-        if USE_PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-        for step in range(PER_SPLIT):
-            kb = kb0 + step
-            # Register double-buffering: issue block kb+1's weight loads before
-            # block kb's dot, so one block is always in flight behind the math.
-            has_next = (step + 1 < PER_SPLIT) & (kb + 1 < K_BLOCKS)
-            w_next, ws_next = _load_block(w_ptr, w_scale_ptr, cols, all_cols & has_next,
-                                          kb + 1, K_GROUPS, K_TILES, BLOCK_K, K)
-            a, sa = _load_block(a_ptr, a_scale_ptr, rows, row_mask, kb, K_GROUPS, K_TILES,
-                                BLOCK_K, K)
-            acc = _mma(acc, w, ws, a, sa, BLOCK_N, ROWS_TILE, BLOCK_K, INTERPRETER)
-            w, ws = w_next, ws_next
-    else:
-        # Triton's software pipeline (NUM_STAGES - 1 K-blocks in flight through
-        # shared memory). Its prologue sits after the PDL wait, so before it the
-        # CTA only prefetches its whole slice into L2.
-        _prefetch_slice(w_ptr, cols, kb0, 0, PER_SPLIT, BLOCK_K, K, USE_PTX, PREFETCH)
-        if USE_PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-        for step in tl.range(PER_SPLIT, num_stages=NUM_STAGES):
-            kb = kb0 + step
-            w, ws = _load_block(w_ptr, w_scale_ptr, cols, all_cols & (kb < K_BLOCKS), kb,
-                                K_GROUPS, K_TILES, BLOCK_K, K)
-            a, sa = _load_block(a_ptr, a_scale_ptr, rows, row_mask, kb, K_GROUPS, K_TILES,
-                                BLOCK_K, K)
-            acc = _mma(acc, w, ws, a, sa, BLOCK_N, ROWS_TILE, BLOCK_K, INTERPRETER)
+    # The whole weight slice, before the grid wait (nothing here is the previous kernel's).
+    # The whole weight slice in up to eight CHUNK-wide pieces, before the grid
+    # wait (nothing here is the previous kernel's); the last piece is masked.
+    w0, s0 = _load_weight(w_ptr, w_scale_ptr, cols, k0, k_end, CHUNK, K, W_K_TILES)
+    if PIECES > 1:
+        w1, s1 = _load_weight(w_ptr, w_scale_ptr, cols, k0 + CHUNK, k_end, CHUNK, K, W_K_TILES)
+    if PIECES > 2:
+        w2, s2 = _load_weight(w_ptr, w_scale_ptr, cols, k0 + 2 * CHUNK, k_end, CHUNK, K,
+                              W_K_TILES)
+    if PIECES > 3:
+        w3, s3 = _load_weight(w_ptr, w_scale_ptr, cols, k0 + 3 * CHUNK, k_end, CHUNK, K,
+                              W_K_TILES)
+    if PIECES > 4:
+        w4, s4 = _load_weight(w_ptr, w_scale_ptr, cols, k0 + 4 * CHUNK, k_end, CHUNK, K,
+                              W_K_TILES)
+    if PIECES > 5:
+        w5, s5 = _load_weight(w_ptr, w_scale_ptr, cols, k0 + 5 * CHUNK, k_end, CHUNK, K,
+                              W_K_TILES)
+    if PIECES > 6:
+        w6, s6 = _load_weight(w_ptr, w_scale_ptr, cols, k0 + 6 * CHUNK, k_end, CHUNK, K,
+                              W_K_TILES)
+    if PIECES > 7:
+        w7, s7 = _load_weight(w_ptr, w_scale_ptr, cols, k0 + 7 * CHUNK, k_end, CHUNK, K,
+                              W_K_TILES)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
 
+    row0 = pid_m * ROWS
+    acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+    acc = _chunk(acc, w0, s0, a_ptr, a_scale_ptr, row0, M, a_k0, k0, k_end, CHUNK, BLOCK_N,
+                 ROWS, A_K, A_K_TILES, A_BF16, INTERPRETER)
+    if PIECES > 1:
+        acc = _chunk(acc, w1, s1, a_ptr, a_scale_ptr, row0, M, a_k0, k0 + CHUNK, k_end,
+                     CHUNK, BLOCK_N, ROWS, A_K, A_K_TILES, A_BF16, INTERPRETER)
+    if PIECES > 2:
+        acc = _chunk(acc, w2, s2, a_ptr, a_scale_ptr, row0, M, a_k0, k0 + 2 * CHUNK, k_end,
+                     CHUNK, BLOCK_N, ROWS, A_K, A_K_TILES, A_BF16, INTERPRETER)
+    if PIECES > 3:
+        acc = _chunk(acc, w3, s3, a_ptr, a_scale_ptr, row0, M, a_k0, k0 + 3 * CHUNK, k_end,
+                     CHUNK, BLOCK_N, ROWS, A_K, A_K_TILES, A_BF16, INTERPRETER)
+    if PIECES > 4:
+        acc = _chunk(acc, w4, s4, a_ptr, a_scale_ptr, row0, M, a_k0, k0 + 4 * CHUNK, k_end,
+                     CHUNK, BLOCK_N, ROWS, A_K, A_K_TILES, A_BF16, INTERPRETER)
+    if PIECES > 5:
+        acc = _chunk(acc, w5, s5, a_ptr, a_scale_ptr, row0, M, a_k0, k0 + 5 * CHUNK, k_end,
+                     CHUNK, BLOCK_N, ROWS, A_K, A_K_TILES, A_BF16, INTERPRETER)
+    if PIECES > 6:
+        acc = _chunk(acc, w6, s6, a_ptr, a_scale_ptr, row0, M, a_k0, k0 + 6 * CHUNK, k_end,
+                     CHUNK, BLOCK_N, ROWS, A_K, A_K_TILES, A_BF16, INTERPRETER)
+    if PIECES > 7:
+        acc = _chunk(acc, w7, s7, a_ptr, a_scale_ptr, row0, M, a_k0, k0 + 7 * CHUNK, k_end,
+                     CHUNK, BLOCK_N, ROWS, A_K, A_K_TILES, A_BF16, INTERPRETER)
+
+    rows = row0 + tl.arange(0, ROWS)
     is_first_block = (pid_n == 0) & (pid_m == 0)
     if SPLIT_K == 1:
         _write_block(acc, out_ptr, rows, cols, M, N, is_first_block, peer_ptrs_ptr, stage_ptr,
                      PUBLISH, TP, RANK, CAPACITY, HIDDEN, INTERPRETER)
     else:
-        # Workspace: FP32 [blocks, SPLIT_K, ROWS_TILE, BLOCK_N], one tile per split.
+        # Workspace: FP32 [blocks, SPLIT_K, ROWS, BLOCK_N], one tile per split.
         block = pid_m * (N // BLOCK_N) + pid_n
-        tile = tl.arange(0, ROWS_TILE)[None, :] * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
-        partials = partial_ptr + (block * SPLIT_K).to(tl.int64) * (ROWS_TILE * BLOCK_N)
-        real = row_mask[None, :]  # rows past M: neither stored nor read back
-        tl.store(partials + pid_k * (ROWS_TILE * BLOCK_N) + tile, acc, mask=real)
+        tile = tl.arange(0, ROWS)[None, :] * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+        partials = partial_ptr + (block * SPLIT_K).to(tl.int64) * (ROWS * BLOCK_N)
+        real = rows[None, :] < M  # rows past M: neither stored nor read back
+        tl.store(partials + pid_k * (ROWS * BLOCK_N) + tile, acc, mask=real)
         tl.debug_barrier()  # every thread's partial precedes the release below
         arrived = tl.atomic_add(counter_ptr + block, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
             tl.debug_barrier()  # the acquire (one thread) covers the whole CTA's reads
-            # .cg: read at L2, where the other CTAs' partials are.
+            # .cg: read at L2, where the other programs' partials are.
             total = tl.load(partials + tile, mask=real, other=0.0, cache_modifier=".cg")
             for s in tl.static_range(1, SPLIT_K):
-                total += tl.load(partials + s * (ROWS_TILE * BLOCK_N) + tile, mask=real,
+                total += tl.load(partials + s * (ROWS * BLOCK_N) + tile, mask=real,
                                  other=0.0, cache_modifier=".cg")
             tl.store(counter_ptr + block, 0)  # re-armed for the next launch / graph replay
             _write_block(total, out_ptr, rows, cols, M, N, is_first_block, peer_ptrs_ptr,
@@ -241,15 +301,16 @@ def mxfp8_gemm_kernel(
 # ``rank``, ``tp``, ``capacity``, ``hidden`` (== the GEMM's N) of the BF16
 # mailboxes [3, tp, capacity, hidden].
 NO_PUBLISH = SimpleNamespace(peer_ptrs=None, stage_state=None, rank=0, tp=1, capacity=1, hidden=1)
-ENABLE_FP_FUSION = False  # every launch and warmup alike (part of the compiled kernel's key)
 _WORKSPACES: dict[tuple[torch.device, int], torch.Tensor] = {}
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 _DUMMIES: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
-def weight_operands(layer) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """(e4m3 [N, K] storage, swizzled scales, N, K) of ``layer``, checked."""
+def weight_operands(layer) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
+    """(e4m3 [N, K] storage, swizzled scales, N, K, groups) of ``layer``, checked.
+    ``layer.groups`` (default 1) > 1 marks a grouped layer (module docstring)."""
     weight, scale = layer.weight, layer.weight_scale
+    groups = getattr(layer, "groups", 1)
     if weight.dtype != torch.float8_e4m3fn or weight.ndim != 2:
         raise ValueError(f"layer.weight must be a 2-D float8_e4m3fn [K, N] view, got "
                          f"{weight.dtype} {tuple(weight.shape)}")
@@ -264,7 +325,9 @@ def weight_operands(layer) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         raise ValueError(f"layer.weight_scale must be contiguous 1-D uint8 with >= {need} bytes "
                          f"(128x4 swizzled over ({n}, {k // 32})), got {scale.dtype} "
                          f"{tuple(scale.shape)}")
-    return storage, scale, n, k
+    if not isinstance(groups, int) or groups < 1 or n % groups:
+        raise ValueError(f"layer.groups must be a positive int dividing N={n}, got {groups!r}")
+    return storage, scale, n, k, groups
 
 
 def _aligned(*tensors: torch.Tensor) -> None:
@@ -288,7 +351,7 @@ def _cached(cache: dict, device: torch.device, nbytes: int, make) -> torch.Tenso
     return buf
 
 
-def _buffers(device: torch.device, n: int, rows: int, tactic, publish=None):
+def _buffers(device: torch.device, n: int, rows: int, tactic: Tactic, publish=None):
     """(partials, counters, peer_ptrs, stage_state) arguments of one launch."""
     if device not in _DUMMIES:
         _DUMMIES[device] = (torch.zeros(4, dtype=torch.float32, device=device),
@@ -327,25 +390,40 @@ def _check_publish(publish, n: int, rows: int, device: torch.device) -> None:
         raise ValueError(f"{rows} rows exceed the mailbox capacity {p.capacity}")
 
 
-def _launch_config(layer, a_data, a_scale, out, tactic, publish):
-    """(grid, positional args, keyword args) shared by launch and warmup, so a
-    warmed-up kernel is exactly the one a launch looks up."""
-    storage, w_scale, n, k = weight_operands(layer)
-    rows = a_data.shape[0]
-    device = storage.device
-    if a_data.dtype != torch.float8_e4m3fn or tuple(a_data.shape) != (rows, k) or \
-            not a_data.is_contiguous():
-        raise ValueError(f"activation data must be contiguous float8_e4m3fn [rows, {k}], got "
-                         f"{a_data.dtype} {tuple(a_data.shape)}")
-    need = mxfp8_scale_bytes(rows, k)
-    if a_scale.dtype != torch.uint8 or a_scale.ndim != 1 or a_scale.numel() < need:
+def _check_activation(a, rows: int, a_k: int) -> bool:
+    """Validate the activation operand; True when it is BF16 (quantized in the kernel)."""
+    if isinstance(a, torch.Tensor):
+        if a.dtype != torch.bfloat16 or tuple(a.shape) != (rows, a_k) or not a.is_contiguous():
+            raise ValueError(f"activation must be contiguous bfloat16 [rows, {a_k}] (or an MXFP8 "
+                             f"QuantizedActivation), got {a.dtype} {tuple(a.shape)}")
+        return True
+    data, scale = a.data, a.scale
+    if data.dtype != torch.float8_e4m3fn or tuple(data.shape) != (rows, a_k) or \
+            not data.is_contiguous():
+        raise ValueError(f"activation data must be contiguous float8_e4m3fn [rows, {a_k}], got "
+                         f"{data.dtype} {tuple(data.shape)}")
+    need = mxfp8_scale_bytes(rows, a_k)
+    if scale.dtype != torch.uint8 or scale.ndim != 1 or scale.numel() < need:
         raise ValueError(f"activation scale must be 1-D uint8 with >= {need} bytes, got "
-                         f"{a_scale.dtype} {tuple(a_scale.shape)}")
+                         f"{scale.dtype} {tuple(scale.shape)}")
+    return False
+
+
+def _launch_config(layer, a, out, tactic: Tactic, publish):
+    """(grid, positional args, keyword args) shared by launch and warmup, so a
+    warmed-up kernel is exactly the one a launch looks up. ``a`` is a BF16
+    [rows, G*K] tensor or a QuantizedActivation (2-D data)."""
+    storage, w_scale, n, k, groups = weight_operands(layer)
+    bf16 = isinstance(a, torch.Tensor)
+    rows = (a if bf16 else a.data).shape[0]
+    device = storage.device
+    a_bf16 = _check_activation(a, rows, groups * k)
+    a_data, a_scale = (a, a) if a_bf16 else (a.data, a.scale)
     if out.dtype != torch.bfloat16 or tuple(out.shape) != (rows, n) or not out.is_contiguous():
         raise ValueError(f"out must be contiguous bfloat16 [{rows}, {n}], got {out.dtype} "
                          f"{tuple(out.shape)}")
-    if not fits(tactic, n, k):
-        raise ValueError(f"tactic {tactic} is not valid for N={n}, K={k}, rows={rows}")
+    if not fits(tactic, n, k, groups):
+        raise ValueError(f"tactic {tactic} is not valid for N={n}, K={k}, groups={groups}")
     if any(t.device != device for t in (a_data, a_scale, out)):
         raise ValueError(f"weight, activations and out must share one device ({device})")
     _aligned(storage, w_scale, a_data, a_scale, out)
@@ -354,40 +432,46 @@ def _launch_config(layer, a_data, a_scale, out, tactic, publish):
     buffers = _buffers(device, n, rows, tactic, publish)
     grid = (n // tactic.block_n, tactic.split_k, -(-rows // tactic.rows_tile))
     pub = publish or NO_PUBLISH
+    k_slice, pieces = k_pieces(k, tactic)
+    pdl = use_pdl(device)
     kwargs = dict(
-        N=n, K=k, BLOCK_N=tactic.block_n, BLOCK_K=tactic.block_k, ROWS_TILE=tactic.rows_tile,
-        SPLIT_K=tactic.split_k, PREFETCH=tactic.prefetch, NUM_STAGES=tactic.num_stages,
-        USE_PTX=use_ptx(device),
-        USE_PDL=use_pdl(device), INTERPRETER=interpret_mode(), PUBLISH=publish is not None,
+        N=n, K=k, GROUPS=groups, BLOCK_N=tactic.block_n, ROWS=tactic.rows_tile,
+        SPLIT_K=tactic.split_k, K_SLICE=k_slice, CHUNK=tactic.chunk_k, PIECES=pieces,
+        A_BF16=a_bf16, USE_PDL=pdl, INTERPRETER=interpret_mode(), PUBLISH=publish is not None,
         TP=pub.tp, RANK=pub.rank, CAPACITY=pub.capacity, HIDDEN=pub.hidden,
-        num_warps=tactic.num_warps, num_stages=max(1, tactic.num_stages),
-        launch_pdl=use_pdl(device), enable_fp_fusion=ENABLE_FP_FUSION,
+        num_warps=tactic.num_warps, num_stages=1, launch_pdl=pdl,
     )
     return grid, (storage, w_scale, a_data, a_scale, out, *buffers, rows), kwargs
 
 
-def launch_low_latency(layer, a: QuantizedActivation, out: torch.Tensor, tactic,
-                       publish=None) -> torch.Tensor:
-    """``out`` [rows, N] (BF16) = ``a`` (MXFP8 [rows, K]) @ ``layer.weight`` with
-    ``tactic`` on the current stream; with ``publish``, also into the mailbox
-    (module docstring). ``a.data`` must be 2-D [rows, K]."""
-    grid, args, kwargs = _launch_config(layer, a.data, a.scale, out, tactic, publish)
+def launch_low_latency(layer, a, out: torch.Tensor, tactic: Tactic, publish=None) -> torch.Tensor:
+    """``out`` [rows, N] (BF16) = ``a`` @ ``layer.weight`` with ``tactic`` on the
+    current stream; ``a`` is MXFP8 (``QuantizedActivation``, 2-D data) or a BF16
+    [rows, G*K] tensor quantized in the prologue; with ``publish``, also into
+    the mailbox (module docstring)."""
+    grid, args, kwargs = _launch_config(layer, a, out, tactic, publish)
     if args[-1]:
         mxfp8_gemm_kernel[grid](*args, **kwargs)
     return out
 
 
-def warmup_low_latency(layer, rows: int, tactic, publish=None):
+def warmup_low_latency(layer, rows: int, tactic: Tactic, publish=None, bf16_input: bool = False):
     """Compile (launch nothing) the kernel ``launch_low_latency`` runs for
-    ``rows`` rows and ``tactic``, and allocate its workspace; returns the
-    compiled kernel (None in the interpreter). Peer addresses are checked here,
-    outside any capture: a host read of the table would synchronize."""
-    storage, _, n, k = weight_operands(layer)
+    ``rows`` rows, ``tactic`` and the input kind, and allocate its workspace;
+    returns the compiled kernel (None in the interpreter). Peer addresses are
+    checked here, outside any capture: a host read of the table would synchronize."""
+    storage, _, n, k, groups = weight_operands(layer)
     device = storage.device
-    a_data = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=device)
-    a_scale = torch.empty(mxfp8_scale_bytes(rows, k), dtype=torch.uint8, device=device)
+    a_k = groups * k
+    if bf16_input:
+        a = torch.empty(rows, a_k, dtype=torch.bfloat16, device=device)
+    else:
+        a = QuantizedActivation(
+            torch.empty(rows, a_k, dtype=torch.float8_e4m3fn, device=device),
+            torch.empty(mxfp8_scale_bytes(rows, a_k), dtype=torch.uint8, device=device),
+            torch.bfloat16, torch.Size((rows, a_k)))
     out = torch.empty(rows, n, dtype=torch.bfloat16, device=device)
     if publish is not None and any(ptr % 16 for ptr in publish.peer_ptrs.tolist()):
         raise ValueError("publish.peer_ptrs must hold 16-byte aligned mailbox addresses")
-    grid, args, kwargs = _launch_config(layer, a_data, a_scale, out, tactic, publish)
+    grid, args, kwargs = _launch_config(layer, a, out, tactic, publish)
     return mxfp8_gemm_kernel.warmup(*args, grid=grid, **kwargs)

@@ -8,6 +8,10 @@ the reference's only roundings are the FP32 sums and the final BF16 cast.
 The bar (design.md, issue 3): every element within one BF16 ulp of the FP64
 product of the dequantized operands plus ``1e-5 * sum_k |a_k * w_k|`` (room for
 FP32 accumulation in any order).
+
+Grouped layers (``groups`` G > 1, ``wo_a``): the weight [N, K] is the row-stack
+of G weights [N/G, K]; the activation [M, G*K] holds group g in columns
+[g*K, (g+1)*K); the output is the concatenation of the G products.
 """
 
 from __future__ import annotations
@@ -34,29 +38,43 @@ def dequantize_weight(weight: torch.Tensor, weight_scale: torch.Tensor, dtype=to
     return dequantize_mxfp8(qw, dtype)
 
 
-def mxfp8_mm_ref(a: QuantizedActivation, weight: torch.Tensor, weight_scale: torch.Tensor):
+def _by_group(t: torch.Tensor, rows: int, groups: int) -> torch.Tensor:
+    """Activation-side [rows, G*X] -> [rows, G, 1, X] for a grouped einsum."""
+    return t.reshape(rows, groups, 1, -1)
+
+
+def mxfp8_mm_ref(a: QuantizedActivation, weight: torch.Tensor, weight_scale: torch.Tensor,
+                 groups: int = 1):
     """BF16 ``a @ weight`` [*a.orig_shape[:-1], N] by the spec above (FP32 sums)."""
-    rows, k = a.data.shape
-    n = weight.shape[1]
-    groups = k // GROUP
-    av = a.data.float().view(rows, groups, GROUP)
-    wv = weight.t().float().reshape(n, groups, GROUP)
-    group_sums = torch.einsum("mgk,ngk->mng", av, wv)  # exact products, FP32 sums
-    sa = exp2_int(unswizzle_scales(a.scale, rows, k).to(torch.int32))  # [M, G] FP64
-    sw = exp2_int(unswizzle_scales(weight_scale, n, k).to(torch.int32))  # [N, G]
+    rows, width = a.data.shape
+    k, n = weight.shape
+    if width != groups * k:
+        raise ValueError(f"activation has K = {width}, weight takes {groups} x {k}")
+    kg = k // GROUP
+    av = a.data.float().view(rows, groups, kg, GROUP)
+    wv = weight.t().float().reshape(groups, n // groups, kg, GROUP)
+    # Exact products, FP32 sums of each 32-group.
+    group_sums = torch.einsum("mgck,gnck->mgnc", av, wv).reshape(rows, n, kg)
+    sa = exp2_int(unswizzle_scales(a.scale, rows, width).to(torch.int32))  # [M, G*kg] FP64
+    sa = _by_group(sa, rows, groups).expand(rows, groups, n // groups, kg).reshape(rows, n, kg)
+    sw = exp2_int(unswizzle_scales(weight_scale, n, k).to(torch.int32))  # [N, kg]
     # The scale product is a power of two: exact in FP64, then one FP32 rounding
     # only where it leaves FP32's range (extreme exponents).
-    scaled = (group_sums.double() * sa[:, None, :] * sw[None, :, :]).float()
+    scaled = (group_sums.double() * sa * sw[None, :, :]).float()
     out = scaled.sum(dim=-1, dtype=torch.float32).to(torch.bfloat16)
     return out.view(*a.orig_shape[:-1], n)
 
 
-def mxfp8_mm_exact(a: QuantizedActivation, weight: torch.Tensor, weight_scale: torch.Tensor):
+def mxfp8_mm_exact(a: QuantizedActivation, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   groups: int = 1):
     """(FP64 product [rows, N], FP64 sum_k |a_k w_k| [rows, N]) of the dequantized operands."""
-    rows, k = a.data.shape
-    av = dequantize_mxfp8(a, torch.float64).reshape(rows, k)
+    rows, width = a.data.shape
+    av = dequantize_mxfp8(a, torch.float64).reshape(rows, groups, width // groups)
     wv = dequantize_weight(weight, weight_scale)
-    return av @ wv.t(), av.abs() @ wv.abs().t()
+    wv = wv.reshape(groups, -1, width // groups)  # [G, N/G, K]
+    exact = torch.einsum("mgk,gnk->mgn", av, wv).reshape(rows, -1)
+    abs_sum = torch.einsum("mgk,gnk->mgn", av.abs(), wv.abs()).reshape(rows, -1)
+    return exact, abs_sum
 
 
 def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
@@ -65,9 +83,10 @@ def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     return torch.exp2(exponent - 7)
 
 
-def check_mxfp8_mm(out: torch.Tensor, a: QuantizedActivation, weight, weight_scale) -> None:
+def check_mxfp8_mm(out: torch.Tensor, a: QuantizedActivation, weight, weight_scale,
+                   groups: int = 1) -> None:
     """Raise AssertionError naming the worst element if ``out`` misses the bar."""
-    exact, abs_sum = mxfp8_mm_exact(a, weight, weight_scale)
+    exact, abs_sum = mxfp8_mm_exact(a, weight, weight_scale, groups)
     got = out.reshape(exact.shape).double().cpu()
     exact, abs_sum = exact.cpu(), abs_sum.cpu()
     bound = bf16_ulp(exact) + REL_SUM_TOLERANCE * abs_sum

@@ -1,24 +1,21 @@
 """Tactics of the MXFP8 GEMM kernel and the tables that pin them: one place.
 
 A :class:`Tactic` fixes everything a compiled kernel depends on besides the
-shape. Row ranges (design.md §1, seed 004):
+shape and the input kind: weight rows per program, activation rows per program
+(1..8 on CUDA cores, 16..64 on tensor cores: mxfp8_gemm_kernel.py), split-K
+and warps. Row ranges (design.md §1, seed 004):
 
-* ``1 .. LOW_BATCH_MAX_ROWS`` (8): the low-latency GEMM, a 16-row activation
-  tile (the smallest ``tl.dot`` side; rows above M are masked);
-* ``.. WIDE_LOW_LATENCY_MAX_ROWS`` (48): wide tiles of 16, 32 and 64 rows (48
-  rows run a masked 64-row tile: Triton tiles are powers of two);
-* above: the same kernel with a grid over 32- or 64-row tiles, with tactics
-  pinned per row range for the DSV4.1 shapes so a choice never changes
-  between process starts.
+* ``1 .. LOW_BATCH_MAX_ROWS`` (8): the low-latency GEMM;
+* ``.. WIDE_LOW_LATENCY_MAX_ROWS`` (48): wide tiles of 16, 32 and 64 rows
+  (48 rows run a masked 64-row tile: Triton tiles are powers of two);
+* above: 64-row tiles over a grid of row blocks, pinned per row range for the
+  tabled shapes so a choice never changes between process starts.
 
-``LOW_BATCH_TACTICS`` holds the measured winners of ``benchmarks/gemm_variants.py``
-on one H200 (benchmarks/NOTES.md; V4-Flash ``wo_b`` copies ``wo_b``'s, unmeasured);
-the wide and pinned tables are derived from it.
-Unpinned shapes get :func:`heuristic_tactic`, which is reasoned, not measured:
-enough CTAs (>= ~200 of 132 SMs) that each SM keeps two 64x128-byte weight blocks
-in registers plus its L2 prefetches in flight (Little's law: ~36 KB per SM at
-4.8 TB/s and ~1 us latency). ``benchmarks/gemm.py`` (without ``--quick``) and
-``benchmarks/gemm_variants.py`` print the measured best; re-pin from those.
+``TABLE`` holds the measured winners of ``benchmarks/gemm_sweep.py`` on one
+H200 per (N, K, groups) and row bucket (benchmarks/NOTES.md). Unpinned shapes
+get :func:`heuristic_tactic`: enough programs (>= TARGET_PROGRAMS) that every
+SM keeps several weight slices in flight, split-K only where N alone cannot
+give that many.
 """
 
 from __future__ import annotations
@@ -27,74 +24,81 @@ from typing import NamedTuple
 
 
 class Tactic(NamedTuple):
-    block_n: int  # output columns per CTA (the weight rows it streams)
-    block_k: int  # K elements per main-loop step (a multiple of 128: 4+ scale groups)
-    rows_tile: int  # activation rows per CTA (16, 32 or 64; masked above M)
-    split_k: int  # CTAs per output block, reduced deterministically in split order
+    block_n: int  # weight rows (output columns) per program
+    rows_tile: int  # activation rows per program: 1..8 CUDA cores, 16/32/64 tensor cores
+    split_k: int  # programs per output block, reduced deterministically in split order
     num_warps: int
-    prefetch: bool  # prefetch the CTA's weight slice into L2 before the PDL wait
-    # Main-loop structure: 0 = register double-buffering (the first K-block
-    # loaded before the PDL wait); >= 2 = Triton's software pipeline with that
-    # many stages (tl.range num_stages), prologue after the PDL wait.
-    num_stages: int = 0
+    # K per piece (a power of two >= 32): a program's K-slice is 1..MAX_PIECES
+    # pieces, all loaded before the grid wait; one tl.dot (tensor cores) or one
+    # group-sum pass (CUDA cores) per piece. Part of the summation order.
+    chunk_k: int = 256
 
 
 LOW_BATCH_MAX_ROWS = 8
 WIDE_LOW_LATENCY_MAX_ROWS = 48
 SMALL_BUCKETS = (1, 2, 4, 8, 16, 32, 48)  # autotuner row buckets; powers of two above
-TARGET_CTAS = 200  # see the module docstring
-BLOCK_NS = (64, 128)  # the autotuner's sweep; tables may also pin 16 and 32 (row-owner tiles)
-BLOCK_KS = (128, 256)
-SPLIT_KS = (1, 2, 4, 8, 16)
-MAX_ELEMS_PER_THREAD = 128  # e4m3 weight elements per thread per block (no spills at 128)
+FMA_TILES = (1, 2, 4, 8)  # CUDA-core row tiles
+DOT_TILES = (16, 32, 64)  # tensor-core row tiles (tl.dot needs >= 16)
+BLOCK_NS = (4, 8, 16, 32, 64, 128)
+SPLIT_KS = tuple(range(1, 17))
+WARPS = (1, 2, 4, 8)
+CHUNKS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+MAX_PIECES = 8
+DOT_MAX_CHUNK = 256
+TARGET_PROGRAMS = 512  # heuristic: ~4 weight slices in flight per SM of 132
+# Weight bytes a thread holds before the grid wait (its whole slice); above this
+# the upcast spills. Tensor-core tiles hold the BF16 upcast as well: half as much.
+MAX_FMA_BYTES_PER_THREAD = 512
+MAX_DOT_BYTES_PER_THREAD = 256
 
 
-STAGES = (0, 2, 3, 4, 5, 6)  # valid num_stages values
+def k_pieces(k: int, tactic: Tactic) -> tuple[int, int]:
+    """(K elements per split, CHUNK-wide pieces covering one split's slice; the
+    last piece is masked past the slice's end)."""
+    groups = -(-(k // 32) // tactic.split_k)
+    k_slice = groups * 32
+    return k_slice, -(-k_slice // tactic.chunk_k)
 
 
-def _t(block_n, split_k, rows_tile=16, block_k=128, num_warps=4, prefetch=True,
-       num_stages=0) -> Tactic:
-    return Tactic(block_n, block_k, rows_tile, split_k, num_warps, prefetch, num_stages)
+def fits(tactic: Tactic, n: int, k: int, groups: int = 1) -> bool:
+    """Whether the kernel can run ``tactic`` on an (N, K) weight of ``groups`` groups."""
+    if k % 32 or k <= 0 or n <= 0 or groups < 1 or n % groups:
+        return False
+    t = tactic
+    if t.block_n not in BLOCK_NS or (n // groups) % t.block_n or t.num_warps not in WARPS:
+        return False
+    if t.rows_tile not in FMA_TILES + DOT_TILES or t.split_k not in SPLIT_KS:
+        return False
+    if t.chunk_k not in CHUNKS:
+        return False
+    dot = t.rows_tile in DOT_TILES
+    if dot and t.block_n < 16:
+        return False
+    k_slice, pieces = k_pieces(k, t)
+    if pieces > MAX_PIECES or (t.split_k > 1 and (t.split_k - 1) * k_slice >= k):
+        return False  # an empty split would only add latency
+    if pieces > 1 and (pieces - 1) * t.chunk_k >= k_slice:
+        return False  # an empty piece likewise
+    limit = MAX_DOT_BYTES_PER_THREAD if dot else MAX_FMA_BYTES_PER_THREAD
+    return t.block_n * pieces * t.chunk_k <= limit * 32 * t.num_warps
 
 
-# (N, K) -> tactic for 1..8 rows (DSV4.1-Flash TP4 shapes, V4-Flash and V4-Pro wo_b).
-# Measured winners of benchmarks/gemm_variants.py on one H200 (2026-11-29, µs at M=1 / 8;
-# see benchmarks/NOTES.md): more, shorter CTAs win because each CTA's load -> upcast
-# -> wgmma -> split-K hand-off is latency-bound, not bandwidth-bound.
-LOW_BATCH_TACTICS: dict[tuple[int, int], Tactic] = {
-    (5120, 2048): _t(64, 16),  # wo_b: 1280 CTAs, 1 K-block each; 8.94 / 9.55
-    (8192, 1280): _t(64, 4),  # wq_b: 512 CTAs; 9.48 / 9.72
-    (1792, 5120): _t(64, 20, block_k=256, num_warps=8),  # fused_wqa_wkv, one-shot: 11.45 / 11.77
-    (1024, 4096): _t(64, 16, block_k=256, num_warps=8),  # wo_a, one-shot: 4.45 / 4.63
-    (4096, 2048): _t(64, 16),  # V4-Flash wo_b: not measured; wo_b's structure
-    (7168, 4096): _t(64, 4),  # V4-Pro wo_b: 448 CTAs, 8 K-blocks each; 21.71 / 22.27
-    (5120, 4096): _t(64, 16),  # DSV4.1-Flash wo_b at TP 2: 17.02 / 17.55
-}
+def rows_tiles_for(rows: int) -> tuple[int, ...]:
+    """Activation tiles a kernel may use for ``rows`` rows (smallest first)."""
+    if rows < 1:
+        raise ValueError(f"rows must be positive, got {rows}")
+    if rows <= LOW_BATCH_MAX_ROWS:
+        return (1 << (rows - 1).bit_length(), 16)
+    if rows <= 16:
+        return (16,)
+    if rows <= 32:
+        return (32,)
+    return (64,)
 
-# The 5..8-row bucket that the autotuner is offered only this tactic for under
-# pinned_tactics() (seed 004: split-K choices tuned in isolation lose in the chain).
-PINNED_MIN_ROWS = 5
 
-# (N, K) -> tactic for 9..16 rows (one 16-row tile) where it differs from the
-# low-batch one (benchmarks/gemm_variants.py prints measured candidates).
-WIDE_16_TACTICS: dict[tuple[int, int], Tactic] = {}
-
-# (N, K) -> {rows tile: tactic} for 9..48 rows.
-WIDE_TACTICS: dict[tuple[int, int], dict[int, Tactic]] = {
-    shape: {tile: (WIDE_16_TACTICS.get(shape) if tile == 16 else None)
-            or tactic._replace(rows_tile=tile) for tile in (16, 32, 64)}
-    for shape, tactic in LOW_BATCH_TACTICS.items()
-}
-
-# (N, K) -> ((max rows, tactic), ...) above 48 rows, ascending.
-PINNED_TACTICS: dict[tuple[int, int], tuple[tuple[int, Tactic], ...]] = {
-    shape: (
-        (64, tactic._replace(rows_tile=64)),
-        (128, tactic._replace(rows_tile=64, split_k=max(1, tactic.split_k // 2))),
-        (1 << 30, _t(128, 1, rows_tile=64, num_warps=8)),
-    )
-    for shape, tactic in LOW_BATCH_TACTICS.items()
-}
+def is_valid(tactic: Tactic, n: int, k: int, rows: int, groups: int = 1) -> bool:
+    """Whether ``tactic`` is one offered for (N, K, groups) at ``rows`` rows."""
+    return tactic.rows_tile in rows_tiles_for(rows) and fits(tactic, n, k, groups)
 
 
 def row_bucket(rows: int) -> int:
@@ -107,93 +111,94 @@ def row_bucket(rows: int) -> int:
     return 1 << (rows - 1).bit_length()
 
 
-def rows_tiles_for(rows: int) -> tuple[int, ...]:
-    """Activation tiles a kernel may use for ``rows`` rows (smallest first)."""
-    if rows <= LOW_BATCH_MAX_ROWS:
-        return (16,)
-    if rows <= WIDE_LOW_LATENCY_MAX_ROWS:
-        return (16 if rows <= 16 else 32 if rows <= 32 else 64,)
-    return (64, 32)
+def _t(block_n, rows_tile, split_k=1, num_warps=4, chunk_k=256) -> Tactic:
+    return Tactic(block_n, rows_tile, split_k, num_warps, chunk_k)
 
 
-def fits(tactic: Tactic, n: int, k: int) -> bool:
-    """Whether the kernel can run ``tactic`` on an (N, K) weight at all."""
-    k_blocks = -(-k // tactic.block_k)
-    return (
-        tactic.rows_tile in (16, 32, 64)
-        and tactic.block_n in (16, 32, 64, 128)
-        and n % tactic.block_n == 0
-        and k % 32 == 0
-        and tactic.block_k % 128 == 0
-        and tactic.block_k <= 1024
-        and tactic.num_stages in STAGES
-        and tactic.split_k <= k_blocks
-        # every split gets at least one K-block (an empty split would only add latency)
-        and (tactic.split_k - 1) * -(-k_blocks // tactic.split_k) < k_blocks
-        and tactic.block_n * tactic.block_k <= MAX_ELEMS_PER_THREAD * tactic.num_warps * 32
-        and tactic.num_warps in (1, 2, 4, 8)
-    )
+def widest_chunk(k: int, split_k: int, rows_tile: int) -> int:
+    """The chunk a heuristic tactic uses: the fewest pieces per slice, capped at
+    DOT_MAX_CHUNK for tensor-core tiles (a dot holds its whole K per warp)."""
+    k_slice = -(-(k // 32) // split_k) * 32
+    chunk = max(32, 1 << (-(-k_slice // MAX_PIECES) - 1).bit_length())
+    return min(chunk, DOT_MAX_CHUNK) if rows_tile in DOT_TILES else chunk
 
 
-def is_valid(tactic: Tactic, n: int, k: int, rows: int) -> bool:
-    """Whether ``tactic`` is one offered for (N, K) at ``rows`` rows."""
-    return tactic.rows_tile in rows_tiles_for(rows) and fits(tactic, n, k)
+# (N, K, groups) -> {row bucket: tactic}; buckets above 64 take the 64 entry.
+# Measured on one H200 (benchmarks/gemm_sweep.py; µs in benchmarks/NOTES.md):
+# TABLE for MXFP8 activations, BF16_TABLE for BF16 ones (quantized in the
+# prologue, which favours wider blocks: every program quantizes its K-slice).
+TABLE: dict[tuple[int, int, int], dict[int, Tactic]] = {}
+BF16_TABLE: dict[tuple[int, int, int], dict[int, Tactic]] = {}
+
+# The 5..8-row bucket and above are offered only their pinned tactic under
+# pinned_tactics() (seed 004: split-K choices tuned in isolation lose in the chain).
+PINNED_MIN_ROWS = 5
 
 
-def heuristic_tactic(n: int, k: int, rows: int) -> Tactic:
-    """The tactic of an unpinned shape: 64 columns per CTA, the smallest split-K
-    reaching TARGET_CTAS (split 1 is valid for every N % 64 == 0)."""
-    if n % 64 or k % 32 or n <= 0 or k <= 0:
-        raise ValueError(f"no MXFP8 GEMM tactic for N={n}, K={k} (need N % 64 == 0, K % 32 == 0)")
+def table_tactic(n: int, k: int, rows: int, groups: int = 1,
+                 bf16_input: bool = False) -> Tactic | None:
+    """The pinned tactic of (N, K, groups) at ``rows`` rows for the input kind, or None."""
+    entry = (BF16_TABLE if bf16_input else TABLE).get((n, k, groups))
+    if entry is None:
+        return None
+    return entry.get(min(row_bucket(rows), 64))
+
+
+def heuristic_tactic(n: int, k: int, rows: int, groups: int = 1) -> Tactic:
+    """The tactic of an unpinned shape: the widest block that still gives
+    TARGET_PROGRAMS programs (smallest split-K first); else the most programs."""
+    if k % 32 or k <= 0 or n <= 0 or (n // max(groups, 1)) % 4:
+        raise ValueError(f"no MXFP8 GEMM tactic for N={n}, K={k}, groups={groups} "
+                         "(need K % 32 == 0 and N / groups % 4 == 0)")
     tile = rows_tiles_for(rows)[0]
     m_tiles = -(-rows // tile)
-    valid = [t for t in (_t(64, s, rows_tile=tile) for s in SPLIT_KS) if is_valid(t, n, k, rows)]
-    for tactic in valid:
-        if (n // 64) * m_tiles * tactic.split_k >= TARGET_CTAS:
-            return tactic
-    return valid[-1]
+    best = None
+    for split_k in SPLIT_KS:
+        for block_n in reversed(BLOCK_NS):
+            for warps in (4, 8):
+                t = _t(block_n, tile, split_k, warps, widest_chunk(k, split_k, tile))
+                if not fits(t, n, k, groups):
+                    continue
+                programs = (n // block_n) * split_k * m_tiles
+                if programs >= TARGET_PROGRAMS:
+                    return t
+                if best is None or programs > best[0]:
+                    best = (programs, t)
+    if best is None:
+        raise ValueError(f"no MXFP8 GEMM tactic fits N={n}, K={k}, groups={groups}")
+    return best[1]
 
 
-def table_tactic(n: int, k: int, rows: int) -> Tactic | None:
-    """The pinned tactic of (N, K) at ``rows`` rows, or None where none is pinned."""
-    if rows <= LOW_BATCH_MAX_ROWS:
-        return LOW_BATCH_TACTICS.get((n, k))
-    if rows <= WIDE_LOW_LATENCY_MAX_ROWS:
-        return WIDE_TACTICS.get((n, k), {}).get(rows_tiles_for(rows)[0])
-    for max_rows, tactic in PINNED_TACTICS.get((n, k), ()):
-        if rows <= max_rows:
-            return tactic
-    return None
-
-
-def default_tactic(n: int, k: int, rows: int) -> Tactic:
+def default_tactic(n: int, k: int, rows: int, groups: int = 1,
+                   bf16_input: bool = False) -> Tactic:
     """What runs without an autotuner entry: the pinned tactic, else the heuristic."""
-    pinned = table_tactic(n, k, rows)
-    return pinned if pinned is not None else heuristic_tactic(n, k, rows)
+    pinned = table_tactic(n, k, rows, groups, bf16_input)
+    return pinned if pinned is not None else heuristic_tactic(n, k, rows, groups)
 
 
-def valid_tactics(n: int, k: int, rows: int) -> list[Tactic]:
-    """Every valid tactic of (N, K, rows), the default first."""
-    out = [default_tactic(n, k, rows)]
+def valid_tactics(n: int, k: int, rows: int, groups: int = 1,
+                  bf16_input: bool = False) -> list[Tactic]:
+    """Every valid tactic of (N, K, groups, rows), the default first."""
+    out = [default_tactic(n, k, rows, groups, bf16_input)]
     for tile in rows_tiles_for(rows):
         for block_n in BLOCK_NS:
-            for block_k in BLOCK_KS:
-                for split_k in SPLIT_KS:
-                    for num_warps in (4, 8):
-                        for prefetch in (True, False):
-                            t = Tactic(block_n, block_k, tile, split_k, num_warps, prefetch)
-                            if t not in out and is_valid(t, n, k, rows):
-                                out.append(t)
+            for split_k in SPLIT_KS:
+                for warps in WARPS:
+                    for chunk in CHUNKS:
+                        t = Tactic(block_n, tile, split_k, warps, chunk)
+                        if t not in out and is_valid(t, n, k, rows, groups):
+                            out.append(t)
     return out
 
 
-def sweep_tactics(n: int, k: int, rows: int) -> list[Tactic]:
-    """A small measured sweep: the default plus its split-K and block-shape
-    neighbours (its rows tile, the smallest valid warp count, prefetch on)."""
+def sweep_tactics(n: int, k: int, rows: int, groups: int = 1, bf16_input: bool = False,
+                  limit: int = 12) -> list[Tactic]:
+    """A small measured sweep: the default, then valid tactics that give at
+    least 128 programs with 2..8 warps, fewest splits first."""
+    m_tiles = lambda t: -(-rows // t.rows_tile)
     keep = []
-    for t in valid_tactics(n, k, rows):
-        smallest_warps = 4 if t.block_n * t.block_k <= MAX_ELEMS_PER_THREAD * 128 else 8
-        if not keep or (t.prefetch and t.num_warps == smallest_warps
-                        and t.rows_tile == keep[0].rows_tile):
+    for t in valid_tactics(n, k, rows, groups, bf16_input):
+        programs = (n // t.block_n) * t.split_k * m_tiles(t)
+        if not keep or (t.num_warps >= 2 and programs >= 128):
             keep.append(t)
-    return keep
+    return [keep[0]] + sorted(keep[1:], key=lambda t: (t.split_k, -t.block_n))[:limit - 1]

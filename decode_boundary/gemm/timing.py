@@ -39,7 +39,8 @@ def rotated_copies(layer, min_bytes: int = L2_FLUSH_BYTES) -> list[SimpleNamespa
     per_copy = storage.numel() + layer.weight_scale.numel()
     count = max(2, -(-min_bytes // per_copy) + 1)
     return [SimpleNamespace(weight=storage.clone().t(), weight_scale=layer.weight_scale.clone(),
-                            bias=layer.bias) for _ in range(count)]
+                            bias=layer.bias, groups=getattr(layer, "groups", 1))
+            for _ in range(count)]
 
 
 def graph_time_us(call: Callable[[int], object], copies: int, calls: int | None = None,

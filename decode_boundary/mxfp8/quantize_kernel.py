@@ -46,13 +46,17 @@ def swizzled_offset(m, kb, k_tiles):
 
 
 @triton.jit
-def quantize_groups(x):
+def quantize_groups(x, HARDWARE: tl.constexpr = False):
     """Quantize FP32 ``x`` [R, G, 32] per group of 32 along the last axis.
 
     Returns (e4m3 elements [R, G, 32], UE8M0 exponent bytes [R, G] as int32).
     Matches ``quantize_mxfp8_ref`` bit for bit: every multiply below is by an
     exact power of two (normal in FP32), so the only rounding is the final
-    round-to-nearest-even cast, as in the reference.
+    round-to-nearest-even cast, as in the reference. ``HARDWARE`` (GPU only):
+    that cast is ``cvt.rn.satfinite.e4m3x2.f32`` (one instruction per two
+    elements, the same round-to-nearest-even on the clamped value) instead of
+    the integer rounding the interpreter needs; a NaN element may then keep its
+    sign (0xFF), which only the GEMM prologue uses (a NaN either way).
     """
     absx = tl.abs(x)
     isnan = x != x
@@ -70,6 +74,8 @@ def quantize_groups(x):
     recip = rest.to(tl.float32, bitcast=True)
     scaled = (x * pre[:, :, None]) * recip[:, :, None]
     clamped = tl.minimum(tl.maximum(scaled, -448.0), 448.0)
+    if HARDWARE:
+        return tl.where(isnan, x, clamped).to(tl.float8e4nv), exponent
     code = e4m3_rne_bits(clamped)
     # min/max drop NaN: put the canonical e4m3 NaN back where the input had one.
     code = tl.where(isnan, 0x7F, code)

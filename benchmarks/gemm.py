@@ -1,11 +1,14 @@
-"""MXFP8 GEMM benchmark on one GPU (design.md §8-9, issue 3).
+"""MXFP8 GEMM benchmark on one GPU (design.md §8-9, issue 11).
 
-For each shape and M: our kernel with its selected tactic and the best of a
-small tactic sweep, cuBLAS BF16, cuBLAS FP8 row-wise (``torch._scaled_mm``,
-per-row / per-column FP32 scales) and the floor = MXFP8 weight bytes / the
-copy rate measured in this run; then the three projections chained back to
-back with and without PDL. Every time is the median per call over CUDA-graph
-replays of many back-to-back calls on rotated weight copies (> L2).
+For each shape (grouped ``wo_a``: its two groups in one launch) and M: our
+kernel with its selected tactic on MXFP8 input and on BF16 input (quantized
+in the prologue), the best of a small tactic sweep, cuBLAS BF16 (grouped: one
+``torch.bmm``), cuBLAS FP8 row-wise (``torch._scaled_mm``, per-row /
+per-column FP32 scales; grouped: one call per group) and the floor = MXFP8
+weight bytes / the copy rate measured in this run; then the three projections
+fused_wqa_wkv -> wq_b -> wo_b chained back to back with and without PDL, with
+the chain's floor. Every time is the median per call over CUDA-graph replays
+of many back-to-back calls on rotated weight copies (> L2).
 
     PYTHONPATH=. python benchmarks/gemm.py [--quick] [--check] [--out DIR]
 """
@@ -29,12 +32,12 @@ from decode_boundary.gemm.timing import L2_FLUSH_BYTES, copy_rate, graph_time_us
 from decode_boundary.mxfp8.format import quantize_mxfp8_ref
 from decode_boundary.report import git_commit
 
-SHAPES = {  # name: (N, K)
-    "wo_b": (5120, 2048),
-    "wq_b": (8192, 1280),
-    "fused_wqa_wkv": (1792, 5120),
-    "wo_a": (1024, 4096),
-    "v4pro_wo_b": (7168, 4096),
+SHAPES = {  # name: (N, K, groups)
+    "wo_b": (5120, 2048, 1),
+    "wq_b": (8192, 1280, 1),
+    "fused_wqa_wkv": (1792, 5120, 1),
+    "wo_a": (2048, 4096, 2),  # DSV4.1-Flash TP 4: 2 local groups of 1024 x 4096
+    "v4pro_wo_b": (7168, 4096, 1),
 }
 CHAIN = ("fused_wqa_wkv", "wq_b", "wo_b")
 ROWS = (1, 2, 4, 8, 16, 32, 48, 64)
@@ -43,35 +46,46 @@ SWEEP_ROWS = (8, 32)  # a sweep per row class keeps the run (compiles) under 4 m
 SWEEP_MAX = 6
 
 
-def make_layer(n: int, k: int):
+def make_layer(n: int, k: int, groups: int = 1):
     qw = quantize_mxfp8_ref(torch.randn(n, k, device="cuda"))
-    return SimpleNamespace(weight=qw.data.t(), weight_scale=qw.scale, bias=None)
+    return SimpleNamespace(weight=qw.data.t(), weight_scale=qw.scale, bias=None, groups=groups)
 
 
-def time_ours(layer, qa, tactic) -> float:
+def time_ours(layer, a, tactic) -> float:
     copies = rotated_copies(layer)
-    out = torch.empty(qa.rows, layer.weight.shape[1], dtype=torch.bfloat16, device="cuda")
-    return graph_time_us(lambda i: launch_low_latency(copies[i], qa, out, tactic), len(copies))
+    rows = a.shape[0] if isinstance(a, torch.Tensor) else a.rows
+    out = torch.empty(rows, layer.weight.shape[1], dtype=torch.bfloat16, device="cuda")
+    return graph_time_us(lambda i: launch_low_latency(copies[i], a, out, tactic), len(copies))
 
 
-def time_cublas_bf16(n: int, k: int, rows: int) -> float:
-    weights = [torch.randn(n, k, device="cuda").bfloat16()
+def time_cublas_bf16(n: int, k: int, groups: int, rows: int) -> float:
+    """cuBLAS BF16 of the same product (grouped: the groups in one bmm)."""
+    weights = [torch.randn(groups, n // groups, k, device="cuda").bfloat16()
                for _ in range(-(-L2_FLUSH_BYTES // (2 * n * k)) + 1)]
-    x = torch.randn(rows, k, device="cuda").bfloat16()
-    return graph_time_us(lambda i: x @ weights[i].t(), len(weights))
+    x = torch.randn(groups, rows, k, device="cuda").bfloat16()
+    return graph_time_us(lambda i: torch.bmm(x, weights[i].transpose(1, 2)), len(weights))
 
 
 def time_cublas_fp8_rowwise(layer, rows: int) -> float | None:
-    """torch._scaled_mm with per-row / per-column scales (M padded to 16, as it requires)."""
+    """torch._scaled_mm with per-row / per-column scales (M padded to 16, as it
+    requires); a grouped layer runs one call per group."""
     k, n = layer.weight.shape
+    groups = layer.groups
     padded = -(-rows // 16) * 16
     a = torch.randn(padded, k, device="cuda").to(torch.float8_e4m3fn)
     scale_a = torch.ones(padded, 1, device="cuda")
-    scale_b = torch.ones(1, n, device="cuda")
+    scale_b = torch.ones(1, n // groups, device="cuda")
     copies = rotated_copies(layer)
+    width = n // groups
+
+    def call(i):
+        w = copies[i].weight
+        for g in range(groups):
+            torch._scaled_mm(a, w[:, g * width:(g + 1) * width], scale_a, scale_b,
+                             out_dtype=torch.bfloat16)
+
     try:
-        return graph_time_us(lambda i: torch._scaled_mm(a, copies[i].weight, scale_a, scale_b,
-                                                        out_dtype=torch.bfloat16), len(copies))
+        return graph_time_us(call, len(copies))
     except RuntimeError as err:
         print(f"cuBLAS FP8 row-wise unavailable for {n}x{k} M={rows}: {err}", file=sys.stderr)
         return None
@@ -82,7 +96,7 @@ def time_chain(layers, rows: int) -> float:
     copies = [rotated_copies(layer) for layer in layers]
     count = min(len(c) for c in copies)
     ins = [quantize_mxfp8_ref(torch.randn(rows, layer.weight.shape[0], device="cuda"))
-           for layer in layers]
+           for layer in layers]  # MXFP8 in: the consumer hands fused_wqa_wkv MXFP8
     outs = [torch.empty(rows, layer.weight.shape[1], dtype=torch.bfloat16, device="cuda")
             for layer in layers]
 
@@ -102,36 +116,44 @@ def main() -> None:
     torch.manual_seed(0)
     rate = copy_rate() / 1e9  # GB/s
     results = []
-    for name, (n, k) in SHAPES.items():
-        layer = make_layer(n, k)
+    for name, (n, k, groups) in SHAPES.items():
+        layer = make_layer(n, k, groups)
         weight_bytes = n * k + layer.weight_scale.numel()
         for rows in QUICK_ROWS if args.quick else ROWS:
-            qa = quantize_mxfp8_ref(torch.randn(rows, k, device="cuda").bfloat16())
+            x = torch.randn(rows, groups * k, device="cuda").bfloat16()
+            qa = quantize_mxfp8_ref(x)
             selected = selected_tactic(layer, rows)
             tactics = [selected]
             if not args.quick and rows in SWEEP_ROWS:
-                tactics += [t for t in sweep_tactics(n, k, rows) if t != selected][:SWEEP_MAX - 1]
+                tactics += [t for t in sweep_tactics(n, k, rows, groups)
+                            if t != selected][:SWEEP_MAX - 1]
             timed = []
             for tactic in tactics:
                 if args.check:
                     out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device="cuda")
                     check_mxfp8_mm(launch_low_latency(layer, qa, out, tactic), qa, layer.weight,
-                                   layer.weight_scale)
+                                   layer.weight_scale, groups)
                 timed.append((time_ours(layer, qa, tactic), tactic))
             best_us, best = min(timed)
-            row = dict(shape=name, n=n, k=k, rows=rows, ours_us=timed[0][0],
+            bf16_tactic = selected_tactic(layer, rows, bf16_input=True)
+            row = dict(shape=name, n=n, k=k, groups=groups, rows=rows, ours_us=timed[0][0],
                        ours_tactic=selected._asdict(), best_us=best_us, best_tactic=best._asdict(),
-                       cublas_bf16_us=time_cublas_bf16(n, k, rows),
+                       ours_bf16_in_us=time_ours(layer, x, bf16_tactic),
+                       ours_bf16_in_tactic=bf16_tactic._asdict(),
+                       cublas_bf16_us=time_cublas_bf16(n, k, groups, rows),
                        cublas_fp8_rowwise_us=time_cublas_fp8_rowwise(layer, rows),
                        floor_us=weight_bytes / (rate * 1e3))
             results.append(row)
-            print(f"{name:14s} M={rows:2d} ours {row['ours_us']:6.2f} best {best_us:6.2f} "
+            print(f"{name:14s} M={rows:2d} ours {row['ours_us']:6.2f} (bf16 in "
+                  f"{row['ours_bf16_in_us']:6.2f}) best {best_us:6.2f} "
                   f"bf16 {row['cublas_bf16_us']:6.2f} fp8 {row['cublas_fp8_rowwise_us'] or 0:6.2f} "
                   f"floor {row['floor_us']:5.2f} us", flush=True)
     chains = []
-    chain_layers = [make_layer(*SHAPES[name]) for name in CHAIN]
+    chain_layers = [make_layer(*SHAPES[name]) for name in CHAIN]  # ungrouped
+    chain_floor = sum(lay.weight.numel() + lay.weight_scale.numel()
+                      for lay in chain_layers) / (rate * 1e3)
     for rows in (1, 8, 32):
-        entry = {"rows": rows}
+        entry = {"rows": rows, "floor_us": chain_floor}
         for pdl in (True, False):
             os.environ["DECODE_BOUNDARY_DISABLE_PDL"] = "0" if pdl else "1"
             entry["pdl_us" if pdl else "no_pdl_us"] = time_chain(chain_layers, rows)
@@ -148,15 +170,16 @@ def main() -> None:
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
     print(f"\ncopy rate {rate:.0f} GB/s; {path}")
-    print(f"{'shape':14s} {'M':>3s} {'ours':>7s} {'best':>7s} {'/floor':>7s} {'fp8/ours':>8s} "
-          f"{'bf16/ours':>9s}  best tactic")
+    print(f"{'shape':14s} {'M':>3s} {'ours':>7s} {'bf16 in':>7s} {'/floor':>7s} "
+          f"{'fp8/ours':>8s} {'bf16/ours':>9s}  best tactic")
     for r in results:
         fp8 = r["cublas_fp8_rowwise_us"]
-        print(f"{r['shape']:14s} {r['rows']:3d} {r['ours_us']:7.2f} {r['best_us']:7.2f} "
+        print(f"{r['shape']:14s} {r['rows']:3d} {r['ours_us']:7.2f} {r['ours_bf16_in_us']:7.2f} "
               f"{r['ours_us'] / r['floor_us']:7.2f} {(fp8 or 0) / r['ours_us']:8.2f} "
               f"{r['cublas_bf16_us'] / r['ours_us']:9.2f}  {tuple(r['best_tactic'].values())}")
     for c in chains:
-        print(f"chain {'+'.join(CHAIN)} M={c['rows']}: PDL {c['pdl_us']:.2f} us, "
+        print(f"chain {'+'.join(CHAIN)} M={c['rows']}: PDL {c['pdl_us']:.2f} us "
+              f"({c['pdl_us'] / c['floor_us']:.2f}x its {c['floor_us']:.2f} us floor), "
               f"no PDL {c['no_pdl_us']:.2f} us")
 
 

@@ -1,7 +1,11 @@
 """MXFP8 GEMM on an H200 (scripts/gpu_tests.sh -k gemm): the numerics bar for
-random shapes on every path and tactic, repeatable bits, PDL on/off, CUDA-graph
-capture after precompile without compiling, the publishing epilogue."""
+every tactic the tables and the autotuner can pick, repeatable bits, BF16
+prologue quantization bit-identical to quantize-then-GEMM (the GPU's own e4m3
+cvt), grouped wo_a, PDL on/off, CUDA-graph capture after precompile without
+compiling, the publishing epilogue (bits and 16-byte stores)."""
 
+import concurrent.futures as futures
+import multiprocessing
 import os
 import random
 from types import SimpleNamespace
@@ -17,53 +21,121 @@ from decode_boundary.gemm import (
     precompile,
     projection_mm,
     selected_tactic,
-    valid_tactics,
     warmup_low_latency,
 )
 from decode_boundary.gemm.mxfp8_gemm_kernel import mxfp8_gemm_kernel
 from decode_boundary.gemm.reference import check_mxfp8_mm
-from decode_boundary.gemm.tactics import sweep_tactics
+from decode_boundary.gemm.tactics import BF16_TABLE, TABLE, k_pieces, sweep_tactics
+from decode_boundary.mxfp8.format import mxfp8_scale_bytes, quantize_mxfp8_ref
+from decode_boundary.mxfp8.linear import Mxfp8Linear
+from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
+TUNED_ROWS = (1, 2, 4)  # buckets the autotuner still tunes under pinned_tactics()
+
+
+def _layer_like(n, k, groups):
+    return SimpleNamespace(weight=torch.zeros(n, k, dtype=torch.float8_e4m3fn, device=DEV).t(),
+                           weight_scale=torch.zeros(mxfp8_scale_bytes(n, k), dtype=torch.uint8,
+                                                    device=DEV), bias=None, groups=groups)
+
+
+def _compile(jobs):
+    for n, k, groups, rows, tactic, bf16 in jobs:
+        warmup_low_latency(_layer_like(n, k, groups), rows, Tactic(*tactic), bf16_input=bf16)
+    return len(jobs)
+
+
+def compile_in_parallel(jobs, workers=14):
+    """Fill Triton's disk cache from worker processes, so the test only loads kernels."""
+    chunks = [jobs[i::workers] for i in range(workers) if jobs[i::workers]]
+    with futures.ProcessPoolExecutor(len(chunks),
+                                     mp_context=multiprocessing.get_context("spawn")) as pool:
+        assert sum(pool.map(_compile, chunks)) == len(jobs)
+
+
+def pickable():
+    """(N, K, groups, rows, tactic, bf16) of every tactic the tables pin and the
+    autotuner's candidates for the buckets it tunes, on the tabled shapes."""
+    out = set()
+    for bf16, table in ((False, TABLE), (True, BF16_TABLE)):
+        for (n, k, groups), entry in table.items():
+            for bucket, tactic in entry.items():
+                out.add((n, k, groups, min(bucket, 64), tuple(tactic), bf16))
+            for rows in TUNED_ROWS:
+                for tactic in sweep_tactics(n, k, rows, groups, bf16):
+                    out.add((n, k, groups, rows, tuple(tactic), bf16))
+    return sorted(out)
+
+
+def grouped_layer(groups, n, k, generator=None):
+    return Mxfp8Linear.grouped([Mxfp8Linear(lay.weight.t().contiguous(), lay.weight_scale)
+                                for lay in (make_layer(n, k, DEV, generator)
+                                            for _ in range(groups))])
+
+
+def test_every_pickable_tactic_meets_bar_and_repeats():
+    jobs = pickable()
+    compile_in_parallel(jobs)
+    layers, inputs = {}, {}
+    for n, k, groups, rows, tactic, bf16 in jobs:
+        if (n, k, groups) not in layers:
+            layers[(n, k, groups)] = grouped_layer(groups, n // groups, k)
+        layer = layers[(n, k, groups)]
+        if (n, k, groups, rows) not in inputs:
+            x = torch.randn(rows, groups * k, device=DEV).bfloat16()
+            inputs[(n, k, groups, rows)] = (x, quantize_mxfp8_ref(x))
+        x, qx = inputs[(n, k, groups, rows)]
+        a = x if bf16 else qx
+        out = launch_low_latency(layer, a, poisoned(rows, n, DEV), Tactic(*tactic))
+        check_mxfp8_mm(out, qx, layer.weight, layer.weight_scale, groups)
+        again = launch_low_latency(layer, a, poisoned(rows, n, DEV), Tactic(*tactic))
+        assert torch.equal(out.view(torch.int16), again.view(torch.int16)), tactic
 
 
 def random_shapes(seed, count):
     rng = random.Random(seed)
-    return [(rng.randint(1, 64), 128 * rng.randint(1, 24), 32 * rng.randint(1, 96))
+    return [(rng.randint(1, 64), 16 * rng.randint(1, 200), 32 * rng.randint(1, 160))
             for _ in range(count)]
 
 
-@pytest.mark.parametrize("rows,n,k", random_shapes(1, 6) + [(1, 5120, 2048), (48, 1792, 5120)])
-def test_every_sweep_tactic_meets_bar_and_repeats(rows, n, k):
+@pytest.mark.parametrize("rows,n,k", random_shapes(1, 6))
+def test_random_shapes_selected_and_sweep_tactics(rows, n, k):
     g = torch.Generator().manual_seed(rows * n + k)
     layer, qa = make_layer(n, k, DEV, g), make_input(rows, k, DEV, g)
-    for tactic in sweep_tactics(n, k, rows):
+    for tactic in sweep_tactics(n, k, rows)[:4]:
         out = launch_low_latency(layer, qa, poisoned(rows, n, DEV), tactic)
         check_mxfp8_mm(out, qa, layer.weight, layer.weight_scale)
-        for _ in range(2):
-            again = launch_low_latency(layer, qa, poisoned(rows, n, DEV), tactic)
-            assert torch.equal(out.view(torch.int16), again.view(torch.int16)), tactic
 
 
-def test_every_valid_tactic_of_one_shape():
-    rows, n, k = 7, 640, 1312
-    layer, qa = make_layer(n, k, DEV), make_input(rows, k, DEV)
-    for tactic in valid_tactics(n, k, rows):
-        out = launch_low_latency(layer, qa, poisoned(rows, n, DEV), tactic)
-        check_mxfp8_mm(out, qa, layer.weight, layer.weight_scale)
+@pytest.mark.parametrize("n,k,groups", sorted(BF16_TABLE))
+def test_bf16_prologue_equals_quantize_then_gemm_bits(n, k, groups):
+    """The prologue rounds with the GPU's e4m3 cvt; quantize_mxfp8 with the
+    integer rounding: same e4m3 values, so the same output bits."""
+    layer = grouped_layer(groups, n // groups, k)
+    for bucket, tactic in BF16_TABLE[(n, k, groups)].items():
+        x = (torch.randn(bucket, groups * k, device=DEV) *
+             torch.exp2(torch.randint(-8, 9, (bucket, 1), device=DEV))).bfloat16()
+        x[0, :64] = 0.0
+        x[-1, 7] = 6.0e4
+        fused = launch_low_latency(layer, x, poisoned(bucket, n, DEV), tactic)
+        two_step = launch_low_latency(layer, quantize_mxfp8(x), poisoned(bucket, n, DEV), tactic)
+        assert torch.equal(fused.view(torch.int16), two_step.view(torch.int16)), (bucket, tactic)
 
 
 @pytest.mark.parametrize("rows", [1, 6, 8, 16, 33, 64])
-def test_public_paths(rows):
-    layer = make_layer(1024, 4096, DEV)
-    x = torch.randn(rows, 4096, device=DEV).bfloat16()
+def test_public_paths_and_grouped(rows):
+    layer = grouped_layer(2, 1024, 4096)
+    x = torch.randn(rows, 8192, device=DEV).bfloat16()
     out = mxfp8_mm(layer, x)
-    from decode_boundary.mxfp8.format import quantize_mxfp8_ref
-
-    check_mxfp8_mm(out, quantize_mxfp8_ref(x), layer.weight, layer.weight_scale)
+    check_mxfp8_mm(out, quantize_mxfp8_ref(x), layer.weight, layer.weight_scale, 2)
     proj = projection_mm(layer, x, low_batch=rows <= 8)
     assert proj is not None and torch.equal(proj, out)
+    tactic = selected_tactic(layer, rows, bf16_input=True)
+    parts = [launch_low_latency(layer.group(g), x[:, g * 4096:(g + 1) * 4096].contiguous(),
+                                poisoned(rows, 1024, DEV), tactic) for g in range(2)]
+    assert torch.equal(out.view(torch.int16), torch.cat(parts, 1).view(torch.int16))
 
 
 def test_pdl_off_gives_the_same_bits(monkeypatch):
@@ -81,24 +153,31 @@ def _compiled_count():
 
 @pytest.mark.parametrize("rows", [4, 40])
 def test_precompile_then_graph_capture_does_not_compile(rows):
-    layer = make_layer(8192, 1280, DEV)  # a shape no other test compiles
-    qa = make_input(rows, 1280, DEV)
+    layer = make_layer(8192, 1280, DEV)
+    x = torch.randn(rows, 1280, device=DEV).bfloat16()
+    qa = quantize_mxfp8(x)
     precompile(layer, [rows])
     compiled = _compiled_count()
     out = torch.empty(rows, 8192, dtype=torch.bfloat16, device=DEV)
+    out_bf16 = torch.empty_like(out)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.cuda.graph(graph):
         for _ in range(3):  # back to back: split-K counters must re-arm every call
             launch_low_latency(layer, qa, out, selected_tactic(layer, rows))
+            launch_low_latency(layer, x, out_bf16, selected_tactic(layer, rows, True))
     assert _compiled_count() == compiled
     eager = launch_low_latency(layer, qa, poisoned(rows, 8192, DEV), selected_tactic(layer, rows))
+    eager_bf16 = launch_low_latency(layer, x, poisoned(rows, 8192, DEV),
+                                    selected_tactic(layer, rows, True))
     for _ in range(3):
         out.fill_(float("nan"))
+        out_bf16.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out.view(torch.int16), eager.view(torch.int16))
+        assert torch.equal(out_bf16.view(torch.int16), eager_bf16.view(torch.int16))
 
 
 def publish_target(tp, rank, capacity, hidden):
@@ -110,14 +189,16 @@ def publish_target(tp, rank, capacity, hidden):
                                   capacity=capacity, hidden=hidden)
 
 
-@pytest.mark.parametrize("rows", [1, 8, 24])
-def test_publish_on_gpu(rows):
+@pytest.mark.parametrize("rows,bf16", [(1, True), (2, False), (8, True), (8, False), (24, False)])
+def test_publish_on_gpu(rows, bf16):
     n, k = 5120, 2048
-    layer, qa = make_layer(n, k, DEV), make_input(rows, k, DEV)
-    tactic = selected_tactic(layer, rows)
-    plain = launch_low_latency(layer, qa, poisoned(rows, n, DEV), tactic)
+    layer = make_layer(n, k, DEV)
+    x = torch.randn(rows, k, device=DEV).bfloat16()
+    a = x if bf16 else quantize_mxfp8(x)
+    tactic = selected_tactic(layer, rows, bf16)
+    plain = launch_low_latency(layer, a, poisoned(rows, n, DEV), tactic)
     boxes, target = publish_target(2, 1, 32, n)
-    out = launch_low_latency(layer, qa, poisoned(rows, n, DEV), tactic, target)
+    out = launch_low_latency(layer, a, poisoned(rows, n, DEV), tactic, target)
     assert torch.equal(out.view(torch.int16), plain.view(torch.int16))
     expected = plain.view(torch.int16).clone()
     expected[expected == -32768] = 0
@@ -128,27 +209,31 @@ def test_publish_on_gpu(rows):
     assert target.stage_state.tolist() == [1, 1]
 
 
-def test_publish_stores_are_16_byte_vectors():
-    """The mailbox stores vectorize (st.global.v4: 8 BF16) like the out stores."""
+@pytest.mark.parametrize("rows,bf16", [(1, True), (8, True), (8, False)])
+def test_publish_stores_are_16_byte_vectors(rows, bf16):
+    """The mailbox stores vectorize (st.global.v4: 8 BF16) like the out stores,
+    and every weight load is issued before the grid wait."""
     layer = make_layer(5120, 2048, DEV)
     _, target = publish_target(2, 0, 8, 5120)
-    tactic = selected_tactic(layer, 8)
-    plain = warmup_low_latency(layer, 8, tactic).asm["ptx"]
-    publishing = warmup_low_latency(layer, 8, tactic, target).asm["ptx"]
+    tactic = selected_tactic(layer, rows, bf16)
+    plain = warmup_low_latency(layer, rows, tactic, bf16_input=bf16).asm["ptx"]
+    publishing = warmup_low_latency(layer, rows, tactic, target, bf16).asm["ptx"]
     assert publishing.count("st.global.v4") > plain.count("st.global.v4"), \
         "mailbox stores did not vectorize to 16 bytes"
-    assert "griddepcontrol.wait" in plain
-    # Only a CTA with more than one K-block has a rest of its slice to prefetch.
-    k_blocks_per_split = -(-2048 // tactic.block_k) // tactic.split_k
-    assert ("prefetch.global.L2" in plain) == (tactic.prefetch and k_blocks_per_split > 1)
+    before_wait = plain.split("griddepcontrol.wait")[0]
+    assert "griddepcontrol.launch_dependents" in before_wait
+    k_slice, pieces = k_pieces(2048, tactic)
+    weight_vectors = tactic.block_n * tactic.chunk_k * pieces // (tactic.num_warps * 32 * 16)
+    assert before_wait.count("ld.global.v4") >= weight_vectors
     assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 
 def test_autotuner_times_on_gpu():
     from decode_boundary.gemm import Autotuner, pinned_tactics
 
-    layer = make_layer(1024, 4096, DEV)
+    layer = make_layer(1792, 5120, DEV)
     tuner = Autotuner()
     with pinned_tactics():
         assert tuner.tune(layer, 8) == selected_tactic(layer, 8)
+        assert tuner.tune(layer, 8, bf16_input=True) == selected_tactic(layer, 8, True)
     assert isinstance(tuner.tune(layer, 2), Tactic)

@@ -32,11 +32,10 @@ def with_negative_zero(layer, qa):
 
 
 @pytest.mark.parametrize("rows,tactic", [
-    (3, Tactic(64, 128, 16, 1, 4, True)),
-    (8, Tactic(64, 128, 16, 2, 4, True)),  # split-K: the last CTA publishes
-    (20, Tactic(64, 128, 32, 2, 4, True)),  # a wide tile publishes too
-    (8, Tactic(16, 128, 16, 2, 4, True, 3)),  # pipelined row-owner tile, split-K
-    (3, Tactic(32, 256, 16, 1, 4, False, 2)),
+    (1, Tactic(8, 1, 1, 4, 256)),  # CUDA cores, 8 columns: one 16-byte store per row
+    (3, Tactic(16, 4, 2, 2, 64)),  # split-K: the last program publishes
+    (8, Tactic(64, 16, 2, 4, 128)),  # tensor cores, split-K
+    (20, Tactic(32, 32, 1, 4, 64)),  # a wide tile publishes too
 ])
 def test_publish_writes_slot_stage_and_active(rows, tactic):
     g = torch.Generator().manual_seed(rows)
@@ -51,6 +50,15 @@ def test_publish_writes_slot_stage_and_active(rows, tactic):
                               capacity=capacity, hidden=n)
     out = launch_low_latency(layer, qa, poisoned(rows, n), tactic, publish)
     assert torch.equal(out.view(torch.int16), plain.view(torch.int16))
+    if rows > 1:  # the BF16-in publishing kernel stores the same bits as BF16 in, plain
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        bf16_boxes, bf16_ptrs = mailboxes(tp, capacity, n)
+        plain_bf16 = launch_low_latency(layer, x, poisoned(rows, n), tactic)
+        launch_low_latency(layer, x, poisoned(rows, n), tactic,
+                           SimpleNamespace(**{**vars(publish), "peer_ptrs": bf16_ptrs}))
+        clean = plain_bf16.view(torch.int16).clone()
+        clean[clean == SENTINEL] = 0
+        assert all(torch.equal(b[stage, rank, :rows], clean) for b in bf16_boxes)
     expected = plain.view(torch.int16).clone()
     expected[expected == SENTINEL] = 0
     for box in boxes:
@@ -67,7 +75,7 @@ def test_publish_arguments_are_checked():
     _, peer_ptrs = mailboxes(2, 4, 128)
     good = dict(peer_ptrs=peer_ptrs, stage_state=torch.zeros(2, dtype=torch.int32), rank=0, tp=2,
                 capacity=8, hidden=128)
-    tactic = Tactic(64, 128, 16, 1, 4, True)
+    tactic = Tactic(64, 8, 1, 4, 128)
     for change, match in [(dict(hidden=256), "hidden"), (dict(capacity=4), "capacity"),
                           (dict(rank=2), "rank"), (dict(peer_ptrs=peer_ptrs.int()), "peer_ptrs"),
                           (dict(stage_state=torch.zeros(3, dtype=torch.int32)), "stage_state")]:

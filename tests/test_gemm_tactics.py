@@ -7,21 +7,20 @@ from gemm_helpers import make_layer
 
 from decode_boundary.gemm import AUTOTUNER, Autotuner, pinned_tactics, selected_tactic
 from decode_boundary.gemm.tactics import (
-    LOW_BATCH_TACTICS,
-    PINNED_TACTICS,
-    SPLIT_KS,
-    TARGET_CTAS,
-    WIDE_TACTICS,
+    BF16_TABLE,
+    TABLE,
     Tactic,
     default_tactic,
     heuristic_tactic,
     is_valid,
+    k_pieces,
     row_bucket,
     sweep_tactics,
     valid_tactics,
 )
 
-DSV4_SHAPES = [(5120, 2048), (8192, 1280), (1792, 5120), (1024, 4096), (7168, 4096)]
+DSV4_SHAPES = [(5120, 2048, 1), (8192, 1280, 1), (1792, 5120, 1), (2048, 4096, 2),
+               (7168, 4096, 1), (5120, 4096, 1)]
 
 
 def test_row_buckets():
@@ -31,30 +30,40 @@ def test_row_buckets():
         row_bucket(0)
 
 
-@pytest.mark.parametrize("n,k", DSV4_SHAPES)
-def test_tables_hold_valid_tactics_and_default_comes_first(n, k):
-    for rows in (1, 5, 8):
-        assert is_valid(LOW_BATCH_TACTICS[(n, k)], n, k, rows)
-    for tile, rows in ((16, 12), (32, 30), (64, 48)):
-        assert is_valid(WIDE_TACTICS[(n, k)][tile], n, k, rows)
-    for max_rows, tactic in PINNED_TACTICS[(n, k)]:
-        assert is_valid(tactic, n, k, min(max_rows, 4096))
-    for rows in (1, 8, 16, 40, 64, 300):
-        tactics = valid_tactics(n, k, rows)
-        assert tactics[0] == default_tactic(n, k, rows)
-        assert len(set(tactics)) == len(tactics) and all(is_valid(t, n, k, rows) for t in tactics)
-        sweep = sweep_tactics(n, k, rows)
-        assert sweep[0] == tactics[0] and set(sweep) <= set(tactics) and len(sweep) <= 24
+def test_k_pieces_cover_the_slice():
+    for k in (32, 96, 1280, 2048, 5120):
+        for t in (Tactic(8, 1, 1, 4, 1024), Tactic(64, 16, 5, 4, 128), Tactic(16, 2, 3, 2, 64)):
+            k_slice, pieces = k_pieces(k, t)
+            assert k_slice % 32 == 0 and k_slice * t.split_k >= k > k_slice * (t.split_k - 1) \
+                or t.split_k * 32 > k
+            assert pieces * t.chunk_k >= k_slice > (pieces - 1) * t.chunk_k
 
 
-def test_heuristic_reaches_target_ctas_or_maximal_split():
-    for n, k in [(256, 4096), (4096, 512), (640, 96)]:
-        t = heuristic_tactic(n, k, 4)
-        ctas = n // t.block_n * t.split_k
-        assert ctas >= TARGET_CTAS or t.split_k == max(SPLIT_KS) or \
-            not is_valid(t._replace(split_k=t.split_k * 2), n, k, 4)
-    with pytest.raises(ValueError, match="N % 64"):
-        heuristic_tactic(96, 128, 1)
+@pytest.mark.parametrize("n,k,groups", DSV4_SHAPES)
+def test_tables_hold_valid_tactics_and_default_comes_first(n, k, groups):
+    for table in (TABLE, BF16_TABLE):
+        for bucket, tactic in table[(n, k, groups)].items():
+            rows = min(bucket, 64)
+            assert is_valid(tactic, n, k, rows, groups), (bucket, tactic)
+    for rows in (1, 2, 5, 8, 16, 40, 64, 300):
+        for bf16 in (False, True):
+            tactics = valid_tactics(n, k, rows, groups, bf16)
+            assert tactics[0] == default_tactic(n, k, rows, groups, bf16)
+            assert len(set(tactics)) == len(tactics)
+            sweep = sweep_tactics(n, k, rows, groups, bf16)
+            assert sweep[0] == tactics[0] and set(sweep) <= set(tactics) and len(sweep) <= 12
+            assert all(is_valid(t, n, k, rows, groups) for t in sweep)
+
+
+def test_heuristic_gives_a_valid_tactic_for_unpinned_shapes():
+    for n, k, groups in [(4096, 2048, 1), (16384, 1280, 1), (4096, 4096, 4), (5120, 8192, 1),
+                         (48, 96, 1), (256, 4096, 1)]:
+        for rows in (1, 2, 3, 8, 9, 30, 48, 64, 1000):
+            t = heuristic_tactic(n, k, rows, groups)
+            assert is_valid(t, n, k, rows, groups), (n, k, rows, t)
+            assert (t.rows_tile < 16) == (rows <= 2)
+    with pytest.raises(ValueError, match="16"):
+        heuristic_tactic(40, 128, 1)
 
 
 @pytest.fixture
@@ -68,18 +77,20 @@ def clean_autotuner():
 
 def test_autotuner_picks_fastest_per_bucket_and_selected_follows(clean_autotuner, tmp_path):
     layer = make_layer(128, 512)
-    fast = Tactic(64, 128, 16, 4, 4, True)
+    fast = sweep_tactics(128, 512, 4)[-1]
     seen = []
 
-    def timer(lay, rows, tactic):
-        seen.append((rows, tactic))
+    def timer(lay, rows, tactic, bf16_input):
+        seen.append((rows, tactic, bf16_input))
         return 1.0 if tactic == fast else 2.0
 
     assert selected_tactic(layer, 3) == default_tactic(128, 512, 3)
     assert clean_autotuner.tune(layer, 3, timer=timer) == fast
-    assert {r for r, _ in seen} == {4} and len(seen) == len(sweep_tactics(128, 512, 4))
+    assert {r for r, _, _ in seen} == {4} and len(seen) == len(sweep_tactics(128, 512, 4))
+    assert not any(bf16 for _, _, bf16 in seen)
     assert selected_tactic(layer, 4) == fast and selected_tactic(layer, 3) == fast
     assert selected_tactic(layer, 2) == default_tactic(128, 512, 2)  # another bucket
+    assert selected_tactic(layer, 4, bf16_input=True) == default_tactic(128, 512, 4)
     path = tmp_path / "tactics.json"
     clean_autotuner.save(str(path))
     other = Autotuner()
@@ -91,8 +102,9 @@ def test_pinned_tactics_offers_only_the_pinned_one(clean_autotuner):
     n, k = 5120, 2048
     assert len(clean_autotuner.candidates(n, k, 8)) > 1
     with pinned_tactics():
-        assert clean_autotuner.candidates(n, k, 8) == [LOW_BATCH_TACTICS[(n, k)]]
-        assert clean_autotuner.candidates(n, k, 32) == [WIDE_TACTICS[(n, k)][32]]
+        assert clean_autotuner.candidates(n, k, 8) == [TABLE[(n, k, 1)][8]]
+        assert clean_autotuner.candidates(n, k, 8, bf16_input=True) == [BF16_TABLE[(n, k, 1)][8]]
+        assert clean_autotuner.candidates(n, k, 32) == [TABLE[(n, k, 1)][32]]
         assert len(clean_autotuner.candidates(n, k, 4)) > 1  # 1..4 rows stay tuned
         assert len(clean_autotuner.candidates(256, 256, 8)) > 1  # not a pinned shape
     assert len(clean_autotuner.candidates(n, k, 8)) > 1

@@ -36,7 +36,6 @@ from decode_boundary.gemm import (
     selected_tactic,
 )
 from decode_boundary.mxfp8.format import QuantizedActivation, check_quantized
-from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
 
 class PublishingMxfp8Linear:
@@ -66,47 +65,56 @@ class PublishingMxfp8Linear:
     ) -> torch.Tensor:
         """``linear(x)``, published into the all-reduce's mailbox when supported.
 
-        Only a 2-D activation [M, K] of BF16 origin publishes: the all-reduce
-        reduces [M, hidden] tensors, and a published output it then rejected
-        would leave the peers waiting."""
+        ``x``: BF16 [M, K] (quantized in the GEMM's prologue) or MXFP8. Only a
+        2-D activation of BF16 origin publishes: the all-reduce reduces [M,
+        hidden] tensors, and a published output it then rejected would leave
+        the peers waiting."""
         quantized = isinstance(x, QuantizedActivation)
         shape, dtype = (x.orig_shape, x.orig_dtype) if quantized else (x.shape, x.dtype)
         rows = x.rows if quantized else x.reshape(-1, x.shape[-1]).shape[0]
         if len(shape) != 2 or dtype != torch.bfloat16 or not self.supports(linear, rows):
             return linear(x)
-        qa = x if quantized else quantize_mxfp8(x)
-        check_quantized(qa, "x")
         k, n = linear.weight.shape
-        if qa.data.shape[1] != k:
-            raise ValueError(f"x has K={qa.data.shape[1]}, linear expects K={k}")
-        out = torch.empty(rows, n, dtype=torch.bfloat16, device=qa.data.device)
+        if quantized:
+            check_quantized(x, "x")
+        elif not x.is_contiguous() or x.data_ptr() % 16:
+            x = x.clone()
+        width = x.data.shape[1] if quantized else x.shape[1]
+        if width != k:
+            raise ValueError(f"x has K={width}, linear expects K={k}")
+        device = linear.weight.device
+        out = torch.empty(rows, n, dtype=torch.bfloat16, device=device)
         target = self.all_reduce.publish_target()
-        tactic = self._compiled_tactic(linear, rows, target)
+        tactic = self._compiled_tactic(linear, rows, target, bf16_input=not quantized)
         # Marked before the launch: a second publish before the reduce must fail
         # before it overwrites the pending one's slots in every peer's mailbox.
         self.all_reduce.mark_published(out)
         try:
-            launch_low_latency(linear, qa, out, tactic, publish=target)
+            launch_low_latency(linear, x, out, tactic, publish=target)
         except Exception:
             self.all_reduce.reset()  # nothing was launched: drop the mark
             raise
         return out
 
     def precompile(self, linear: torch.nn.Module, num_tokens: int) -> None:
-        """Compile the kernel ``num_tokens`` rows select, launching nothing: a
-        publish without its consumer would desynchronise the mailbox.
-        Collective when it compiles something new (it barriers the group)."""
+        """Compile the kernels ``num_tokens`` rows select (BF16 and MXFP8
+        input), launching nothing: a publish without its consumer would
+        desynchronise the mailbox. Collective when it compiles something new
+        (it barriers the group)."""
         if self.supports(linear, num_tokens):
-            self._compiled_tactic(linear, num_tokens, self.all_reduce.publish_target())
+            for bf16 in (True, False):
+                self._compiled_tactic(linear, num_tokens, self.all_reduce.publish_target(), bf16)
 
-    def _compiled_tactic(self, linear: torch.nn.Module, rows: int, target: PublishTarget):
-        """The tactic a plain call selects for ``rows``, its publishing kernel
-        compiled through the all-reduce: the first use is collective, so a rank
-        still compiling cannot make a peer's consumer wait past its bound."""
-        tactic = selected_tactic(linear, rows)
+    def _compiled_tactic(self, linear: torch.nn.Module, rows: int, target: PublishTarget,
+                         bf16_input: bool):
+        """The tactic a plain call selects for ``rows`` and the input kind, its
+        publishing kernel compiled through the all-reduce: the first use is
+        collective, so a rank still compiling cannot make a peer's consumer
+        wait past its bound."""
+        tactic = selected_tactic(linear, rows, bf16_input)
         k, n = linear.weight.shape
         self.all_reduce.compile_variants({
-            ("publishing_gemm", n, k, tactic):
-                lambda: precompile(linear, [rows], publish=target),
+            ("publishing_gemm", n, k, tactic, bf16_input):
+                lambda: precompile(linear, [rows], publish=target, bf16_input=bf16_input),
         })
         return tactic

@@ -15,7 +15,7 @@ Row ranges and who chooses the tactic (tactics.py): ``low_latency_mm`` (<= 8
 rows, the autotuner's choice else the table), ``wide_mm`` (9..48 rows, the
 table or heuristic, never the autotuner), ``pinned_mm`` (above 48, only tabled
 shapes). ``mxfp8_mm`` runs any row count with :func:`selected_tactic`; layers
-no kernel takes (N/groups % 4 != 0, misaligned buffers) get the reference
+no kernel takes ((N / groups) % 16 != 0, misaligned buffers) get the reference
 computation, which is correct but slow. Malformed operands raise ValueError.
 """
 
@@ -54,7 +54,7 @@ def mxfp8_eligible(layer) -> bool:
         storage, scale, n, k, groups = weight_operands(layer)
     except ValueError:
         return False
-    return (n // groups) % 4 == 0 and k % 32 == 0 and storage.data_ptr() % 16 == 0 and \
+    return (n // groups) % 16 == 0 and k % 32 == 0 and storage.data_ptr() % 16 == 0 and \
         scale.data_ptr() % 16 == 0
 
 

@@ -11,11 +11,10 @@ and warps. Row ranges (design.md §1, seed 004):
 * above: 64-row tiles over a grid of row blocks, pinned per row range for the
   tabled shapes so a choice never changes between process starts.
 
-``TABLE`` holds the measured winners of ``benchmarks/gemm_sweep.py`` on one
-H200 per (N, K, groups) and row bucket (benchmarks/NOTES.md). Unpinned shapes
-get :func:`heuristic_tactic`: enough programs (>= TARGET_PROGRAMS) that every
-SM keeps several weight slices in flight, split-K only where N alone cannot
-give that many.
+``TABLE`` / ``BF16_TABLE`` hold the measured winners of
+``benchmarks/gemm_sweep.py`` on one H200 per (N, K, groups) and row bucket
+(benchmarks/NOTES.md), for MXFP8 and BF16 activations. Unpinned shapes get
+:func:`heuristic_tactic`, shaped like those winners.
 """
 
 from __future__ import annotations
@@ -39,13 +38,11 @@ WIDE_LOW_LATENCY_MAX_ROWS = 48
 SMALL_BUCKETS = (1, 2, 4, 8, 16, 32, 48)  # autotuner row buckets; powers of two above
 FMA_TILES = (1, 2, 4, 8)  # CUDA-core row tiles
 DOT_TILES = (16, 32, 64)  # tensor-core row tiles (tl.dot needs >= 16)
-BLOCK_NS = (4, 8, 16, 32, 64, 128)
+BLOCK_NS = (4, 8, 16, 32, 64, 128, 256)
 SPLIT_KS = tuple(range(1, 17))
 WARPS = (1, 2, 4, 8)
 CHUNKS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 MAX_PIECES = 8
-DOT_MAX_CHUNK = 256
-TARGET_PROGRAMS = 512  # heuristic: ~4 weight slices in flight per SM of 132
 # Weight bytes a thread holds before the grid wait (its whole slice); above this
 # the upcast spills. Tensor-core tiles hold the BF16 upcast as well: half as much.
 MAX_FMA_BYTES_PER_THREAD = 512
@@ -115,20 +112,58 @@ def _t(block_n, rows_tile, split_k=1, num_warps=4, chunk_k=256) -> Tactic:
     return Tactic(block_n, rows_tile, split_k, num_warps, chunk_k)
 
 
-def widest_chunk(k: int, split_k: int, rows_tile: int) -> int:
-    """The chunk a heuristic tactic uses: the fewest pieces per slice, capped at
-    DOT_MAX_CHUNK for tensor-core tiles (a dot holds its whole K per warp)."""
-    k_slice = -(-(k // 32) // split_k) * 32
-    chunk = max(32, 1 << (-(-k_slice // MAX_PIECES) - 1).bit_length())
-    return min(chunk, DOT_MAX_CHUNK) if rows_tile in DOT_TILES else chunk
-
-
 # (N, K, groups) -> {row bucket: tactic}; buckets above 64 take the 64 entry.
-# Measured on one H200 (benchmarks/gemm_sweep.py; µs in benchmarks/NOTES.md):
+# Measured winners of benchmarks/gemm_sweep.py on one H200 (2026-12-01,
+# results/gemm_sweep-NVIDIA_H200-2026-12-01-0911.json; µs in benchmarks/NOTES.md):
 # TABLE for MXFP8 activations, BF16_TABLE for BF16 ones (quantized in the
 # prologue, which favours wider blocks: every program quantizes its K-slice).
-TABLE: dict[tuple[int, int, int], dict[int, Tactic]] = {}
-BF16_TABLE: dict[tuple[int, int, int], dict[int, Tactic]] = {}
+# Shapes: DSV4.1-Flash TP-4 wo_b, wq_b, fused_wqa_wkv, grouped wo_a; V4-Pro
+# wo_b; DSV4.1-Flash wo_b at TP 2. Others take heuristic_tactic.
+TABLE: dict[tuple[int, int, int], dict[int, Tactic]] = {
+    (5120, 2048, 1): {1: _t(8, 1, 1, 2, 1024), 2: _t(8, 2, 1, 2, 512), 4: _t(64, 16, 8, 4, 128),
+                      8: _t(64, 16, 8, 4, 128), 16: _t(64, 16, 8, 4, 128),
+                      32: _t(64, 32, 4, 4, 128), 48: _t(64, 64, 4, 4, 128),
+                      64: _t(64, 64, 4, 4, 128)},
+    (8192, 1280, 1): {1: _t(16, 1, 1, 4, 512), 2: _t(16, 2, 1, 2, 512), 4: _t(64, 16, 5, 4, 128),
+                      8: _t(64, 16, 5, 4, 128), 16: _t(64, 16, 5, 4, 128),
+                      32: _t(64, 32, 3, 4, 128), 48: _t(64, 64, 3, 4, 64),
+                      64: _t(64, 64, 3, 4, 64)},
+    (1792, 5120, 1): {1: _t(4, 1, 1, 2, 1024), 2: _t(8, 2, 1, 4, 1024),
+                      4: _t(64, 16, 14, 4, 128), 8: _t(64, 16, 10, 4, 128),
+                      16: _t(64, 16, 10, 4, 128), 32: _t(64, 32, 14, 4, 128),
+                      48: _t(64, 64, 14, 4, 64), 64: _t(64, 64, 14, 4, 64)},
+    (2048, 4096, 2): {1: _t(4, 1, 1, 4, 1024), 2: _t(8, 2, 2, 4, 1024),
+                      4: _t(128, 16, 16, 8, 128), 8: _t(64, 16, 11, 4, 128),
+                      16: _t(64, 16, 11, 4, 128), 32: _t(64, 32, 11, 4, 128),
+                      48: _t(64, 64, 8, 4, 128), 64: _t(64, 64, 8, 4, 128)},
+    (7168, 4096, 1): {1: _t(4, 1, 1, 2, 1024), 2: _t(4, 2, 1, 2, 1024), 4: _t(64, 16, 9, 4, 128),
+                      8: _t(64, 16, 9, 4, 128), 16: _t(64, 16, 9, 4, 128),
+                      32: _t(64, 32, 8, 4, 128), 48: _t(128, 64, 16, 8, 128),
+                      64: _t(64, 64, 8, 4, 128)},
+    (5120, 4096, 1): {1: _t(8, 1, 2, 4, 1024), 2: _t(4, 2, 1, 4, 1024),
+                      4: _t(64, 16, 11, 4, 128), 8: _t(64, 16, 11, 4, 128),
+                      16: _t(64, 16, 11, 4, 128), 32: _t(64, 32, 8, 4, 128),
+                      48: _t(64, 64, 8, 4, 64), 64: _t(64, 64, 8, 4, 64)},
+}
+BF16_TABLE: dict[tuple[int, int, int], dict[int, Tactic]] = {
+    (5120, 2048, 1): {1: _t(8, 1, 1, 4, 1024), 2: _t(16, 2, 1, 4, 512),
+                      4: _t(128, 16, 6, 8, 128), 8: _t(128, 16, 6, 8, 128),
+                      16: _t(64, 16, 4, 4, 128)},
+    (8192, 1280, 1): {1: _t(16, 1, 1, 2, 512), 2: _t(16, 2, 1, 2, 512), 4: _t(128, 16, 7, 8, 64),
+                      8: _t(128, 16, 5, 8, 64), 16: _t(64, 16, 7, 4, 64)},
+    (1792, 5120, 1): {1: _t(8, 1, 1, 4, 1024), 2: _t(16, 2, 2, 4, 1024),
+                      4: _t(128, 16, 14, 8, 128), 8: _t(128, 16, 14, 8, 128),
+                      16: _t(128, 16, 14, 8, 128)},
+    (2048, 4096, 2): {1: _t(8, 1, 1, 4, 1024), 2: _t(8, 2, 2, 4, 1024),
+                      4: _t(128, 16, 16, 8, 128), 8: _t(128, 16, 16, 8, 128),
+                      16: _t(64, 16, 8, 4, 128)},
+    (7168, 4096, 1): {1: _t(8, 1, 1, 4, 1024), 2: _t(8, 2, 2, 4, 1024),
+                      4: _t(64, 16, 11, 4, 128), 8: _t(64, 16, 11, 4, 128),
+                      16: _t(64, 16, 11, 4, 128)},
+    (5120, 4096, 1): {1: _t(8, 1, 1, 4, 1024), 2: _t(8, 2, 1, 4, 1024),
+                      4: _t(128, 16, 11, 8, 128), 8: _t(128, 16, 11, 8, 128),
+                      16: _t(64, 16, 11, 4, 128)},
+}
 
 # The 5..8-row bucket and above are offered only their pinned tactic under
 # pinned_tactics() (seed 004: split-K choices tuned in isolation lose in the chain).
@@ -144,29 +179,32 @@ def table_tactic(n: int, k: int, rows: int, groups: int = 1,
     return entry.get(min(row_bucket(rows), 64))
 
 
+def _split_for(k: int, target_slice: int) -> int:
+    """The split-K count whose K-slice is nearest ``target_slice``."""
+    return max(1, min(max(SPLIT_KS), round(k / target_slice)))
+
+
 def heuristic_tactic(n: int, k: int, rows: int, groups: int = 1) -> Tactic:
-    """The tactic of an unpinned shape: the widest block that still gives
-    TARGET_PROGRAMS programs (smallest split-K first); else the most programs."""
-    if k % 32 or k <= 0 or n <= 0 or (n // max(groups, 1)) % 4:
+    """The tactic of an unpinned shape, shaped like the measured winners
+    (TABLE): 1-2 rows on CUDA cores, 8 weight rows x the whole K in 1024-wide
+    pieces, 4 warps; more rows on tensor cores, 64 weight rows (wgmma) x a
+    ~384-element K-slice in 128-wide pieces, 4 warps. Falls back to narrower
+    blocks and more splits until one fits."""
+    if k % 32 or k <= 0 or n <= 0 or groups < 1 or n % groups or (n // groups) % 16:
         raise ValueError(f"no MXFP8 GEMM tactic for N={n}, K={k}, groups={groups} "
-                         "(need K % 32 == 0 and N / groups % 4 == 0)")
-    tile = rows_tiles_for(rows)[0]
-    m_tiles = -(-rows // tile)
-    best = None
-    for split_k in SPLIT_KS:
-        for block_n in reversed(BLOCK_NS):
-            for warps in (4, 8):
-                t = _t(block_n, tile, split_k, warps, widest_chunk(k, split_k, tile))
-                if not fits(t, n, k, groups):
-                    continue
-                programs = (n // block_n) * split_k * m_tiles
-                if programs >= TARGET_PROGRAMS:
-                    return t
-                if best is None or programs > best[0]:
-                    best = (programs, t)
-    if best is None:
-        raise ValueError(f"no MXFP8 GEMM tactic fits N={n}, K={k}, groups={groups}")
-    return best[1]
+                         "(need K % 32 == 0 and (N / groups) % 16 == 0)")
+    if rows <= 2:
+        base = [_t(block_n, rows, split, 4, chunk) for split in (1, 2, 4, 8, 16)
+                for block_n in (8, 4) for chunk in (1024, 2048, 4096)]
+    else:
+        tile = 16 if rows <= 16 else 32 if rows <= 32 else 64
+        split = _split_for(k, 384 if tile < 64 else 512)
+        base = [_t(block_n, tile, sp, 4, chunk) for block_n in (64, 32, 16)
+                for sp in (split, *SPLIT_KS) for chunk in (128, 64, 256)]
+    for t in base:
+        if fits(t, n, k, groups):
+            return t
+    raise ValueError(f"no MXFP8 GEMM tactic fits N={n}, K={k}, groups={groups}")
 
 
 def default_tactic(n: int, k: int, rows: int, groups: int = 1,
@@ -193,12 +231,19 @@ def valid_tactics(n: int, k: int, rows: int, groups: int = 1,
 
 def sweep_tactics(n: int, k: int, rows: int, groups: int = 1, bf16_input: bool = False,
                   limit: int = 12) -> list[Tactic]:
-    """A small measured sweep: the default, then valid tactics that give at
-    least 128 programs with 2..8 warps, fewest splits first."""
-    m_tiles = lambda t: -(-rows // t.rows_tile)
-    keep = []
-    for t in valid_tactics(n, k, rows, groups, bf16_input):
-        programs = (n // t.block_n) * t.split_k * m_tiles(t)
-        if not keep or (t.num_warps >= 2 and programs >= 128):
-            keep.append(t)
-    return [keep[0]] + sorted(keep[1:], key=lambda t: (t.split_k, -t.block_n))[:limit - 1]
+    """What the autotuner times: the default, then its neighbours (half or
+    double the block, the split-K count +-1 and x/÷2, the other warp count and
+    chunk), valid ones only, at most ``limit``."""
+    base = default_tactic(n, k, rows, groups, bf16_input)
+    out = [base]
+    b, sp, w, c = base.block_n, base.split_k, base.num_warps, base.chunk_k
+    for t in (base._replace(block_n=b * 2, num_warps=max(w, 8 if b >= 64 else w)),
+              base._replace(block_n=b // 2), base._replace(split_k=sp + 1),
+              base._replace(split_k=sp - 1), base._replace(split_k=sp * 2),
+              base._replace(split_k=sp // 2), base._replace(num_warps=w * 2),
+              base._replace(num_warps=w // 2), base._replace(chunk_k=c * 2),
+              base._replace(chunk_k=c // 2), base._replace(rows_tile=rows_tiles_for(rows)[-1]),
+              base._replace(rows_tile=rows_tiles_for(rows)[0])):
+        if t not in out and is_valid(t, n, k, rows, groups):
+            out.append(t)
+    return out[:limit]

@@ -1,6 +1,6 @@
 """One rank's DeepSeek V4.1-shaped attention boundary, run three ways.
 
-``wo_a`` (one GEMM per local output group) -> ``wo_b`` (row-parallel: this
+``wo_a`` (one grouped GEMM over the local output groups) -> ``wo_b`` (row-parallel: this
 rank's partial sum) -> all-reduce + mHC + RMSNorm + MXFP8 of the next input ->
 the next layer's ``fused_wqa_wkv``. Paths (design.md §1):
 
@@ -31,7 +31,6 @@ from decode_boundary.model.baseline import RowwiseFp8Linear, all_reduce_then_mhc
 from decode_boundary.model.config import BoundaryConfig
 from decode_boundary.mxfp8.format import QuantizedActivation, mxfp8_scale_bytes, quantize_mxfp8_ref
 from decode_boundary.mxfp8.linear import Mxfp8Linear, load_linear
-from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
 PATHS = ("baseline", "unfused", "fused")
 OUTPUT_NAMES = ("residual_out", "layer_input", "q")  # the fields of BoundaryOutputs
@@ -95,10 +94,10 @@ class AttentionBoundary:
         groups_local = config.o_groups // tp
         if weights_dir is None:
             n_a, k_a = config.wo_a_shape()
-            self.wo_a = [
+            self.wo_a = Mxfp8Linear.grouped([
                 _random_linear(n_a, k_a, seed * 1000 + rank * 100 + g, self.device)
                 for g in range(groups_local)
-            ]
+            ])
             n_b, k_b = config.wo_b_shape(tp)
             self.wo_b = _random_linear(n_b, k_b, seed * 1000 + rank * 100 + 99, self.device)
             n_q, k_q = config.fused_wqa_wkv_shape()
@@ -128,12 +127,12 @@ class AttentionBoundary:
         wo_b column slice, the replicated fused_wqa_wkv."""
         prefix = f"layers.{layer}.attn"
         first = self.rank * groups_local
-        self.wo_a = [
+        self.wo_a = Mxfp8Linear.grouped([
             load_linear(weights_dir, f"{prefix}.wo_a", rows=slice(g * self.config.o_lora,
                                                                     (g + 1) * self.config.o_lora))
             .to(self.device)
             for g in range(first, first + groups_local)
-        ]
+        ])
         k_b = self.config.wo_b_shape(self.tp)[1]
         self.wo_b = load_linear(
             weights_dir, f"{prefix}.wo_b", cols=slice(self.rank * k_b, (self.rank + 1) * k_b)
@@ -146,11 +145,9 @@ class AttentionBoundary:
         it on every rank before the first step, so no rank's consumer waits on
         a peer that is still compiling, and before capturing CUDA graphs."""
         rows_list = list(rows_list)
-        for linear in (*self.wo_a, self.wo_b, self.fused_wqa_wkv):
-            gemm_precompile(linear, rows_list)
-            for rows in rows_list:  # the activation quantizer: harmless to run once
-                quantize_mxfp8(torch.zeros(rows, linear.weight.shape[0], dtype=torch.bfloat16,
-                                           device=self.device))
+        gemm_precompile(self.wo_a, rows_list, bf16_input=True)  # attention output: BF16
+        gemm_precompile(self.wo_b, rows_list, bf16_input=True)  # wo_a's output: BF16
+        gemm_precompile(self.fused_wqa_wkv, rows_list, bf16_input=False)  # the consumer's MXFP8
         for rows in rows_list:
             self.publisher.precompile(self.wo_b, rows)
         self.all_reduce.precompile(rows_list)
@@ -194,14 +191,6 @@ class AttentionBoundary:
             pre.to(**to),
         )
 
-    def _wo_a(self, attn_out: torch.Tensor, mm) -> torch.Tensor:
-        width = self.config.wo_a_shape()[1]
-        return torch.cat(
-            [mm(linear, attn_out[:, g * width : (g + 1) * width]) for g, linear in
-             enumerate(self.wo_a)],
-            dim=1,
-        )
-
     def run(self, inputs: BoundaryInputs, path: str) -> BoundaryOutputs:
         """One boundary on ``path`` (one of :data:`PATHS`)."""
         if path == "baseline":
@@ -215,16 +204,18 @@ class AttentionBoundary:
         process can all publish before any consumes."""
         if path not in ("unfused", "fused"):
             raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-        o = self._wo_a(inputs.attn_out, mxfp8_mm)  # mxfp8_mm quantizes the BF16 slices
-        return self.wo_b_published(quantize_mxfp8(o), path)
+        # One grouped GEMM; both GEMMs quantize their BF16 input in their prologue.
+        o = mxfp8_mm(self.wo_a, inputs.attn_out)
+        return self.wo_b_published(o, path)
 
-    def wo_b_published(self, o_q: QuantizedActivation, path: str) -> torch.Tensor:
-        """``wo_b`` of the MXFP8 ``o_q``, published for the all-reduce: by the
-        GEMM's epilogue on the fused path where the publisher takes it, else by
-        the publish kernel."""
-        if path == "fused" and self.publisher.supports(self.wo_b, o_q.rows):
-            return self.publisher(self.wo_b, o_q)
-        partial = mxfp8_mm(self.wo_b, o_q)
+    def wo_b_published(self, o: torch.Tensor, path: str) -> torch.Tensor:
+        """``wo_b`` of ``o`` (BF16 [M, K], or MXFP8), published for the
+        all-reduce: by the GEMM's epilogue on the fused path where the publisher
+        takes it, else by the publish kernel."""
+        rows = o.rows if isinstance(o, QuantizedActivation) else o.shape[0]
+        if path == "fused" and self.publisher.supports(self.wo_b, rows):
+            return self.publisher(self.wo_b, o)
+        partial = mxfp8_mm(self.wo_b, o)
         self.all_reduce.publish(partial)
         return partial
 
@@ -251,7 +242,8 @@ class AttentionBoundary:
         """The cuBLAS FP8 row-wise twin of projection ``name`` ("wo_a<g>",
         "wo_b", "fused_wqa_wkv"), built on first use."""
         if name not in self._baseline:
-            linear = self.wo_a[int(name[4:])] if name.startswith("wo_a") else getattr(self, name)
+            linear = self.wo_a.group(int(name[4:])) if name.startswith("wo_a") \
+                else getattr(self, name)
             self._baseline[name] = RowwiseFp8Linear(linear)
         return self._baseline[name]
 
@@ -259,7 +251,7 @@ class AttentionBoundary:
         width = self.config.wo_a_shape()[1]
         o = torch.cat(
             [self.baseline_linear(f"wo_a{g}")(inputs.attn_out[:, g * width : (g + 1) * width])
-             for g in range(len(self.wo_a))],
+             for g in range(self.wo_a.groups)],
             dim=1,
         )
         partial = self.baseline_linear("wo_b")(o)
@@ -272,8 +264,7 @@ class AttentionBoundary:
 
     def reference_partial(self, inputs: BoundaryInputs) -> torch.Tensor:
         """This rank's ``wo_b`` partial from the pure-torch references."""
-        o = self._wo_a(inputs.attn_out, _mm_ref)
-        return _mm_ref(self.wo_b, o)
+        return _mm_ref(self.wo_b, _mm_ref(self.wo_a, inputs.attn_out))
 
     def reference(self, inputs: BoundaryInputs,
                   partials: list[torch.Tensor] | None = None) -> BoundaryOutputs:
@@ -296,7 +287,7 @@ class AttentionBoundary:
 
 
 def _mm_ref(linear, x: torch.Tensor) -> torch.Tensor:
-    return mxfp8_mm_ref(quantize_mxfp8_ref(x), linear.weight, linear.weight_scale)
+    return mxfp8_mm_ref(quantize_mxfp8_ref(x), linear.weight, linear.weight_scale, linear.groups)
 
 
 def simulated_boundaries(config: BoundaryConfig, tp: int, capacity: int, seed: int = 0,

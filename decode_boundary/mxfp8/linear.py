@@ -7,7 +7,10 @@ Layout contract (design.md §4):
   view, so ``k, n = layer.weight.shape`` and ``layer.weight.t()`` is contiguous;
 * ``weight_scale``: 1-D uint8, the UE8M0 scales of the (N, K/32) groups in the
   128x4 swizzled layout (rows padded to 128, K-groups padded to 4);
-* ``bias`` is None: none of the boundary's projections has one.
+* ``bias`` is None: none of the boundary's projections has one;
+* ``groups`` (default 1): a *grouped* linear (``wo_a``) holds G weights
+  [N/G, K] stacked into one [N, K] and maps an input [..., G*K] (group g in
+  columns [g*K, (g+1)*K)) to the concatenation of the G outputs, in one GEMM.
 
 DeepSeek V4.1 checkpoints store e4m3 weights with one UE8M0 scale per [32, 32]
 block. Every 1x32 group of a row lies inside one block, so the MXFP8 scale of
@@ -31,6 +34,7 @@ from .format import (
     mxfp8_scale_bytes,
     quantize_mxfp8_ref,
     swizzle_scales,
+    unswizzle_scales,
 )
 
 BLOCK = 32  # rows and columns of one checkpoint scale block
@@ -74,6 +78,7 @@ class Mxfp8Linear(nn.Module):
                 f"weight_scale is on {weight_scale.device}, weight_fp8 on {weight_fp8.device}"
             )
         self.in_features, self.out_features = k, n
+        self.groups = 1
         # The [K, N] view of K-contiguous storage: strides (1, K).
         self.register_buffer("weight", weight_fp8.contiguous().t())
         self.register_buffer("weight_scale", weight_scale.contiguous())
@@ -109,6 +114,32 @@ class Mxfp8Linear(nn.Module):
         scales = block_scale.to(weight_fp8.device).repeat_interleave(BLOCK, dim=0)[:n]
         return cls(weight_fp8, swizzle_scales(scales.contiguous()))
 
+    @classmethod
+    def grouped(cls, linears: list[Mxfp8Linear]) -> Mxfp8Linear:
+        """One grouped linear of G same-shape linears (module docstring): input
+        [..., G*K], output the concatenation of their outputs."""
+        if not linears or any(lin.weight.shape != linears[0].weight.shape or
+                              lin.groups != 1 for lin in linears):
+            raise ValueError("linears must be a non-empty list of ungrouped Mxfp8Linear "
+                             "of one shape")
+        k, n = linears[0].weight.shape
+        storage = torch.cat([lin.weight.t() for lin in linears])
+        scales = torch.cat([unswizzle_scales(lin.weight_scale, n, k) for lin in linears])
+        out = cls(storage, swizzle_scales(scales))
+        out.groups = len(linears)
+        out.in_features = len(linears) * k
+        return out
+
+    def group(self, g: int) -> Mxfp8Linear:
+        """Group ``g`` of a grouped linear as a linear of its own (a copy)."""
+        if not 0 <= g < self.groups:
+            raise ValueError(f"group {g} outside [0, {self.groups})")
+        k, n = self.weight.shape
+        rows = n // self.groups
+        storage = self.weight.t()[g * rows:(g + 1) * rows]
+        scales = unswizzle_scales(self.weight_scale, n, k)[g * rows:(g + 1) * rows]
+        return Mxfp8Linear(storage.clone(), swizzle_scales(scales.contiguous()))
+
     def quantized_weight(self) -> QuantizedActivation:
         """The weight as an MXFP8 record over [N, K] (no copy)."""
         w = self.weight.t()
@@ -125,7 +156,8 @@ class Mxfp8Linear(nn.Module):
         return mxfp8_mm(self, x)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias=False"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"groups={self.groups}, bias=False")
 
 
 def ue8m0_bytes(scale: torch.Tensor, name: str = "scale") -> torch.Tensor:

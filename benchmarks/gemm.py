@@ -43,7 +43,7 @@ CHAIN = ("fused_wqa_wkv", "wq_b", "wo_b")
 ROWS = (1, 2, 4, 8, 16, 32, 48, 64)
 QUICK_ROWS = (1, 8, 32, 64)
 SWEEP_ROWS = (8, 32)  # a sweep per row class keeps the run (compiles) under 4 minutes
-SWEEP_MAX = 6
+SWEEP_MAX = 4
 
 
 def make_layer(n: int, k: int, groups: int = 1):

@@ -25,7 +25,13 @@ from decode_boundary.gemm import (
 )
 from decode_boundary.gemm.mxfp8_gemm_kernel import mxfp8_gemm_kernel
 from decode_boundary.gemm.reference import check_mxfp8_mm
-from decode_boundary.gemm.tactics import BF16_TABLE, TABLE, k_pieces, sweep_tactics
+from decode_boundary.gemm.tactics import (
+    BF16_TABLE,
+    PROLOGUE_MAX_ROWS,
+    TABLE,
+    k_pieces,
+    sweep_tactics,
+)
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes, quantize_mxfp8_ref
 from decode_boundary.mxfp8.linear import Mxfp8Linear
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
@@ -132,9 +138,13 @@ def test_public_paths_and_grouped(rows):
     check_mxfp8_mm(out, quantize_mxfp8_ref(x), layer.weight, layer.weight_scale, 2)
     proj = projection_mm(layer, x, low_batch=rows <= 8)
     assert proj is not None and torch.equal(proj, out)
-    tactic = selected_tactic(layer, rows, bf16_input=True)
-    parts = [launch_low_latency(layer.group(g), x[:, g * 4096:(g + 1) * 4096].contiguous(),
-                                poisoned(rows, 1024, DEV), tactic) for g in range(2)]
+    prologue = rows <= PROLOGUE_MAX_ROWS  # what mxfp8_mm does with a BF16 input
+    tactic = selected_tactic(layer, rows, bf16_input=prologue)
+    parts = []
+    for g in range(2):
+        part = x[:, g * 4096:(g + 1) * 4096].contiguous()
+        parts.append(launch_low_latency(layer.group(g), part if prologue else quantize_mxfp8(part),
+                                        poisoned(rows, 1024, DEV), tactic))
     assert torch.equal(out.view(torch.int16), torch.cat(parts, 1).view(torch.int16))
 
 

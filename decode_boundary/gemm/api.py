@@ -6,9 +6,10 @@ A *layer* is any object with ``weight`` (column-major [K, N] view of e4m3
 ``groups`` (> 1: a grouped layer, e.g. ``wo_a``: input [..., G*K], output the
 concatenation of the G groups' [..., N/G] products), e.g.
 ``decode_boundary.mxfp8.linear.Mxfp8Linear``. ``x`` is a BF16 tensor
-[..., G*K] (quantized inside the GEMM's prologue, bit-identical to
-``quantize_mxfp8`` first), another float tensor (quantized by
-``quantize_mxfp8``), or a ``QuantizedActivation``. Outputs are [..., N] in the
+[..., G*K] (up to PROLOGUE_MAX_ROWS rows quantized inside the GEMM's prologue,
+bit-identical to ``quantize_mxfp8`` first; more rows by ``quantize_mxfp8``,
+which is faster there), another float tensor (quantized by ``quantize_mxfp8``),
+or a ``QuantizedActivation``. Outputs are [..., N] in the
 input's original dtype (computed as BF16).
 
 Row ranges and who chooses the tactic (tactics.py): ``low_latency_mm`` (<= 8
@@ -34,6 +35,7 @@ from .reference import mxfp8_mm_ref
 from .tactics import (
     BF16_TABLE,
     LOW_BATCH_MAX_ROWS,
+    PROLOGUE_MAX_ROWS,
     TABLE,
     WIDE_LOW_LATENCY_MAX_ROWS,
     Tactic,
@@ -88,7 +90,7 @@ def _activation(layer, x):
             raise ValueError(f"x has K = {got}, the layer takes {width} "
                              f"({groups} group(s) of K={k})")
         flat = x.reshape(-1, width)
-        if x.dtype == torch.bfloat16:
+        if x.dtype == torch.bfloat16 and flat.shape[0] <= PROLOGUE_MAX_ROWS:
             a = flat if flat.is_contiguous() and flat.data_ptr() % 16 == 0 else flat.clone()
         else:
             a = quantize_mxfp8(flat)

@@ -1,8 +1,10 @@
 """The ``decode-boundary`` command.
 
-* ``bench``: verify, then time baseline / unfused / fused boundaries on every
-  local GPU (one process per GPU, started here; ``torchrun`` works too); a
-  table, JSON and a PNG in an output folder named at the end.
+* ``bench``: verify, then time strong_baseline / baseline / unfused / fused
+  boundaries on every local GPU (one process per GPU, started here;
+  ``torchrun`` works too), or with ``--tp-shapes N`` one rank's share of a
+  TP-N deployment on one GPU; a table, JSON and a PNG (latency vs M, and a
+  per-kernel breakdown) in an output folder named at the end.
 * ``verify``: correctness only. Without a GPU it runs the kernels in the Triton
   interpreter on CPU at the ``tiny`` size with tp = 2 simulated in one process, and says so.
 * ``gemm``: our MXFP8 GEMM vs cuBLAS BF16 / FP8 row-wise vs the HBM floor.
@@ -81,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     boundary.add_argument("--weights", type=Path,
                           help="DSV4.1-format safetensors folder (default: synthetic weights)")
     boundary.add_argument("--seed", type=int, default=0)
+    boundary.add_argument("--tp-shapes", type=_positive, dest="tp_shapes",
+                          help="run one rank's share of a TP-N deployment on one GPU (the "
+                               "per-rank shapes of TP N, the all-reduce over a group of one)")
     boundary.add_argument("--timeout", type=float, default=600.0,
                           help="seconds before a run with a silent rank is ended (default 600)")
 
@@ -133,11 +138,18 @@ def _boundary(parser: argparse.ArgumentParser, args) -> int:
         if args.command == "bench":
             print(NO_GPU.format(cmd="bench"), file=sys.stderr)
             return 2
+        if args.tp_shapes:
+            parser.error("--tp-shapes needs a GPU (it times one rank's share)")
         os.environ["TRITON_INTERPRET"] = "1"
         tp = args.tp or INTERPRETER_TP
+    elif args.tp_shapes:
+        if args.tp not in (None, 1) or in_torchrun():
+            parser.error("--tp-shapes runs one process on one GPU: drop --tp / torchrun")
+        tp = 1
     else:
         tp = int(os.environ["WORLD_SIZE"]) if in_torchrun() else args.tp or max(1, gpus)
-    config = _config(parser, args, INTERPRETER_MODEL if interpreter else DEFAULT_MODEL, tp)
+    config = _config(parser, args, INTERPRETER_MODEL if interpreter else DEFAULT_MODEL,
+                     args.tp_shapes or tp)
     rows = tuple(args.rows or (INTERPRETER_ROWS if interpreter else DEFAULT_ROWS))
     # After TRITON_INTERPRET is set: importing Triton reads it.
     from decode_boundary.model.bench import BenchSpec, run_rank, verify_simulated
@@ -152,7 +164,8 @@ def _boundary(parser: argparse.ArgumentParser, args) -> int:
         out.print(f"GPU {i} cannot access GPU {j} (no peer access): "
                   "the all-reduce falls back to NCCL for the sum.")
     spec = BenchSpec(config, rows, time=args.command == "bench", seed=args.seed,
-                     weights_dir=str(args.weights) if args.weights else None)
+                     weights_dir=str(args.weights) if args.weights else None,
+                     tp_shapes=args.tp_shapes if not interpreter else None)
     try:
         if interpreter:
             per_rank = {0: verify_simulated(spec, tp)}
@@ -167,14 +180,16 @@ def _boundary(parser: argparse.ArgumentParser, args) -> int:
 
     result = report.new_result(
         args.command, args.command_line, report.environment(interpreter, unreachable),
-        {"model": config.name, **dataclasses.asdict(config), "tp": tp, "rows": list(rows),
+        {"model": config.name, **dataclasses.asdict(config), "tp": tp,
+         "tp_shapes": args.tp_shapes or tp, "rows": list(rows),
          "weights": spec.weights_dir, "seed": args.seed, "transport": per_rank[0]["transport"]},
     )
     result["verify"] = merge_verify(per_rank)
     out.print(report.verify_table(result))
     first = per_rank[0]
     if "timings" in first:
-        result.update({k: first[k] for k in ("copy_rate_gbps", "floor_us", "weight_copies")})
+        result.update({k: first[k] for k in ("copy_rate_gbps", "floor_us", "weight_copies",
+                                             "breakdown")})
         result["timings"] = report.add_speedups(first["timings"])
         out.print(report.bench_table(result))
     elif args.command == "bench":
@@ -254,7 +269,9 @@ def _save(args, result: dict, out: Console, plot: bool) -> None:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         folder = args.out or default_out_dir(Path.cwd(), stamp)
         cfg = result["config"]
-        stem = f"{args.command}-{cfg['model']}-tp{cfg['tp']}-{stamp}"
+        shapes = cfg.get("tp_shapes", cfg["tp"])
+        tag = f"tp{cfg['tp']}" if shapes == cfg["tp"] else f"tp{shapes}-shapes-1gpu"
+        stem = f"{args.command}-{cfg['model']}-{tag}-{stamp}"
         written = [report.write_json(result, folder / f"{stem}.json")]
         if plot:
             written.append(report.plot_latency(result, folder / f"{stem}.png"))

@@ -39,7 +39,7 @@ matplotlib.use("Agg")  # files only: no display on GPU hosts or CI
 import matplotlib.pyplot as plt  # noqa: E402
 
 SCHEMA = 1
-SPEEDUPS = (("baseline", "fused"), ("unfused", "fused"))
+SPEEDUPS = (("strong_baseline", "fused"), ("baseline", "fused"), ("unfused", "fused"))
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -92,7 +92,8 @@ def new_result(kind: str, command: str, env: dict, config: dict) -> dict:
 def add_speedups(timings: list[dict]) -> list[dict]:
     """Each timing row gets ``speedup``: slower path's µs / fused µs."""
     for row in timings:
-        row["speedup"] = {f"{a}/{b}": row["us"][a] / row["us"][b] for a, b in SPEEDUPS}
+        row["speedup"] = {f"{a}/{b}": row["us"][a] / row["us"][b] for a, b in SPEEDUPS
+                          if a in row["us"] and b in row["us"]}
     return timings
 
 
@@ -115,19 +116,25 @@ def bench_table(result: dict) -> Table:
     paths = list(result["timings"][0]["us"]) if result["timings"] else []
     table.add_column("M", justify="right")
     for path in paths:
-        table.add_column(f"{path} µs", justify="right")
+        table.add_column(f"{path.replace('strong_baseline', 'strong')} µs", justify="right")
     table.add_column("floor µs", justify="right")
-    for a, b in SPEEDUPS:
-        table.add_column(f"{a}/{b}", justify="right")
+    ratios = [f"{a}/{b}" for a, b in SPEEDUPS if a in paths and b in paths]
+    for ratio in ratios:  # short headers: the wide table must fit a terminal
+        table.add_column(ratio.replace("strong_baseline", "strong").replace("baseline", "eager"),
+                         justify="right")
+    table.add_column("fused/floor", justify="right")
     for row in result["timings"]:
         table.add_row(
             str(row["rows"]),
             *(f"{row['us'][p]:.1f}" for p in paths),
             f"{result['floor_us']:.1f}",
-            *(f"{row['speedup'][f'{a}/{b}']:.2f}x" for a, b in SPEEDUPS),
+            *(f"{row['speedup'][r]:.2f}x" for r in ratios),
+            f"{row['us']['fused'] / result['floor_us']:.2f}x" if "fused" in row["us"] else "",
         )
-    table.caption = (f"floor = wo_b MXFP8 weight bytes / copy rate "
-                     f"({result['copy_rate_gbps']:.0f} GB/s, read + write)")
+    table.caption = (f"floor = every MXFP8 weight byte of the boundary (wo_a, wo_b, "
+                     f"fused_wqa_wkv) / copy rate ({result['copy_rate_gbps']:.0f} GB/s, "
+                     f"read + write); baseline = eager torch, strong_baseline = cuBLAS BF16 + "
+                     f"torch.compile")
     return table
 
 
@@ -168,21 +175,40 @@ def write_json(result: dict, path: Path) -> Path:
 
 
 def plot_latency(result: dict, path: Path) -> Path:
-    """PNG of µs per boundary vs M, one line per path, the floor dashed."""
+    """PNG: µs per boundary vs M, one line per path, the floor dashed; beside
+    it, where the run timed one, the per-kernel breakdown of fused vs the
+    strong baseline at one M (stacked bars of each stage timed alone)."""
     timings = result["timings"]
     rows = [t["rows"] for t in timings]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    breakdown = result.get("breakdown")
+    fig, axes = plt.subplots(1, 2 if breakdown else 1, figsize=(13 if breakdown else 7, 4.8),
+                             squeeze=False)
+    ax = axes[0][0]
     for p in timings[0]["us"]:
         ax.plot(rows, [t["us"][p] for t in timings], marker="o", label=p)
-    ax.axhline(result["floor_us"], linestyle="--", color="grey", label="floor (wo_b weights)")
+    ax.axhline(result["floor_us"], linestyle="--", color="grey", label="floor (all weights)")
     ax.set_xlabel("M (tokens per decode step)")
     ax.set_ylabel("µs per boundary")
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xticks(rows, [str(r) for r in rows])
-    ax.set_ylim(bottom=0)
-    ax.set_title(_title(result, "attention boundary latency"))
+    ax.set_title(_title(result, "boundary latency"), fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
+    if breakdown:
+        bx = axes[0][1]
+        paths = [p for p in breakdown if p != "rows"]
+        for i, p in enumerate(paths):
+            bottom = 0.0
+            for name, us in breakdown[p].items():
+                bx.bar(i, us, bottom=bottom, width=0.6)
+                bx.text(i, bottom + us / 2, f"{name}\n{us:.1f}", ha="center", va="center",
+                        fontsize=6.5)
+                bottom += us
+        bx.set_xticks(range(len(paths)), paths)
+        bx.set_ylabel("µs, each stage timed alone")
+        bx.set_title(f"where the time goes, M = {breakdown['rows']}", fontsize=9)
+        bx.grid(alpha=0.3, axis="y")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)

@@ -64,3 +64,55 @@ def test_two_simulated_ranks_fused_unfused_reference_and_rank_identity():
         assert outputs_identical(u, f)
         assert check_outputs(f, ref) == []
     assert outputs_identical(fused[0], fused[1])
+
+
+def _count_launches(monkeypatch):
+    """Names of the Triton kernels launched (the interpreter's grid executor)."""
+    import triton.runtime.interpreter as interpreter
+
+    launched = []
+    original = interpreter.GridExecutor.__call__
+
+    def counting(self, *args, **kwargs):
+        launched.append(self.fn.__name__)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", counting)
+    return launched
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8])
+def test_fused_boundary_is_four_launches_unfused_five(tiny_boundary, rows, monkeypatch):
+    """Grouped wo_a -> publishing wo_b (both quantizing BF16 in their prologue)
+    -> consumer -> fused_wqa_wkv; unfused adds the publish kernel."""
+    launched = _count_launches(monkeypatch)
+    inputs = tiny_boundary.make_inputs(rows, seed=rows)
+    tiny_boundary.run(inputs, "fused")
+    assert launched == ["mxfp8_gemm_kernel", "mxfp8_gemm_kernel", "consumer_kernel",
+                        "mxfp8_gemm_kernel"], launched
+    launched.clear()
+    tiny_boundary.run(inputs, "unfused")
+    assert launched == ["mxfp8_gemm_kernel", "mxfp8_gemm_kernel", "publish_kernel",
+                        "consumer_kernel", "mxfp8_gemm_kernel"], launched
+
+
+def test_strong_baseline_is_close_to_the_reference(tiny_boundary):
+    """cuBLAS-BF16-style GEMMs + the traced mHC (aot_eager: the graph torch.compile
+    would hand inductor) against the MXFP8 reference: a speed baseline, so close,
+    not equal; the eager mhc_rmsnorm matches the consumer reference on the same sum."""
+    from decode_boundary.boundary.reference import consumer_ref
+    from decode_boundary.model.baseline import StrongBaseline, mhc_rmsnorm
+    from decode_boundary.model.chain import BASELINE_RTOL, BoundaryOutputs
+
+    ab = tiny_boundary
+    strong = StrongBaseline(ab.wo_a, ab.wo_b, ab.fused_wqa_wkv, None, 8, backend="aot_eager")
+    inputs = ab.make_inputs(5, seed=21)
+    args = (inputs.residual, inputs.post, inputs.comb, inputs.pre, ab.norm_weight, ab.config.eps)
+    out = BoundaryOutputs(*strong(inputs.attn_out, *args))
+    assert check_outputs(out, ab.reference(inputs), BASELINE_RTOL) == []
+    reduced = torch.randn(5, ab.config.hidden).bfloat16()
+    residual_out, layer_input = mhc_rmsnorm(reduced, *args)
+    ref_residual, ref_input, _ = consumer_ref([reduced], *args, quantize=False)
+    assert (residual_out.float() - ref_residual.float()).abs().max() <= \
+        2**-7 * ref_residual.float().abs().max()
+    assert (layer_input.float() - ref_input.float()).norm() <= 1e-2 * ref_input.float().norm()

@@ -149,18 +149,23 @@ def _synthetic_bench() -> dict:
                         for m in (1, 8)]
     result.update(copy_rate_gbps=4200.0, floor_us=2.5, weight_copies=3)
     result["timings"] = report.add_speedups([
-        {"rows": 1, "us": {"baseline": 30.0, "unfused": 12.0, "fused": 8.0}},
-        {"rows": 8, "us": {"baseline": 33.0, "unfused": 14.0, "fused": 11.0}},
+        {"rows": 1, "us": {"strong_baseline": 20.0, "baseline": 30.0, "unfused": 12.0,
+                           "fused": 8.0}},
+        {"rows": 8, "us": {"strong_baseline": 22.0, "baseline": 33.0, "unfused": 14.0,
+                           "fused": 11.0}},
     ])
+    result["breakdown"] = {"rows": 1, "fused": {"wo_a": 3.0, "wo_b": 2.5, "consumer": 2.0},
+                           "strong_baseline": {"wo_a (bmm)": 8.0, "mHC": 9.0}}
     return result
 
 
 def test_bench_table_shows_times_floor_and_speedups():
     text = report.render(report.bench_table(_synthetic_bench()))
     row_1 = next(line for line in text.splitlines() if line.strip("│ ").startswith("1 "))
-    for cell in ("30.0", "12.0", "8.0", "2.5", "3.75x", "1.50x"):
+    for cell in ("20.0", "30.0", "12.0", "8.0", "2.5", "2.50x", "3.75x", "1.50x", "3.20x"):
         assert cell in row_1
-    assert "baseline/fused" in text and "unfused/fused" in text and "4200 GB/s" in text
+    assert "strong/fused" in text and "eager/fused" in text and "4200 GB/s" in text
+    assert "every MXFP8 weight byte" in text
 
 
 def test_verify_table_shows_failures():
@@ -184,9 +189,9 @@ def test_json_schema(tmp_path):
     assert env["git_commit"] is None or len(env["git_commit"]) == 40
     assert isinstance(data["created"], str) and isinstance(data["command"], str)
     for row in data["timings"]:
-        assert set(row["us"]) == {"baseline", "unfused", "fused"}
-        assert row["speedup"]["baseline/fused"] == pytest.approx(
-            row["us"]["baseline"] / row["us"]["fused"])
+        assert set(row["us"]) == {"strong_baseline", "baseline", "unfused", "fused"}
+        assert row["speedup"]["strong_baseline/fused"] == pytest.approx(
+            row["us"]["strong_baseline"] / row["us"]["fused"])
 
 
 def test_plot_is_a_valid_png(tmp_path):

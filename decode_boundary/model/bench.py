@@ -29,6 +29,7 @@ from decode_boundary.gemm.timing import copy_rate, graph_time_us, median_replay_
 from decode_boundary.launch import RankContext
 from decode_boundary.model.baseline import FP8_ROW_ALIGN, RowwiseFp8Linear, rowwise_fp8
 from decode_boundary.model.chain import (
+    BASELINE_RTOL,
     OUTPUT_NAMES,
     PATHS,
     AttentionBoundary,
@@ -59,6 +60,8 @@ class BenchSpec:
     time: bool
     seed: int = 0
     weights_dir: str | None = None
+    tp_shapes: int | None = None  # per-rank shapes of this TP (default: the group's size)
+    breakdown_rows: int | None = None  # M of the per-kernel breakdown (default: the first)
 
 
 def mxfp8_weight_bytes(n: int, k: int) -> int:
@@ -145,12 +148,16 @@ def verify_rows(ab: AttentionBoundary, rows: int, group: dist.ProcessGroup | Non
     fused = ab.run(inputs, "fused")
     unfused = ab.run(inputs, "unfused")
     ref = ab.reference(inputs)
+    strong = check_outputs(ab.run(inputs, "strong_baseline"), ref, BASELINE_RTOL)
     identical = True
     if group is not None:
         digests = [None] * dist.get_world_size(group)
         dist.all_gather_object(digests, _digest(fused), group=group)
         identical = len(set(digests)) == 1
-    return _verdict(rows, outputs_identical(fused, unfused), fused, unfused, ref, identical)
+    verdict = _verdict(rows, outputs_identical(fused, unfused), fused, unfused, ref, identical)
+    verdict["failures"] += [f"strong_baseline {f}" for f in strong]
+    verdict["ok"] = not verdict["failures"]
+    return verdict
 
 
 def verify_simulated(spec: BenchSpec, tp: int) -> dict:
@@ -189,8 +196,9 @@ def run_rank(ctx: RankContext, spec: BenchSpec) -> dict:
     Returns ``{"rank", "device", "transport", "verify": [...]}`` plus, when timed,
     ``{"copy_rate_gbps", "floor_us", "weight_copies", "timings": [{"rows", "us": {path: µs}}]}``.
     """
-    ab = AttentionBoundary(spec.config, ctx.world_size, ctx.rank, ctx.group, ctx.device,
-                           max(spec.rows), seed=spec.seed, weights_dir=spec.weights_dir)
+    ab = AttentionBoundary(spec.config, spec.tp_shapes or ctx.world_size, ctx.rank, ctx.group,
+                           ctx.device, max(spec.rows), seed=spec.seed,
+                           weights_dir=spec.weights_dir)
     ab.precompile(spec.rows)
     total = len(spec.rows) * (1 + (len(PATHS) if spec.time else 0))
     try:
@@ -210,7 +218,7 @@ def run_rank(ctx: RankContext, spec: BenchSpec) -> dict:
 
 def _time_paths(ab: AttentionBoundary, spec: BenchSpec, ctx: RankContext,
                 advance: Callable[[str], None]) -> dict:
-    per_copy = boundary_weight_bytes(spec.config, ctx.world_size)
+    per_copy = boundary_weight_bytes(spec.config, ab.tp)
     views = ab.weight_copies(copies_for_cold_l2(per_copy, ctx.device))
     rate = copy_rate(ctx.device)
     timings = []
@@ -222,12 +230,62 @@ def _time_paths(ab: AttentionBoundary, spec: BenchSpec, ctx: RankContext,
             us[path] = step_time_us(steps, ctx.device, ctx.group)
             advance(f"timed {path} M={rows}")
         timings.append({"rows": rows, "us": us})
+    breakdown_rows = spec.breakdown_rows or spec.rows[0]
     return {
         "copy_rate_gbps": rate / 1e9,
-        "floor_us": mxfp8_weight_bytes(*spec.config.wo_b_shape(ctx.world_size)) / rate * 1e6,
+        # Every weight byte one rank reads (wo_a, wo_b, fused_wqa_wkv) at the copy rate.
+        "floor_us": per_copy / rate * 1e6,
         "weight_copies": len(views),
         "timings": timings,
+        "breakdown": {"rows": breakdown_rows,
+                      **_time_stages(views, ab.make_inputs(breakdown_rows, seed=breakdown_rows),
+                                     ctx)},
     }
+
+
+def _stages(ab: AttentionBoundary, inputs) -> dict[str, dict[str, Callable[[], object]]]:
+    """Each kernel (or library call) of the fused path and of the strong
+    baseline alone, as a callable, in chain order."""
+    c = ab.config
+    o = mxfp8_mm(ab.wo_a, inputs.attn_out)
+    partial = mxfp8_mm(ab.wo_b, o)
+    _, _, next_in = ab.reduce(inputs, partial)
+    strong = ab.strong_baseline
+    a = inputs.attn_out.view(inputs.rows, strong.wo_a.shape[0], -1).transpose(0, 1)
+    o_bf16 = torch.bmm(a, strong.wo_a.transpose(1, 2)).transpose(0, 1).reshape(inputs.rows, -1)
+    reduced = o_bf16 @ strong.wo_b.t()
+    _, layer_input = strong.mhc(reduced, inputs.residual, inputs.post, inputs.comb, inputs.pre,
+                                ab.norm_weight, c.eps)
+    return {
+        "fused": {
+            "wo_a (grouped, BF16 in)": lambda: mxfp8_mm(ab.wo_a, inputs.attn_out),
+            "wo_b (BF16 in)": lambda: mxfp8_mm(ab.wo_b, o),
+            "publish + consumer (all-reduce, mHC, RMSNorm, MXFP8)":
+                lambda: ab.reduce(inputs, partial),
+            "fused_wqa_wkv (MXFP8 in)": lambda: mxfp8_mm(ab.fused_wqa_wkv, next_in),
+        },
+        "strong_baseline": {
+            "wo_a (bmm)": lambda: torch.bmm(a, strong.wo_a.transpose(1, 2)),
+            "wo_b (mm)": lambda: o_bf16 @ strong.wo_b.t(),
+            f"all-reduce ({strong.transport})": lambda: strong.all_reduce(reduced),
+            "mHC + RMSNorm (torch.compile)": lambda: strong.mhc(
+                reduced, inputs.residual, inputs.post, inputs.comb, inputs.pre,
+                ab.norm_weight, c.eps),
+            "fused_wqa_wkv (mm)": lambda: layer_input @ strong.fused_wqa_wkv.t(),
+        },
+    }
+
+
+def _time_stages(views: list[AttentionBoundary], inputs, ctx: RankContext) -> dict:
+    """µs of each stage of :func:`_stages` timed alone (weights rotated over
+    ``views``), per path. The fused path's wo_b is timed without its publishing
+    epilogue (a publish needs its consumer), and publish + consume together."""
+    per_view = [_stages(v, inputs) for v in views]
+    out = {}
+    for path, stages in per_view[0].items():
+        out[path] = {name: step_time_us([s[path][name] for s in per_view], ctx.device, ctx.group)
+                     for name in stages}
+    return out
 
 
 def gemm_table(shapes: Sequence[tuple[str, int, int]], rows: Sequence[int],

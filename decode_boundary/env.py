@@ -33,6 +33,16 @@ def disable_multicast() -> None:
             os.environ[key] = value
 
 
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """``device`` with a bare ``"cuda"`` (or None) meaning the current CUDA device."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def interpret_mode() -> bool:
     """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -7,9 +7,9 @@ data, a rank that skips a step, and the NCCL fallback.
 
 import os
 
+import boundary_gpu_checks as gpu_checks
 import pytest
 
-from decode_boundary.boundary import gpu_checks
 from decode_boundary.launch import launch
 
 pytestmark = pytest.mark.multigpu

@@ -7,10 +7,10 @@ across graphs, fresh random data every replay), each checked bit for bit.
 
 import os
 
+import chain_gpu_checks as gpu_checks
 import pytest
 
 from decode_boundary.launch import launch
-from decode_boundary.model import gpu_checks
 
 pytestmark = pytest.mark.multigpu
 

@@ -5,12 +5,12 @@ together and give the reference's answer, step after step."""
 import torch
 
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
-from decode_boundary.boundary.publishing_gemm import PublishingMxfp8Linear
 from decode_boundary.boundary.reference import consumer_ref
 from decode_boundary.gemm import mxfp8_mm
+from decode_boundary.gemm.linear import Mxfp8Linear
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes, quantize_mxfp8_ref, unswizzle_scales
-from decode_boundary.mxfp8.linear import Mxfp8Linear
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
+from decode_boundary.publishing_linear import PublishingMxfp8Linear
 
 
 def test_readme_decode_step_on_one_cpu_rank():

@@ -20,6 +20,7 @@ from decode_boundary.gemm import (
     wide_or_pinned_mm,
 )
 from decode_boundary.gemm import mxfp8_gemm_kernel as kernel_module
+from decode_boundary.gemm.linear import Mxfp8Linear
 from decode_boundary.gemm.mxfp8_gemm_kernel import launch_low_latency
 from decode_boundary.gemm.reference import check_mxfp8_mm, dequantize_weight, mxfp8_mm_ref
 from decode_boundary.mxfp8.format import (
@@ -28,7 +29,6 @@ from decode_boundary.mxfp8.format import (
     quantize_mxfp8_ref,
     swizzle_scales,
 )
-from decode_boundary.mxfp8.linear import Mxfp8Linear
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
 

@@ -23,6 +23,7 @@ from decode_boundary.gemm import (
     selected_tactic,
     warmup_low_latency,
 )
+from decode_boundary.gemm.linear import Mxfp8Linear
 from decode_boundary.gemm.mxfp8_gemm_kernel import mxfp8_gemm_kernel
 from decode_boundary.gemm.reference import check_mxfp8_mm
 from decode_boundary.gemm.tactics import (
@@ -33,7 +34,6 @@ from decode_boundary.gemm.tactics import (
     sweep_tactics,
 )
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes, quantize_mxfp8_ref
-from decode_boundary.mxfp8.linear import Mxfp8Linear
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
 pytestmark = pytest.mark.gpu

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
-from decode_boundary.boundary.publishing_gemm import PublishingMxfp8Linear
 from decode_boundary.boundary.reference import consumer_ref
 from decode_boundary.gemm import mxfp8_mm
+from decode_boundary.gemm.linear import Mxfp8Linear
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes
-from decode_boundary.mxfp8.linear import Mxfp8Linear
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
+from decode_boundary.publishing_linear import PublishingMxfp8Linear
 
 HIDDEN, K, HC, CAPACITY, TP = 128, 96, 2, 8, 2
 

@@ -14,6 +14,18 @@ and raises ``RuntimeError`` naming the ranks; under capture nothing is read
 (no host sync may happen), so graph users call :meth:`check` after replays.
 After such an error, every rank calls ``reset(collective=True)``.
 
+torch.compile: under tracing, ``publish``, ``publish_finalize`` and the
+reduction go through the custom ops ``decode_boundary::boundary_publish``,
+``boundary_publish_finalize`` and ``boundary_reduce``. Each declares mutated
+the device words it writes: this rank's stage words (every op of the protocol,
+so functionalization keeps them all and in order), the consumer's status word
+and norm scratch, and the caller's MXFP8 buffers. The mailbox itself is not an
+argument: every rank's kernels store into it through peer addresses, so a
+functional copy of it (what an eager backend makes of a mutated argument)
+would be copied back stale over a peer's later stores. The host rules
+(mark_published, one publish per reduce) stay Python and are traced with the
+step. Open the mailbox (construct, ``precompile``) before compiling.
+
 Compiling: the first call of a kernel variant JIT-compiles it (seconds), and
 ranks compile at different speeds; a peer still compiling its publish would
 look like a rank that never arrived. So before its first launch every variant
@@ -26,6 +38,8 @@ raises and asks for :meth:`precompile` (or an eager warm-up call) first.
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -97,9 +111,7 @@ class BoundaryAllReduce:
             raise ValueError(f"hc_mult and top_k must be positive, got {hc_mult}, {top_k}")
         if wait_timeout_s <= 0:
             raise ValueError(f"wait_timeout_s must be positive, got {wait_timeout_s}")
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        self.device = torch.device(device)
+        self.device = env.resolve_device(device)
         self.hidden_size, self.hc_mult, self.capacity, self.top_k = (
             hidden_size, hc_mult, capacity, top_k)
         self.quantize_layer_input = quantize_layer_input
@@ -130,6 +142,8 @@ class BoundaryAllReduce:
         self._box: Mailbox | None = _mailbox
         self.tp, self.rank = _mailbox.tp, _mailbox.rank
         self._published: torch.Tensor | None = None
+        self.handle = next(_HANDLES)  # what the custom ops name this instance by
+        _INSTANCES[self.handle] = weakref.ref(self)
         self.tactic = tactic
         self._compiled: set[tuple] = set()
         if env.use_ptx(self.device):
@@ -170,9 +184,15 @@ class BoundaryAllReduce:
         self._check_x(x)
         if self._published is not None:
             raise RuntimeError("a published contribution is still unreduced")
+        if torch.compiler.is_compiling():
+            torch.ops.decode_boundary.boundary_publish(self.handle, x, self._box.stage_state)
+        else:
+            self._publish_launch(x)
+        self._published = x
+
+    def _publish_launch(self, x: torch.Tensor) -> None:
         self.compile_variants({("publish",): lambda: self._launch_publish(x, compile_only=True)})
         self._launch_publish(x)
-        self._published = x
 
     def publish_finalize(self, gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx,
                          shared_output) -> torch.Tensor:
@@ -183,6 +203,18 @@ class BoundaryAllReduce:
         idx = expanded_idx_to_permuted_idx
         check_finalize_inputs(gemm2_permuted, expert_weights, idx, shared_output,
                               self.hidden_size, self.top_k, self.device, self.capacity)
+        if torch.compiler.is_compiling():
+            partial = torch.ops.decode_boundary.boundary_publish_finalize(
+                self.handle, gemm2_permuted, expert_weights, idx, shared_output, box.stage_state)
+        else:
+            partial = self._publish_finalize_launch(gemm2_permuted, expert_weights, idx,
+                                                    shared_output)
+        self._published = partial
+        return partial
+
+    def _publish_finalize_launch(self, gemm2_permuted, expert_weights, idx, shared_output):
+        box = self._box
+        # A host read of the index table: only outside capture (it would sync).
         if not self._capturing() and idx.numel() and int(idx.max()) >= gemm2_permuted.shape[0]:
             raise ValueError(f"expanded_idx_to_permuted_idx holds {int(idx.max())}, but "
                              f"gemm2_permuted has {gemm2_permuted.shape[0]} rows")
@@ -194,9 +226,7 @@ class BoundaryAllReduce:
                                     publish=mailbox, compile_only=compile_only)
 
         self.compile_variants({("finalize", expert_weights.dtype, idx.dtype): lambda: launch(True)})
-        partial = launch()
-        self._published = partial
-        return partial
+        return launch()
 
     # -- reducing --------------------------------------------------------------------------
 
@@ -391,19 +421,115 @@ class BoundaryAllReduce:
         return consume(gathered, self.tp, m, mode=mode, lamport=False, **scratch, **inputs)
 
     def _reduce(self, x: torch.Tensor, mode: int, **inputs):
+        """The host rules (one publish per reduce, of this tensor), then the
+        launches: directly, or through ``boundary_reduce`` under torch.compile."""
         self._check_x(x)
+        published, self._published = self._published, None
+        if published is not None and published is not x:
+            raise RuntimeError("reducing a tensor other than the published one")
+        if not torch.compiler.is_compiling():
+            return self._reduce_launch(x, mode, published is None, **inputs)
+        box = self._box
+        data, scale = inputs.get("mxfp8_out") or (None, None)
+        first, second = torch.ops.decode_boundary.boundary_reduce(
+            self.handle, x, published is None, mode, inputs.get("residual"), inputs.get("post"),
+            inputs.get("comb"), inputs.get("pre"), inputs.get("norm_weight"),
+            float(inputs.get("eps", 0.0)), box.stage_state, box.status, box.generation,
+            box.sumsq, box.prenorm, data, scale)
+        return first, (second if mode == FULL else None)
+
+    def _reduce_launch(self, x: torch.Tensor, mode: int, publish: bool, **inputs):
+        """(Compile and) launch the publish kernel when ``publish``, then the
+        consumer; outside capture, check the status word."""
         quant = inputs.get("mxfp8_out") is not None
         compilers = {self._consumer_key(x.shape[0], mode, quant):
                      lambda: self._consume(x, mode, compile_only=True, **inputs)}
-        if self._published is None:
+        if publish:
             compilers[("publish",)] = lambda: self._launch_publish(x, compile_only=True)
         self.compile_variants(compilers)
-        published, self._published = self._published, None
-        if published is None:
+        if publish:
             self._launch_publish(x)
-        elif published is not x:
-            raise RuntimeError("reducing a tensor other than the published one")
         out = self._consume(x, mode, **inputs)
         if not self._capturing():
             self.check()
         return out
+
+
+# -- custom ops (torch.compile): the launches of one instance, its device state declared ----
+
+_HANDLES = itertools.count()
+_INSTANCES: dict[int, weakref.ref] = {}
+_SCRATCH = ("stage_state", "status", "generation", "sumsq", "prenorm")
+
+
+def instance(handle: int) -> BoundaryAllReduce:
+    """The live all-reduce a custom op's ``handle`` names."""
+    ref = _INSTANCES.get(handle)
+    ar = ref() if ref is not None else None
+    if ar is None or ar._box is None:
+        raise RuntimeError(f"BoundaryAllReduce {handle} is closed or gone")
+    return ar
+
+
+def sync_words(handle: int, **passed: torch.Tensor) -> None:
+    """After a launch on the instance's own device words: make the tensors an
+    op was handed (the same words, or an eager backend's functional copies of
+    them, which it copies back afterwards) hold what the kernels wrote."""
+    box = instance(handle)._box
+    for name, tensor in passed.items():
+        own = getattr(box, name)
+        if tensor.data_ptr() != own.data_ptr():
+            tensor.copy_(own)
+
+
+@torch.library.custom_op("decode_boundary::boundary_publish", mutates_args=("stage_state",))
+def _publish_op(handle: int, x: torch.Tensor, stage_state: torch.Tensor) -> None:
+    """``x`` into every peer's mailbox; ACTIVE of this rank's stage words set."""
+    instance(handle)._publish_launch(x)
+    sync_words(handle, stage_state=stage_state)
+
+
+@torch.library.custom_op("decode_boundary::boundary_publish_finalize",
+                         mutates_args=("stage_state",))
+def _publish_finalize_op(handle: int, gemm2_permuted: torch.Tensor,
+                         expert_weights: torch.Tensor, idx: torch.Tensor,
+                         shared_output: torch.Tensor, stage_state: torch.Tensor) -> torch.Tensor:
+    partial = instance(handle)._publish_finalize_launch(gemm2_permuted, expert_weights, idx,
+                                                        shared_output)
+    sync_words(handle, stage_state=stage_state)
+    return partial
+
+
+@_publish_finalize_op.register_fake
+def _(handle, gemm2_permuted, expert_weights, idx, shared_output, stage_state):
+    return shared_output.new_empty(shared_output.shape, dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("decode_boundary::boundary_reduce",
+                         mutates_args=(*_SCRATCH, "mxfp8_data", "mxfp8_scale"))
+def _reduce_op(handle: int, x: torch.Tensor, publish: bool, reduce_mode: int,
+               residual: torch.Tensor | None, post: torch.Tensor | None,
+               comb: torch.Tensor | None, pre: torch.Tensor | None,
+               norm_weight: torch.Tensor | None, eps: float, stage_state: torch.Tensor,
+               status: torch.Tensor, generation: torch.Tensor, sumsq: torch.Tensor,
+               prenorm: torch.Tensor, mxfp8_data: torch.Tensor | None,
+               mxfp8_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(plain sum or residual_out, layer_input or an empty tensor). (Not
+    ``mode``: the dispatcher passes an argument of that name itself.)"""
+    ar = instance(handle)
+    inputs = {} if reduce_mode == PLAIN else dict(
+        residual=residual, post=post, comb=comb, pre=pre, norm_weight=norm_weight, eps=eps,
+        mxfp8_out=None if mxfp8_data is None else (mxfp8_data, mxfp8_scale))
+    first, second = ar._reduce_launch(x, reduce_mode, publish, **inputs)
+    sync_words(handle, stage_state=stage_state, status=status, generation=generation,
+               sumsq=sumsq, prenorm=prenorm)
+    return first, second if second is not None else x.new_empty(0)
+
+
+@_reduce_op.register_fake
+def _(handle, x, publish, reduce_mode, residual, post, comb, pre, norm_weight, eps,
+      stage_state, status, generation, sumsq, prenorm, mxfp8_data, mxfp8_scale):
+    if reduce_mode == PLAIN:
+        return torch.empty_like(x), x.new_empty(0)
+    first = x.new_empty(x.shape[0], residual.shape[1], x.shape[1])
+    return first, torch.empty_like(x) if reduce_mode == FULL else x.new_empty(0)

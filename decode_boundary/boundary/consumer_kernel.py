@@ -90,8 +90,8 @@ import triton
 import triton.language as tl
 
 from .. import env
+from ..common.rounding import quantize_groups, swizzled_offset, to_bf16_rne, zero_scale_padding
 from ..mxfp8.format import mxfp8_scale_bytes
-from ..mxfp8.quantize_kernel import quantize_groups, swizzled_offset, to_bf16_rne
 from .publish_kernel import load_module
 
 PLAIN, RESIDUAL_ONLY, FULL = 0, 1, 2  # MODE values (host side)
@@ -318,6 +318,7 @@ def _norm_chunk(prenorm, gamma, total, eps, layer_ptr, qdata_ptr, qscale_ptr, m,
         groups = chunk * GROUPS + tl.arange(0, GROUPS)
         tl.store(qscale_ptr + swizzled_offset(m, groups, K_TILES),
                  tl.reshape(exponent, (GROUPS,)).to(tl.uint8), mask=groups < HIDDEN // 32)
+        zero_scale_padding(qscale_ptr, m, tl.num_programs(1), groups, chunk == 0, HIDDEN // 32)
 
 
 @triton.jit

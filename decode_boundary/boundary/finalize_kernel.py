@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from .. import env
-from ..mailbox_store import publish_row
-from ..mxfp8.quantize_kernel import to_bf16_rne
+from ..common.mailbox_store import publish_row
+from ..common.rounding import to_bf16_rne
 from .publish_kernel import PUBLISH_WARPS, load_module, publish_block
 
 

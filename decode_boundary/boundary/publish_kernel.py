@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from .. import env
-from ..mailbox_store import publish_row
+from ..common.mailbox_store import publish_row
 
 PUBLISH_BLOCK_H = 512  # columns per program: 64 threads x one 16-byte store per peer
 PUBLISH_WARPS = 2

@@ -20,6 +20,7 @@ from .api import (
     zeros_input,
 )
 from .autotune import AUTOTUNER, Autotuner, pinned_tactics
+from .linear import Mxfp8Linear, load_linear
 from .mxfp8_gemm_kernel import launch_low_latency, warmup_low_latency
 from .reference import check_mxfp8_mm, mxfp8_mm_ref
 from .tactics import (
@@ -32,7 +33,7 @@ from .tactics import (
 )
 
 __all__ = [
-    "AUTOTUNER", "Autotuner", "LOW_BATCH_MAX_ROWS", "Tactic",
+    "AUTOTUNER", "Autotuner", "LOW_BATCH_MAX_ROWS", "Mxfp8Linear", "Tactic", "load_linear",
     "WIDE_LOW_LATENCY_MAX_ROWS", "check_mxfp8_mm", "compile_pinned", "default_tactic",
     "launch_low_latency", "low_latency_mm", "mxfp8_eligible", "mxfp8_mm", "mxfp8_mm_ref",
     "pinned_mm", "pinned_tactics", "precompile", "projection_mm", "row_bucket", "run_zeros",

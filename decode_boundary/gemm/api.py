@@ -51,13 +51,17 @@ def _shape(layer) -> tuple[int, int, int]:
 
 
 def mxfp8_eligible(layer) -> bool:
-    """Whether ``layer``'s weights are ones the kernel takes (else: reference path)."""
+    """Whether ``layer``'s weights are ones the kernel takes (else: reference
+    path). Under torch.compile the alignment is checked at run time instead
+    (inside the op: a traced graph cannot read addresses)."""
     try:
         storage, scale, n, k, groups = weight_operands(layer)
     except ValueError:
         return False
-    return (n // groups) % 16 == 0 and k % 32 == 0 and storage.data_ptr() % 16 == 0 and \
-        scale.data_ptr() % 16 == 0
+    if (n // groups) % 16 or k % 32:
+        return False
+    return torch.compiler.is_compiling() or (storage.data_ptr() % 16 == 0
+                                             and scale.data_ptr() % 16 == 0)
 
 
 def selected_tactic(layer_or_shape, rows: int, bf16_input: bool = False) -> Tactic:
@@ -130,9 +134,25 @@ def _run(layer, x, tactic_for) -> torch.Tensor | None:
     return _finish(layer, launch_low_latency(layer, a, out, tactic), dtype, shape)
 
 
+def _traced_mm(layer, x) -> torch.Tensor:
+    """``mxfp8_mm`` while torch.compile traces: one ``decode_boundary::mxfp8_mm``."""
+    groups = getattr(layer, "groups", 1)
+    if isinstance(x, QuantizedActivation):
+        out = torch.ops.decode_boundary.mxfp8_mm(x.data, x.scale, layer.weight,
+                                                 layer.weight_scale, groups)
+        shape, dtype = x.orig_shape, x.orig_dtype
+    else:
+        out = torch.ops.decode_boundary.mxfp8_mm(x.reshape(-1, x.shape[-1]), None, layer.weight,
+                                                 layer.weight_scale, groups)
+        shape, dtype = x.shape, x.dtype
+    return _finish(layer, out, dtype, shape)
+
+
 def mxfp8_mm(layer, x) -> torch.Tensor:
     """``layer``'s GEMM of ``x`` with the selected tactic (any row count)."""
     weight_operands(layer)  # malformed weights raise here
+    if torch.compiler.is_compiling():
+        return _traced_mm(layer, x)
     if not mxfp8_eligible(layer):
         a, _, dtype, shape = _activation(layer, x)
         return _finish(layer, _reference(layer, a), dtype, shape)

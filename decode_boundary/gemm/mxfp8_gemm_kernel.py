@@ -81,10 +81,10 @@ import torch
 import triton
 import triton.language as tl
 
+from decode_boundary.common.mailbox_store import publish_row
+from decode_boundary.common.rounding import quantize_groups, swizzled_offset, to_bf16_rne
 from decode_boundary.env import interpret_mode, use_pdl
-from decode_boundary.mailbox_store import publish_row
 from decode_boundary.mxfp8.format import QuantizedActivation, mxfp8_scale_bytes
-from decode_boundary.mxfp8.quantize_kernel import quantize_groups, swizzled_offset, to_bf16_rne
 
 from .tactics import Tactic, fits, k_pieces
 

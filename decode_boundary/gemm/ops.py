@@ -1,6 +1,9 @@
-"""``torch.ops.decode_boundary.mxfp8_mm``: the public GEMM as a PyTorch custom
-op with a fake implementation, so ``torch.compile`` treats it as one opaque
-op and CUDA graphs capture it (design.md §10)."""
+"""The GEMM as PyTorch custom ops with fake implementations, so
+``torch.compile(fullgraph=True)`` treats each call as one opaque op (the
+Triton launch, its workspace and tactic choice stay eager inside it) and CUDA
+graphs capture the compiled step (design.md §10). ``api.mxfp8_mm`` routes
+through ``decode_boundary::mxfp8_mm`` while tracing; eagerly it launches
+directly (no dispatcher overhead), the same code either way."""
 
 from __future__ import annotations
 
@@ -12,17 +15,18 @@ from decode_boundary.mxfp8.format import QuantizedActivation
 
 
 @torch.library.custom_op("decode_boundary::mxfp8_mm", mutates_args=())
-def mxfp8_mm_op(a_data: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor,
-                weight_scale: torch.Tensor) -> torch.Tensor:
-    """BF16 [M, N] = MXFP8 ``a_data`` [M, K] (swizzled ``a_scale``) @ ``weight``
-    (column-major [K, N] e4m3 view, swizzled ``weight_scale``)."""
+def mxfp8_mm_op(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor,
+                weight_scale: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """BF16 [M, N] = ``x`` [M, G*K] @ ``weight`` (column-major [K, N] e4m3 view,
+    swizzled ``weight_scale``; ``groups`` > 1: grouped). ``x`` is MXFP8 data with
+    its swizzled ``x_scale``, or a float tensor with ``x_scale`` None."""
     from .api import mxfp8_mm
 
-    layer = SimpleNamespace(weight=weight, weight_scale=weight_scale, bias=None)
-    qa = QuantizedActivation(a_data, a_scale, torch.bfloat16, a_data.shape)
-    return mxfp8_mm(layer, qa)
+    layer = SimpleNamespace(weight=weight, weight_scale=weight_scale, bias=None, groups=groups)
+    a = x if x_scale is None else QuantizedActivation(x, x_scale, torch.bfloat16, x.shape)
+    return mxfp8_mm(layer, a).to(torch.bfloat16)
 
 
 @mxfp8_mm_op.register_fake
-def _(a_data, a_scale, weight, weight_scale):
-    return a_data.new_empty((a_data.shape[0], weight.shape[1]), dtype=torch.bfloat16)
+def _(x, x_scale, weight, weight_scale, groups=1):
+    return x.new_empty((x.shape[0], weight.shape[1]), dtype=torch.bfloat16)

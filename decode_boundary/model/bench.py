@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from decode_boundary.gemm import mxfp8_mm
+from decode_boundary.gemm.linear import Mxfp8Linear
 from decode_boundary.gemm.timing import copy_rate, graph_time_us, median_replay_us, rotated_copies
 from decode_boundary.launch import RankContext
 from decode_boundary.model.baseline import FP8_ROW_ALIGN, RowwiseFp8Linear, rowwise_fp8
@@ -41,7 +42,6 @@ from decode_boundary.model.chain import (
 )
 from decode_boundary.model.config import BoundaryConfig
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes
-from decode_boundary.mxfp8.linear import Mxfp8Linear
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
 # Timing constants (design.md §9), in one place.

@@ -30,16 +30,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from decode_boundary import env
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
-from decode_boundary.boundary.publishing_gemm import PublishingMxfp8Linear
 from decode_boundary.boundary.reference import consumer_ref
 from decode_boundary.gemm import mxfp8_mm
 from decode_boundary.gemm import precompile as gemm_precompile
+from decode_boundary.gemm.linear import Mxfp8Linear, load_linear
 from decode_boundary.gemm.reference import mxfp8_mm_ref
 from decode_boundary.model.baseline import RowwiseFp8Linear, StrongBaseline, all_reduce_then_mhc
 from decode_boundary.model.config import BoundaryConfig
 from decode_boundary.mxfp8.format import QuantizedActivation, mxfp8_scale_bytes, quantize_mxfp8_ref
-from decode_boundary.mxfp8.linear import Mxfp8Linear, load_linear
+from decode_boundary.publishing_linear import PublishingMxfp8Linear
 
 PATHS = ("strong_baseline", "baseline", "unfused", "fused")
 OUTPUT_NAMES = ("residual_out", "layer_input", "q")  # the fields of BoundaryOutputs
@@ -99,7 +100,7 @@ class AttentionBoundary:
     ) -> None:
         config.check_tp(tp)
         self.config, self.tp, self.rank, self.group = config, tp, rank, group
-        self.device = torch.device(device)
+        self.device = env.resolve_device(device)
         groups_local = config.o_groups // tp
         if weights_dir is None:
             n_a, k_a = config.wo_a_shape()

@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from .format import (
+from decode_boundary.mxfp8.format import (
     GROUP,
     QuantizedActivation,
     dequantize_mxfp8,
@@ -36,6 +36,8 @@ from .format import (
     swizzle_scales,
     unswizzle_scales,
 )
+
+from .api import mxfp8_mm
 
 BLOCK = 32  # rows and columns of one checkpoint scale block
 INDEX_FILE = "model.safetensors.index.json"
@@ -58,7 +60,7 @@ def _check_fp8_weight(weight_fp8: torch.Tensor) -> tuple[int, int]:
 class Mxfp8Linear(nn.Module):
     """out = x @ W^T with an MXFP8 weight W [N, K] and no bias.
 
-    ``forward`` delegates to :func:`decode_boundary.gemm.mxfp8_mm`; ``x`` is a BF16
+    ``forward`` is :func:`decode_boundary.gemm.mxfp8_mm`; ``x`` is a BF16
     tensor [..., K] or a :class:`QuantizedActivation` of one.
     """
 
@@ -150,9 +152,6 @@ class Mxfp8Linear(nn.Module):
         return dequantize_mxfp8(self.quantized_weight(), torch.float32)
 
     def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
-        # Imported on first use: decode_boundary.gemm builds on this module.
-        from decode_boundary.gemm import mxfp8_mm
-
         return mxfp8_mm(self, x)
 
     def extra_repr(self) -> str:

@@ -15,11 +15,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..gemm.reference import bf16_ulp
-from ..launch import RankContext
-from ..mxfp8.format import mxfp8_scale_bytes, quantize_mxfp8_ref
-from .all_reduce import BoundaryAllReduce
-from .reference import consumer_ref, moe_finalize_ref, reduce_ref
+from decode_boundary.boundary.all_reduce import BoundaryAllReduce
+from decode_boundary.boundary.reference import consumer_ref, moe_finalize_ref, reduce_ref
+from decode_boundary.gemm.reference import bf16_ulp
+from decode_boundary.launch import RankContext
+from decode_boundary.mxfp8.format import mxfp8_scale_bytes, quantize_mxfp8_ref
 
 HC, TOP_K, EPS, CAPACITY = 4, 6, 1e-6, 64
 

@@ -21,13 +21,30 @@ bits and its outputs are bit-identical.
 Mailbox addresses, stage word, rank, TP, capacity and hidden size come from
 ``all_reduce.publish_target()`` and stay valid for the all-reduce's lifetime;
 one publisher serves one all-reduce.
+
+Under torch.compile the launch is the custom op
+``decode_boundary::publishing_mxfp8_mm``, which declares this rank's stage
+words mutated (as the all-reduce's own ops do, and for the same reason not the
+mailbox: all_reduce.py), so the consumer that follows is ordered after it; the
+host rule (mark before the reduce, one publish per reduce) is traced Python as
+in eager mode.
+
+This module sits above both the GEMM package and ``boundary/``: it is the one
+place where the two meet.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
-from decode_boundary.boundary.all_reduce import BoundaryAllReduce, PublishTarget
+from decode_boundary.boundary.all_reduce import (
+    BoundaryAllReduce,
+    PublishTarget,
+    instance,
+    sync_words,
+)
 from decode_boundary.gemm import (
     LOW_BATCH_MAX_ROWS,
     launch_low_latency,
@@ -77,24 +94,37 @@ class PublishingMxfp8Linear:
         k, n = linear.weight.shape
         if quantized:
             check_quantized(x, "x")
-        elif not x.is_contiguous() or x.data_ptr() % 16:
-            x = x.clone()
         width = x.data.shape[1] if quantized else x.shape[1]
         if width != k:
             raise ValueError(f"x has K={width}, linear expects K={k}")
-        device = linear.weight.device
-        out = torch.empty(rows, n, dtype=torch.bfloat16, device=device)
-        target = self.all_reduce.publish_target()
-        tactic = self._compiled_tactic(linear, rows, target, bf16_input=not quantized)
+        ar = self.all_reduce
+        if torch.compiler.is_compiling():
+            if ar._published is not None:  # the rule mark_published enforces, checked first
+                raise RuntimeError("a published contribution is still unreduced")
+            box = ar._open()
+            data, scale = (x.data, x.scale) if quantized else (x, None)
+            out = torch.ops.decode_boundary.publishing_mxfp8_mm(
+                ar.handle, data, scale, linear.weight, linear.weight_scale, box.stage_state)
+            ar.mark_published(out)
+            return out
+        if not quantized and (not x.is_contiguous() or x.data_ptr() % 16):
+            x = x.clone()
+        out = torch.empty(rows, n, dtype=torch.bfloat16, device=linear.weight.device)
         # Marked before the launch: a second publish before the reduce must fail
         # before it overwrites the pending one's slots in every peer's mailbox.
-        self.all_reduce.mark_published(out)
+        ar.mark_published(out)
         try:
-            launch_low_latency(linear, x, out, tactic, publish=target)
+            self._launch(linear, x, out)
         except Exception:
-            self.all_reduce.reset()  # nothing was launched: drop the mark
+            ar.reset()  # nothing was launched: drop the mark
             raise
         return out
+
+    def _launch(self, linear, x, out: torch.Tensor) -> None:
+        target = self.all_reduce.publish_target()
+        bf16 = isinstance(x, torch.Tensor)
+        tactic = self._compiled_tactic(linear, out.shape[0], target, bf16_input=bf16)
+        launch_low_latency(linear, x, out, tactic, publish=target)
 
     def precompile(self, linear: torch.nn.Module, num_tokens: int) -> None:
         """Compile the kernels ``num_tokens`` rows select (BF16 and MXFP8
@@ -118,3 +148,23 @@ class PublishingMxfp8Linear:
                 lambda: precompile(linear, [rows], publish=target, bf16_input=bf16_input),
         })
         return tactic
+
+
+@torch.library.custom_op("decode_boundary::publishing_mxfp8_mm", mutates_args=("stage_state",))
+def _publishing_mm_op(handle: int, x: torch.Tensor, x_scale: torch.Tensor | None,
+                      weight: torch.Tensor, weight_scale: torch.Tensor,
+                      stage_state: torch.Tensor) -> torch.Tensor:
+    """BF16 [M, N] = x @ weight, published into the mailbox of all-reduce ``handle``."""
+    layer = SimpleNamespace(weight=weight, weight_scale=weight_scale, bias=None, groups=1)
+    a = x if x_scale is None else QuantizedActivation(x, x_scale, torch.bfloat16, x.shape)
+    if x_scale is None and (not x.is_contiguous() or x.data_ptr() % 16):
+        a = x.clone()
+    out = torch.empty(x.shape[0], weight.shape[1], dtype=torch.bfloat16, device=weight.device)
+    PublishingMxfp8Linear(instance(handle))._launch(layer, a, out)
+    sync_words(handle, stage_state=stage_state)
+    return out
+
+
+@_publishing_mm_op.register_fake
+def _(handle, x, x_scale, weight, weight_scale, stage_state):
+    return x.new_empty((x.shape[0], weight.shape[1]), dtype=torch.bfloat16)

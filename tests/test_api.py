@@ -63,7 +63,8 @@ def test_every_module_imports_only_lower_layers():
             same_package = rel.split("/")[0] == target.split("/")[0] and "/" in rel
             assert same_package or layer_of(target) < own, f"{rel} imports {target}"
         if rel.startswith("boundary/"):
-            assert not any(m.startswith("decode_boundary.gemm") for m in imported_modules(path)), rel
+            assert not any(m.startswith("decode_boundary.gemm")
+                           for m in imported_modules(path)), rel
         if rel.startswith("gemm/"):
             assert not any(m.startswith("decode_boundary.boundary")
                            for m in imported_modules(path)), rel

@@ -158,7 +158,9 @@ def _title(result: dict, what: str) -> str:
     cfg, env = result["config"], result["environment"]
     where = env["gpu"] or "CPU (Triton interpreter)"
     transport = f" over {cfg['transport']}" if cfg.get("transport") else ""
-    return f"{cfg.get('model', 'custom')} tp={cfg.get('tp')}{transport} on {where}: {what}"
+    shapes = cfg.get("tp_shapes", cfg.get("tp"))
+    tp = f"tp={cfg.get('tp')}" if shapes == cfg.get("tp") else f"one rank of TP {shapes}"
+    return f"{cfg.get('model', 'custom')} {tp}{transport} on {where}: {what}"
 
 
 def render(table: Table, width: int = 140) -> str:

@@ -1,14 +1,16 @@
 """The wo_b boundary on 2 GPUs, three ways (issue 5), at the DSV4.1-Flash shapes.
 
-Per M: (i) baseline = cuBLAS FP8 row-wise ``wo_b`` + NCCL all-reduce + the
-consumer's math as torch ops; (ii) ours unfused = our MXFP8 GEMM + publish
-kernel + fused consumer; (iii) ours fused = the publishing GEMM + consumer
-only. The input of ``wo_b`` (already MXFP8 for ours, BF16 for the baseline)
-is prepared outside the timed region; the consumer quantizes the next input
-to MXFP8 in every path. Median µs per boundary over CUDA-graph replays of
-back-to-back boundaries on rotated weight copies (> 2x L2), ranks barriered;
-the floor = wo_b MXFP8 weight bytes / copy rate + the measured one-hop
-latency (our plain publish + consume of one token).
+Per M: (o) strong_baseline = cuBLAS BF16 ``wo_b`` + symm-mem one-shot / NCCL
+all-reduce + mHC / RMSNorm compiled by torch.compile (model/baseline.py); (i)
+baseline = cuBLAS FP8 row-wise ``wo_b`` + NCCL all-reduce + the consumer's
+math as eager torch ops; (ii) ours unfused = our MXFP8 GEMM + publish kernel +
+fused consumer; (iii) ours fused = the publishing GEMM + consumer only. The
+BF16 input of ``wo_b`` is prepared outside the timed region (ours quantize it
+in the GEMM's prologue); our consumer quantizes the next input to MXFP8.
+Median µs per boundary over CUDA-graph replays of back-to-back boundaries
+on rotated weight copies (> 2x L2), ranks barriered; the floor = wo_b MXFP8
+weight bytes / copy rate + the measured one-hop latency (our plain publish +
+consume of one token).
 
     PYTHONPATH=. python benchmarks/boundary.py [--rows 1 2 4 8 16] [--tp 2]
 """
@@ -35,18 +37,23 @@ from decode_boundary.model.bench import (
 )
 from decode_boundary.model.chain import PATHS, AttentionBoundary
 from decode_boundary.model.config import MODELS
-from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 from decode_boundary.report import git_commit
 
 
-def _boundary_step(ab: AttentionBoundary, path: str, o: torch.Tensor, o_q, inputs) -> None:
+def _boundary_step(ab: AttentionBoundary, path: str, o: torch.Tensor, inputs) -> None:
     c = ab.config
+    if path == "strong_baseline":
+        strong = ab.strong_baseline
+        reduced = strong.all_reduce(o @ strong.wo_b.t())
+        strong.mhc(reduced, inputs.residual, inputs.post, inputs.comb, inputs.pre,
+                   ab.norm_weight, c.eps)
+        return
     if path == "baseline":
         partial = ab.baseline_linear("wo_b")(o)
         all_reduce_then_mhc(partial, inputs.residual, inputs.post, inputs.comb, inputs.pre,
                             ab.norm_weight, c.eps, ab.group, quantize=True)
         return
-    ab.reduce(inputs, ab.wo_b_published(o_q, path))
+    ab.reduce(inputs, ab.wo_b_published(o, path))
 
 
 def run_rank(ctx: RankContext, model: str, rows_list: list[int]) -> dict:
@@ -65,8 +72,7 @@ def run_rank(ctx: RankContext, model: str, rows_list: list[int]) -> dict:
     for rows in rows_list:
         inputs = ab.make_inputs(rows, seed=rows)
         o = torch.randn(rows, k, device=ctx.device).bfloat16()
-        o_q = quantize_mxfp8(o)
-        us = {path: step_time_us([functools.partial(_boundary_step, v, path, o, o_q, inputs)
+        us = {path: step_time_us([functools.partial(_boundary_step, v, path, o, inputs)
                                   for v in views], ctx.device, ctx.group)
               for path in PATHS}
         rows_out.append({"rows": rows, "us": us})
@@ -94,13 +100,14 @@ def main() -> None:
     print(f"{args.model} tp={args.tp}: wo_b {MODELS[args.model].wo_b_shape(args.tp)}, "
           f"copy {result['copy_rate_gbps']:.0f} GB/s, one hop {result['one_hop_us']:.2f} us, "
           f"floor {result['floor_us']:.2f} us")
-    print(f"{'M':>3} {'baseline':>9} {'unfused':>9} {'fused':>9} {'base/fused':>11} "
-          f"{'fused/unfused':>14} {'fused/floor':>12}")
+    print(f"{'M':>3} {'strong':>9} {'baseline':>9} {'unfused':>9} {'fused':>9} "
+          f"{'strong/fused':>13} {'fused/unfused':>14} {'fused/floor':>12}")
     for row in result["rows"]:
         us = row["us"]
-        print(f"{row['rows']:>3} {us['baseline']:>9.2f} {us['unfused']:>9.2f} {us['fused']:>9.2f}"
-              f" {us['baseline'] / us['fused']:>11.2f} {us['fused'] / us['unfused']:>14.2f}"
-              f" {us['fused'] / result['floor_us']:>12.2f}")
+        print(f"{row['rows']:>3} {us['strong_baseline']:>9.2f} {us['baseline']:>9.2f} "
+              f"{us['unfused']:>9.2f} {us['fused']:>9.2f} "
+              f"{us['strong_baseline'] / us['fused']:>13.2f} "
+              f"{us['fused'] / us['unfused']:>14.2f} {us['fused'] / result['floor_us']:>12.2f}")
     os.makedirs(args.out, exist_ok=True)
     name = f"boundary-{gpu.replace(' ', '_')}-{datetime.date.today()}.json"
     with open(os.path.join(args.out, name), "w") as f:

@@ -188,8 +188,8 @@ def _boundary(parser: argparse.ArgumentParser, args) -> int:
     out.print(report.verify_table(result))
     first = per_rank[0]
     if "timings" in first:
-        result.update({k: first[k] for k in ("copy_rate_gbps", "floor_us", "weight_copies",
-                                             "breakdown")})
+        result.update({k: first[k] for k in ("copy_rate_gbps", "floor_us", "hop_us",
+                                             "weight_copies", "breakdown")})
         result["timings"] = report.add_speedups(first["timings"])
         out.print(report.bench_table(result))
     elif args.command == "bench":
@@ -210,7 +210,9 @@ def _gemm(parser: argparse.ArgumentParser, args) -> int:
         ("wo_b", *config.wo_b_shape(tp)),
         ("wq_b", *config.wq_b_shape(tp)),
         ("fused_wqa_wkv", *config.fused_wqa_wkv_shape()),
-        ("wo_a", *config.wo_a_shape()),
+        # A rank's wo_a groups, one grouped launch (as the chain runs it).
+        ("wo_a", config.wo_a_shape()[0] * (config.o_groups // tp), config.wo_a_shape()[1],
+         config.o_groups // tp),
     ]
     rows = list(args.rows or DEFAULT_ROWS)
     result = report.new_result(

@@ -145,8 +145,11 @@ def gemm_table(result: dict) -> Table:
         table.add_column(col, justify="right")
     for g in result["gemms"]:
         us = g["us"]
+        groups = g.get("groups", 1)
+        shape = f"{g['n']} x {g['k']}" if groups == 1 else \
+            f"{groups} x {g['n'] // groups} x {g['k']}"
         table.add_row(
-            g["name"], f"{g['n']} x {g['k']}", str(g["rows"]),
+            g["name"], shape, str(g["rows"]),
             f"{us['ours']:.1f}", f"{us['cublas_bf16']:.1f}", f"{us['cublas_fp8_rowwise']:.1f}",
             f"{g['floor_us']:.1f}", f"{us['ours'] / g['floor_us']:.2f}",
             f"{us['cublas_fp8_rowwise'] / us['ours']:.2f}x",

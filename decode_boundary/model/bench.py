@@ -231,10 +231,18 @@ def _time_paths(ab: AttentionBoundary, spec: BenchSpec, ctx: RankContext,
             advance(f"timed {path} M={rows}")
         timings.append({"rows": rows, "us": us})
     breakdown_rows = spec.breakdown_rows or spec.rows[0]
+    hop_us = 0.0
+    if ctx.group is not None and dist.get_world_size(ctx.group) > 1:
+        # One measured hop: our plain publish + consume of one token over the group.
+        one = torch.randn(1, spec.config.hidden, device=ctx.device).bfloat16()
+        hop_us = step_time_us([functools.partial(ab.all_reduce.plain_sum, one)], ctx.device,
+                              ctx.group)
     return {
         "copy_rate_gbps": rate / 1e9,
-        # Every weight byte one rank reads (wo_a, wo_b, fused_wqa_wkv) at the copy rate.
-        "floor_us": per_copy / rate * 1e6,
+        # Every weight byte one rank reads (wo_a, wo_b, fused_wqa_wkv) at the copy rate,
+        # plus one measured hop where there are peers.
+        "floor_us": per_copy / rate * 1e6 + hop_us,
+        "hop_us": hop_us,
         "weight_copies": len(views),
         "timings": timings,
         "breakdown": {"rows": breakdown_rows,
@@ -288,42 +296,56 @@ def _time_stages(views: list[AttentionBoundary], inputs, ctx: RankContext) -> di
     return out
 
 
-def gemm_table(shapes: Sequence[tuple[str, int, int]], rows: Sequence[int],
-               device: torch.device) -> dict:
+def gemm_table(shapes: Sequence[tuple], rows: Sequence[int], device: torch.device) -> dict:
     """Per (shape, rows): our MXFP8 GEMM, cuBLAS BF16 and cuBLAS FP8 row-wise
-    (GEMM only: activations quantized beforehand), in µs, and the floor. Timed
-    with the GEMM module's graph timer on weight copies exceeding L2_MULTIPLE x L2.
+    (GEMM only: activations quantized beforehand), in µs, and the floor. A shape
+    is (name, N, K) or (name, N, K, groups): a grouped layer (wo_a) of ``groups``
+    [N/groups, K] weights in one launch of ours, one bmm of cuBLAS BF16, one
+    FP8 call per group. Timed with the GEMM module's graph timer on weight
+    copies exceeding L2_MULTIPLE x L2.
 
-    Returns ``{"copy_rate_gbps", "gemms": [{"name", "n", "k", "rows", "floor_us", "us"}]}``."""
+    Returns ``{"copy_rate_gbps", "gemms": [{"name", "n", "k", "groups", "rows", "floor_us",
+    "us"}]}``."""
     rate = copy_rate(device)
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
     entries = []
     with _progress(True, len(shapes) * len(rows)) as advance:
-        for name, n, k in shapes:
-            layer = Mxfp8Linear.from_float(torch.randn(n, k, device=device).mul_(0.02).bfloat16())
+        for name, n, k, *rest in shapes:
+            groups = rest[0] if rest else 1
+            layer = Mxfp8Linear.grouped([
+                Mxfp8Linear.from_float(torch.randn(n // groups, k, device=device)
+                                       .mul_(0.02).bfloat16()) for _ in range(groups)])
             ours = rotated_copies(layer, min_bytes=L2_MULTIPLE * l2)
             copies = len(ours)
-            bf16 = [layer.dequantized_weight().bfloat16() for _ in range(copies)]
-            fp8 = [RowwiseFp8Linear(layer) for _ in range(copies)]
+            bf16 = [layer.dequantized_weight().bfloat16().view(groups, n // groups, k)
+                    for _ in range(copies)]
+            fp8 = [[RowwiseFp8Linear(layer.group(g)) for g in range(groups)]
+                   for _ in range(copies)]
             for m in rows:
-                us = _gemm_times(ours, bf16, fp8, m, k, device)
-                entries.append({"name": name, "n": n, "k": k, "rows": m,
+                us = _gemm_times(ours, bf16, fp8, m, k, groups, device)
+                entries.append({"name": name, "n": n, "k": k, "groups": groups, "rows": m,
                                 "floor_us": mxfp8_weight_bytes(n, k) / rate * 1e6, "us": us})
                 advance(f"{name} M={m}")
     return {"copy_rate_gbps": rate / 1e9, "gemms": entries}
 
 
-def _gemm_times(ours: list, bf16: list, fp8: list, m: int, k: int, device: torch.device) -> dict:
+def _gemm_times(ours: list, bf16: list, fp8: list, m: int, k: int, groups: int,
+                device: torch.device) -> dict:
     """µs per call of the three GEMMs on M random rows, each over its own weight copies."""
-    x = torch.randn(m, k, device=device).bfloat16()
+    x = torch.randn(m, groups * k, device=device).bfloat16()
     qx = quantize_mxfp8(x)
-    x8, s8 = rowwise_fp8(torch.nn.functional.pad(x, (0, 0, 0, -m % FP8_ROW_ALIGN)))
+    xg = x.view(m, groups, k).transpose(0, 1)  # [G, M, K] for the bmm
+    x8, s8 = zip(*[rowwise_fp8(torch.nn.functional.pad(xg[g], (0, 0, 0, -m % FP8_ROW_ALIGN)))
+                   for g in range(groups)], strict=True)
+
+    def fp8_call(i):
+        for g, lin in enumerate(fp8[i]):
+            torch._scaled_mm(x8[g], lin.weight_t, scale_a=s8[g], scale_b=lin.scale_t,
+                             out_dtype=torch.bfloat16)
+
     return {
         "ours": graph_time_us(lambda i: mxfp8_mm(ours[i], qx), len(ours)),
-        "cublas_bf16": graph_time_us(lambda i: x @ bf16[i].t(), len(bf16)),
-        "cublas_fp8_rowwise": graph_time_us(
-            lambda i: torch._scaled_mm(x8, fp8[i].weight_t, scale_a=s8, scale_b=fp8[i].scale_t,
-                                       out_dtype=torch.bfloat16),
-            len(fp8),
-        ),
+        "cublas_bf16": graph_time_us(lambda i: torch.bmm(xg, bf16[i].transpose(1, 2)),
+                                     len(bf16)),
+        "cublas_fp8_rowwise": graph_time_us(fp8_call, len(fp8)),
     }

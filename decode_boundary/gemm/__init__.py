@@ -1,6 +1,8 @@
-"""MXFP8 GEMMs for Hopper: the low-latency Triton kernel (<= 8 rows, wide
-tiles to 48, pinned tactics above), its tactics and autotuner, and the
-public entry points (seed 004's functions). See api.py."""
+"""MXFP8 GEMMs for Hopper: the low-row Triton kernel (CUDA-core tiles for 1..8
+rows, tensor-core tiles above, optionally grouped, BF16 input quantized in its
+prologue, an epilogue that publishes into the boundary mailbox), its tactic
+tables and autotuner, ``Mxfp8Linear``, the public entry points (seed 004's
+functions; api.py) and their custom ops (ops.py)."""
 
 from . import ops  # noqa: F401  (registers torch.ops.decode_boundary.mxfp8_mm)
 from .api import (

@@ -5,19 +5,20 @@ optionally publishing ``out`` into the boundary mailbox from its epilogue.
 **Structure: weight-row owners, everything in flight at once.** A program owns
 ``BLOCK_N`` weight rows (output columns) and a contiguous K-slice of them
 (the whole K unless ``SPLIT_K`` > 1). Before the PDL grid wait it issues
-*every* load of that slice (e4m3 bytes and scale bytes) into registers: one
-wide 16-byte-vector load per piece, the slice cut into at most three
-power-of-two pieces (``P0 + P1 + P2``, the last one masked), because
-``tl.arange`` needs powers of two. Nothing it loads there is written by the
-previous kernel, so the weight stream overlaps the previous kernel's tail.
-Thousands of small programs (wo_b: 640 of 8 rows x 2048) keep enough bytes in
-flight per SM to stream at HBM speed; no shared memory, no software pipeline.
+*every* load of that slice (e4m3 bytes and scale bytes) into registers, in
+16-byte vectors: the slice is cut into PIECES (<= 8) pieces of CHUNK elements
+(a power of two: ``tl.arange`` needs one), the last one masked at the slice's
+end, each held in its own variable (a loop would serialize them). Nothing it
+loads there is written by the previous kernel, so the weight stream overlaps
+the previous kernel's tail. Many small programs (wo_b at M = 1: 640 of 8 rows x
+2048) keep enough bytes in flight per SM; no shared memory, no software pipeline.
 
 **Two products, one per row range** (``ROWS``, the activation tile):
 
-* ``ROWS`` <= 8, CUDA cores: for each activation row, elementwise products of
-  ``w * 2^sw`` and ``a * 2^sa`` in FP32, summed over the slice. Cheap because
-  there are few rows; no tensor-core layout conversion.
+* ``ROWS`` <= 8, CUDA cores: for each activation row, the unscaled e4m3
+  products summed per 32-group in FP32 (exact products, as the reference),
+  then the groups weighted by both scales and summed. The activation row is a
+  1-D vector broadcast over the weight rows, so only it changes layout.
 * ``ROWS`` >= 16, tensor cores: both operands upcast exactly to BF16 (e4m3 has
   4 significant bits, so ``e4m3 * 2^(byte-127)`` is a BF16 number for scale
   bytes 10..246) and one ``tl.dot`` per piece, FP32 accumulation, computed

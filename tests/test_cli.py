@@ -273,3 +273,31 @@ def test_bench_end_to_end_within_5_minutes(tmp_path):
     assert data["environment"]["gpu"] and data["floor_us"] > 0
     assert (tmp_path / path.name.replace(".json", ".png")).read_bytes()[:8] == PNG_SIGNATURE
     assert str(tmp_path) in stdout
+
+
+def test_gemm_table_times_grouped_wo_a_as_one_launch(monkeypatch):
+    """The GEMM table's plumbing on CPU (timer and device properties stubbed:
+    each timed call runs once): a grouped shape is one grouped layer for ours,
+    one bmm for cuBLAS BF16, one FP8 call per group; every call runs."""
+    import types
+
+    import decode_boundary.model.bench as bench
+
+    ran = []
+
+    def once(call, copies, *args, **kwargs):
+        ran.append(call(0))
+        return 1.0
+
+    monkeypatch.setattr(bench, "graph_time_us", once)
+    monkeypatch.setattr(bench, "copy_rate", lambda device: 4e12)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(L2_cache_size=1 << 20))
+    result = bench.gemm_table([("wo_b", 64, 96), ("wo_a", 64, 64, 2)], [3], torch.device("cpu"))
+    ours, bf16, _, ours_g, bf16_g, _ = ran
+    assert ours.shape == (3, 64) and bf16.shape == (1, 3, 64)  # bmm with one group
+    assert ours_g.shape == (3, 64) and bf16_g.shape == (2, 3, 32)  # one bmm over the groups
+    assert [(g["name"], g["groups"]) for g in result["gemms"]] == [("wo_b", 1), ("wo_a", 2)]
+    text = report.render(report.gemm_table(
+        {**report.new_result("gemm", "x", report.environment(False, []), {"tp": 4}), **result}))
+    assert "2 x 32 x 64" in text and "64 x 96" in text

@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("bench", parents=[common, boundary],
-                   help="verify, then time baseline / unfused / fused on all local GPUs")
+                   help="verify, then time strong_baseline / baseline / unfused / fused "
+                        "on all local GPUs (or one rank of TP N on one GPU: --tp-shapes N)")
     sub.add_parser("verify", parents=[common, boundary],
                    help="correctness only (Triton interpreter when there is no GPU)")
     gemm = sub.add_parser("gemm", parents=[common],

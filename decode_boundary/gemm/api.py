@@ -235,14 +235,23 @@ def run_zeros(layer, rows: int) -> torch.Tensor:
 def precompile(layer, rows_list: Iterable[int], publish=None, bf16_input: bool | None = None):
     """Compile the kernels ``mxfp8_mm`` (or, with ``publish``, the publishing
     launch) uses for each row count and allocate their workspaces, launching
-    nothing, so CUDA-graph capture never compiles or allocates. ``bf16_input``:
-    the BF16-in (prologue-quantized) kernel, the MXFP8-in one, or both (None).
+    nothing (but the quantizer, once, where a BF16 input of that many rows is
+    quantized first), so CUDA-graph capture never compiles or allocates.
+    ``bf16_input``: the BF16-in (prologue-quantized) kernel, the MXFP8-in one,
+    or both (None).
     Call it again after the autotuner changes a choice."""
     if not mxfp8_eligible(layer):
         return
     kinds = (False, True) if bf16_input is None else (bf16_input,)
+    n, k, groups = _shape(layer)
     for rows in rows_list:
         for bf16 in kinds:
+            if bf16 and rows > PROLOGUE_MAX_ROWS:
+                # mxfp8_mm quantizes such inputs first: load the quantizer now (one
+                # launch on zeros, writing only its own outputs), not under capture.
+                quantize_mxfp8(torch.zeros(rows, groups * k, dtype=torch.bfloat16,
+                                           device=layer.weight.device))
+                bf16 = False
             warmup_low_latency(layer, rows, selected_tactic(layer, rows, bf16), publish, bf16)
 
 

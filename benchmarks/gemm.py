@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -30,7 +30,7 @@ from decode_boundary.gemm.reference import check_mxfp8_mm
 from decode_boundary.gemm.tactics import sweep_tactics
 from decode_boundary.gemm.timing import L2_FLUSH_BYTES, copy_rate, graph_time_us, rotated_copies
 from decode_boundary.mxfp8.format import quantize_mxfp8_ref
-from decode_boundary.report import git_commit
+from decode_boundary.report import git_commit, write_json
 
 SHAPES = {  # name: (N, K, groups)
     "wo_b": (5120, 2048, 1),
@@ -164,11 +164,9 @@ def main() -> None:
     report = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, commit=commit,
                   command=" ".join([sys.executable, *sys.argv]), copy_rate_gbs=rate,
                   gemm=results, chain=dict(projections=CHAIN, results=chains))
-    os.makedirs(args.out, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y-%m-%d")
     path = os.path.join(args.out, f"gemm-{gpu.replace(' ', '_')}-{stamp}.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(report, Path(path))
     print(f"\ncopy rate {rate:.0f} GB/s; {path}")
     print(f"{'shape':14s} {'M':>3s} {'ours':>7s} {'bf16 in':>7s} {'/floor':>7s} "
           f"{'fp8/ours':>8s} {'bf16/ours':>9s}  best tactic")

@@ -23,11 +23,11 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as futures
 import datetime
-import json
 import multiprocessing
 import os
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -39,7 +39,7 @@ from decode_boundary.gemm.reference import REL_SUM_TOLERANCE, bf16_ulp, mxfp8_mm
 from decode_boundary.gemm.tactics import DOT_TILES, Tactic, fits
 from decode_boundary.gemm.timing import copy_rate, graph_time_us, rotated_copies
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes, quantize_mxfp8_ref
-from decode_boundary.report import git_commit
+from decode_boundary.report import git_commit, write_json
 
 SHAPES = {  # name: (N, K, groups)
     "wo_b": (5120, 2048, 1),
@@ -241,11 +241,9 @@ def main() -> None:
             if bf16_tactic:
                 bf16_winners.setdefault((n, k, groups), {})[rows] = bf16_tactic
         report["shapes"][name] = entry
-    os.makedirs(args.out, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y-%m-%d-%H%M")
     path = os.path.join(args.out, f"gemm_sweep-{report['gpu'].replace(' ', '_')}-{stamp}.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(report, Path(path))
     print(f"\ncopy rate {rate:.0f} GB/s; {path}")
     for title, tables in (("TABLE", winners), ("BF16_TABLE", bf16_winners)):
         print(f"{title} entries:")

@@ -99,16 +99,13 @@ class PublishingMxfp8Linear:
             raise ValueError(f"x has K={width}, linear expects K={k}")
         ar = self.all_reduce
         if torch.compiler.is_compiling():
-            if ar._published is not None:  # the rule mark_published enforces, checked first
-                raise RuntimeError("a published contribution is still unreduced")
-            box = ar._open()
+            # A second publish raises in mark_published while tracing: nothing runs.
             data, scale = (x.data, x.scale) if quantized else (x, None)
             out = torch.ops.decode_boundary.publishing_mxfp8_mm(
-                ar.handle, data, scale, linear.weight, linear.weight_scale, box.stage_state)
+                ar.handle, data, scale, linear.weight, linear.weight_scale,
+                ar._open().stage_state)
             ar.mark_published(out)
             return out
-        if not quantized and (not x.is_contiguous() or x.data_ptr() % 16):
-            x = x.clone()
         out = torch.empty(rows, n, dtype=torch.bfloat16, device=linear.weight.device)
         # Marked before the launch: a second publish before the reduce must fail
         # before it overwrites the pending one's slots in every peer's mailbox.
@@ -121,8 +118,11 @@ class PublishingMxfp8Linear:
         return out
 
     def _launch(self, linear, x, out: torch.Tensor) -> None:
+        """The publishing launch (eager, or inside the custom op)."""
         target = self.all_reduce.publish_target()
         bf16 = isinstance(x, torch.Tensor)
+        if bf16 and (not x.is_contiguous() or x.data_ptr() % 16):
+            x = x.clone()
         tactic = self._compiled_tactic(linear, out.shape[0], target, bf16_input=bf16)
         launch_low_latency(linear, x, out, tactic, publish=target)
 
@@ -157,8 +157,6 @@ def _publishing_mm_op(handle: int, x: torch.Tensor, x_scale: torch.Tensor | None
     """BF16 [M, N] = x @ weight, published into the mailbox of all-reduce ``handle``."""
     layer = SimpleNamespace(weight=weight, weight_scale=weight_scale, bias=None, groups=1)
     a = x if x_scale is None else QuantizedActivation(x, x_scale, torch.bfloat16, x.shape)
-    if x_scale is None and (not x.is_contiguous() or x.data_ptr() % 16):
-        a = x.clone()
     out = torch.empty(x.shape[0], weight.shape[1], dtype=torch.bfloat16, device=weight.device)
     PublishingMxfp8Linear(instance(handle))._launch(layer, a, out)
     sync_words(handle, stage_state=stage_state)

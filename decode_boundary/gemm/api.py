@@ -5,7 +5,7 @@ A *layer* is any object with ``weight`` (column-major [K, N] view of e4m3
 ``bias`` (None, or BF16 [N] added after the product) and optionally
 ``groups`` (> 1: a grouped layer, e.g. ``wo_a``: input [..., G*K], output the
 concatenation of the G groups' [..., N/G] products), e.g.
-``decode_boundary.mxfp8.linear.Mxfp8Linear``. ``x`` is a BF16 tensor
+``decode_boundary.gemm.linear.Mxfp8Linear``. ``x`` is a BF16 tensor
 [..., G*K] (up to PROLOGUE_MAX_ROWS rows quantized inside the GEMM's prologue,
 bit-identical to ``quantize_mxfp8`` first; more rows by ``quantize_mxfp8``,
 which is faster there), another float tensor (quantized by ``quantize_mxfp8``),
@@ -82,28 +82,26 @@ def _activation(layer, x):
     width = groups * k
     if isinstance(x, QuantizedActivation):
         check_quantized(x)
-        a, shape, dtype = x, x.orig_shape, x.orig_dtype
-        if a.data.data_ptr() % 16 or a.scale.data_ptr() % 16:
-            a = QuantizedActivation(a.data.clone(), a.scale.clone(), dtype, shape)
-        got = a.data.shape[1]
+        shape, dtype, got = x.orig_shape, x.orig_dtype, x.data.shape[1]
     elif isinstance(x, torch.Tensor):
         if not x.is_floating_point():
             raise ValueError(f"x must be a float tensor [..., {width}], got {x.dtype}")
         shape, dtype, got = x.shape, x.dtype, x.shape[-1]
-        if got != width:
-            raise ValueError(f"x has K = {got}, the layer takes {width} "
-                             f"({groups} group(s) of K={k})")
-        flat = x.reshape(-1, width)
-        if x.dtype == torch.bfloat16 and flat.shape[0] <= PROLOGUE_MAX_ROWS:
-            a = flat if flat.is_contiguous() and flat.data_ptr() % 16 == 0 else flat.clone()
-        else:
-            a = quantize_mxfp8(flat)
     else:
         raise ValueError(f"x must be a tensor or QuantizedActivation, got {type(x).__name__}")
     if got != width or shape[-1] != width:
         raise ValueError(f"x has K = {got}, the layer takes {width} ({groups} group(s) of K={k})")
-    rows = (a if isinstance(a, torch.Tensor) else a.data).shape[0]
-    return a, rows, dtype, shape
+    if isinstance(x, QuantizedActivation):
+        a = x
+        if a.data.data_ptr() % 16 or a.scale.data_ptr() % 16:
+            a = QuantizedActivation(a.data.clone(), a.scale.clone(), dtype, shape)
+        return a, a.rows, dtype, shape
+    flat = x.reshape(-1, width)
+    if x.dtype == torch.bfloat16 and flat.shape[0] <= PROLOGUE_MAX_ROWS:
+        a = flat if flat.is_contiguous() and flat.data_ptr() % 16 == 0 else flat.clone()
+        return a, a.shape[0], dtype, shape
+    a = quantize_mxfp8(flat)
+    return a, a.rows, dtype, shape
 
 
 def _finish(layer, out: torch.Tensor, dtype, shape) -> torch.Tensor:

@@ -127,13 +127,16 @@ class StrongBaseline:
         dist.all_reduce(out, group=self.group)
         return out
 
-    def __call__(self, attn_out, residual, post, comb, pre, norm_weight, eps):
-        """(residual_out, layer_input, q) of one boundary step."""
+    def project_wo_a(self, attn_out: torch.Tensor) -> torch.Tensor:
+        """wo_a's groups in one bmm: [M, G*K] -> [M, G*N], the groups concatenated."""
         groups, _, k_a = self.wo_a.shape
         rows = attn_out.shape[0]
         a = attn_out.view(rows, groups, k_a).transpose(0, 1)  # [G, M, K]
-        o = torch.bmm(a, self.wo_a.transpose(1, 2)).transpose(0, 1).reshape(rows, -1)
-        reduced = self.all_reduce(o @ self.wo_b.t())
+        return torch.bmm(a, self.wo_a.transpose(1, 2)).transpose(0, 1).reshape(rows, -1)
+
+    def __call__(self, attn_out, residual, post, comb, pre, norm_weight, eps):
+        """(residual_out, layer_input, q) of one boundary step."""
+        reduced = self.all_reduce(self.project_wo_a(attn_out) @ self.wo_b.t())
         residual_out, layer_input = self.mhc(reduced, residual, post, comb, pre, norm_weight,
                                              eps)
         return residual_out, layer_input, layer_input @ self.fused_wqa_wkv.t()

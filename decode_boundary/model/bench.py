@@ -259,8 +259,7 @@ def _stages(ab: AttentionBoundary, inputs) -> dict[str, dict[str, Callable[[], o
     partial = mxfp8_mm(ab.wo_b, o)
     _, _, next_in = ab.reduce(inputs, partial)
     strong = ab.strong_baseline
-    a = inputs.attn_out.view(inputs.rows, strong.wo_a.shape[0], -1).transpose(0, 1)
-    o_bf16 = torch.bmm(a, strong.wo_a.transpose(1, 2)).transpose(0, 1).reshape(inputs.rows, -1)
+    o_bf16 = strong.project_wo_a(inputs.attn_out)
     reduced = o_bf16 @ strong.wo_b.t()
     _, layer_input = strong.mhc(reduced, inputs.residual, inputs.post, inputs.comb, inputs.pre,
                                 ab.norm_weight, c.eps)
@@ -273,7 +272,7 @@ def _stages(ab: AttentionBoundary, inputs) -> dict[str, dict[str, Callable[[], o
             "fused_wqa_wkv (MXFP8 in)": lambda: mxfp8_mm(ab.fused_wqa_wkv, next_in),
         },
         "strong_baseline": {
-            "wo_a (bmm)": lambda: torch.bmm(a, strong.wo_a.transpose(1, 2)),
+            "wo_a (bmm)": lambda: strong.project_wo_a(inputs.attn_out),
             "wo_b (mm)": lambda: o_bf16 @ strong.wo_b.t(),
             f"all-reduce ({strong.transport})": lambda: strong.all_reduce(reduced),
             "mHC + RMSNorm (torch.compile)": lambda: strong.mhc(

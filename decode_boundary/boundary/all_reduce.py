@@ -40,12 +40,12 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from .. import env
+from ..common.contract import PublishTarget
 from ..mxfp8.format import mxfp8_scale_bytes
 from .consumer_kernel import (
     FULL,
@@ -73,20 +73,6 @@ from .publish_kernel import publish
 SPINS_PER_SECOND = 1_000_000
 INTERPRETER_SPINS_PER_SECOND = 1_000
 TRANSPORTS = ("auto", "mailbox", "nccl")
-
-
-@dataclass(frozen=True)
-class PublishTarget:
-    """What a producer needs to publish into this all-reduce itself: the peer
-    mailbox table (int64 [tp] on the device), this rank's stage words (int32
-    {NEXT, ACTIVE}), and the slot geometry. Valid for the instance's lifetime."""
-
-    peer_ptrs: torch.Tensor
-    stage_state: torch.Tensor
-    rank: int
-    tp: int
-    capacity: int
-    hidden: int
 
 
 class BoundaryAllReduce:

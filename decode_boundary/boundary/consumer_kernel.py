@@ -90,13 +90,14 @@ import triton
 import triton.language as tl
 
 from .. import env
+from ..common.contract import SENTINEL_BITS, STAGES
 from ..common.rounding import quantize_groups, swizzled_offset, to_bf16_rne, zero_scale_padding
-from ..mxfp8.format import mxfp8_scale_bytes
+from ..mxfp8.format import check_scale_buffer
 from .publish_kernel import load_module
 
 PLAIN, RESIDUAL_ONLY, FULL = 0, 1, 2  # MODE values (host side)
 _PLAIN, _FULL = tl.constexpr(PLAIN), tl.constexpr(FULL)
-SENTINEL = tl.constexpr(-32768)  # -0.0 in BF16 as int16
+SENTINEL = tl.constexpr(SENTINEL_BITS)  # the unwritten slot's -0.0 as int16
 # Status bit of a norm hand-off that timed out (bits 0..tp-1 name missing ranks).
 NORM_TIMEOUT_BIT = 1 << 30
 _NORM_TIMEOUT_BIT = tl.constexpr(NORM_TIMEOUT_BIT)
@@ -372,7 +373,7 @@ def consumer_kernel(
     if LAMPORT:
         stage = tl.load(stage_ptr + 1)
         if (m == 0) & (chunk == 0):
-            tl.store(stage_ptr, (stage + 1) % 3)  # read by the next publish, after our grid
+            tl.store(stage_ptr, (stage + 1) % STAGES)  # read by the next publish, after our grid
     # Slot of rank r, token m: mailbox[stage, r, m] (Lamport) or gathered[r, m].
     row_stride = capacity.to(tl.int64) * HIDDEN
     slot_row = (stage * TP).to(tl.int64) * row_stride + m.to(tl.int64) * HIDDEN
@@ -500,7 +501,7 @@ def consume(
         raise ValueError(f"mailbox must be contiguous bf16, got {mailbox.dtype}")
     capacity = mailbox.shape[-2]
     if lamport:
-        _need(mailbox, "mailbox", torch.bfloat16, (3, tp, capacity, hidden), device)
+        _need(mailbox, "mailbox", torch.bfloat16, (STAGES, tp, capacity, hidden), device)
         _need(stage_state, "stage_state", torch.int32, (2,), device)
         _need(status, "status", torch.int32, (1,), device)
     else:
@@ -540,11 +541,7 @@ def consume(
                 raise ValueError(f"MXFP8 output needs hidden % 32 == 0, got {hidden}")
             data, scale = mxfp8_out
             _need(data, "mxfp8_out data", torch.float8_e4m3fn, (m, hidden), device)
-            need = mxfp8_scale_bytes(m, hidden)
-            if (scale.dtype != torch.uint8 or scale.ndim != 1 or scale.numel() < need
-                    or scale.device != device or not scale.is_contiguous()):
-                raise ValueError(f"mxfp8_out scale must be contiguous 1-D uint8 with >= {need} "
-                                 f"bytes on {device} (128x4 swizzled for [{m}, {hidden}])")
+            check_scale_buffer(scale, m, hidden, "mxfp8_out scale", device=device)
     elif quant:
         raise ValueError("mxfp8_out needs the layer input: pass pre and norm_weight")
     serial = mode == FULL and not tactic.cooperative

@@ -25,11 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..common.contract import SENTINEL, STAGES
 from ..env import disable_multicast, logger
 from .consumer_kernel import sumsq_columns
-
-STAGES = 3
-NEG_ZERO = -0.0
 
 
 @dataclass
@@ -54,7 +52,7 @@ class Mailbox:
         """-0 fill, stage words and status cleared, the norm hand-off's generations
         and tagged partials zeroed together (stream-ordered)."""
         if self.buffer is not None:
-            self.buffer.fill_(NEG_ZERO)
+            self.buffer.fill_(SENTINEL)
         self.stage_state.zero_()
         self.status.zero_()
         self.generation.zero_()

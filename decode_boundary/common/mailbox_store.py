@@ -13,6 +13,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .contract import SENTINEL_BITS
+
+_SENTINEL = tl.constexpr(SENTINEL_BITS)
+
 
 @triton.jit
 def publish_row(x, peer_ptrs_ptr, stage, rank, m, cols, mask, capacity,
@@ -22,7 +26,7 @@ def publish_row(x, peer_ptrs_ptr, stage, rank, m, cols, mask, capacity,
     [BLOCK] row, or with ``TILE`` the GEMM epilogue's [BLOCK_N, ROWS] out^T
     tile (``cols`` [BLOCK_N, 1], ``m`` [1, ROWS])."""
     bits = x.to(tl.int16, bitcast=True)
-    clean = tl.where(bits == -32768, 0, bits).to(tl.bfloat16, bitcast=True)
+    clean = tl.where(bits == _SENTINEL, 0, bits).to(tl.bfloat16, bitcast=True)
     row = ((stage * TP + rank).to(tl.int64) * capacity + m) * HIDDEN
     for p in tl.static_range(TP):
         base = tl.load(peer_ptrs_ptr + p).to(tl.pointer_type(tl.bfloat16))

@@ -1,7 +1,7 @@
 """``Mxfp8Linear``: an MXFP8 weight in the layout the GEMMs (ours and FlashInfer's
 ``mm_mxfp8``) read, built from a float weight or a DeepSeek V4.1 checkpoint.
 
-Layout contract (design.md §4):
+Layout contract (docs/DESIGN.md §4):
 
 * ``weight``: e4m3 stored [N, K] K-contiguous, exposed as its column-major [K, N]
   view, so ``k, n = layer.weight.shape`` and ``layer.weight.t()`` is contiguous;
@@ -30,8 +30,8 @@ from torch import nn
 from decode_boundary.mxfp8.format import (
     GROUP,
     QuantizedActivation,
+    check_scale_buffer,
     dequantize_mxfp8,
-    mxfp8_scale_bytes,
     quantize_mxfp8_ref,
     swizzle_scales,
     unswizzle_scales,
@@ -69,16 +69,8 @@ class Mxfp8Linear(nn.Module):
         128x4-swizzled scale bytes (``mxfp8_scale_bytes(N, K)`` of them)."""
         super().__init__()
         n, k = _check_fp8_weight(weight_fp8)
-        need = mxfp8_scale_bytes(n, k)
-        if weight_scale.dtype != torch.uint8 or tuple(weight_scale.shape) != (need,):
-            raise ValueError(
-                f"weight_scale must be 1-D uint8 [{need}] (128x4 swizzled over ({n}, {k // GROUP}))"
-                f", got {weight_scale.dtype} {tuple(weight_scale.shape)}"
-            )
-        if weight_scale.device != weight_fp8.device:
-            raise ValueError(
-                f"weight_scale is on {weight_scale.device}, weight_fp8 on {weight_fp8.device}"
-            )
+        check_scale_buffer(weight_scale, n, k, "weight_scale", device=weight_fp8.device,
+                           exact=True)
         self.in_features, self.out_features = k, n
         self.groups = 1
         # The [K, N] view of K-contiguous storage: strides (1, K).

@@ -76,16 +76,15 @@ dependent, reads ACTIVE and the mailbox only after this grid completed.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 import triton
 import triton.language as tl
 
+from decode_boundary.common.contract import NO_PUBLISH, check_publish_target
 from decode_boundary.common.mailbox_store import publish_row
 from decode_boundary.common.rounding import quantize_groups, swizzled_offset, to_bf16_rne
 from decode_boundary.env import interpret_mode, use_pdl
-from decode_boundary.mxfp8.format import QuantizedActivation, mxfp8_scale_bytes
+from decode_boundary.mxfp8.format import QuantizedActivation, check_scale_buffer, mxfp8_scale_bytes
 
 from .tactics import Tactic, fits, k_pieces
 
@@ -295,13 +294,8 @@ def mxfp8_gemm_kernel(
                          stage_ptr, PUBLISH, TP, RANK, CAPACITY, HIDDEN, INTERPRETER)
 
 
-# ``publish`` arguments below: any object with the attributes of
-# ``decode_boundary.boundary.all_reduce.PublishTarget`` (CONTRACTS.md, Mailbox):
-# ``peer_ptrs`` int64 [tp] mailbox base addresses (16-byte aligned) and
-# ``stage_state`` int32 [2] = {NEXT, ACTIVE}, both on the GEMM's device, and
-# ``rank``, ``tp``, ``capacity``, ``hidden`` (== the GEMM's N) of the BF16
-# mailboxes [3, tp, capacity, hidden].
-NO_PUBLISH = SimpleNamespace(peer_ptrs=None, stage_state=None, rank=0, tp=1, capacity=1, hidden=1)
+# ``publish`` arguments below: a ``decode_boundary.common.contract.PublishTarget``
+# (or any object with its attributes); ``NO_PUBLISH`` when the GEMM does not publish.
 _WORKSPACES: dict[tuple[torch.device, int], torch.Tensor] = {}
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 _DUMMIES: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -320,12 +314,7 @@ def weight_operands(layer) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
     if not storage.is_contiguous():
         raise ValueError("layer.weight must be the column-major [K, N] view of a contiguous "
                          "[N, K] tensor (layer.weight.t().is_contiguous())")
-    need = mxfp8_scale_bytes(n, k)
-    if scale.dtype != torch.uint8 or scale.ndim != 1 or scale.numel() < need or \
-            not scale.is_contiguous():
-        raise ValueError(f"layer.weight_scale must be contiguous 1-D uint8 with >= {need} bytes "
-                         f"(128x4 swizzled over ({n}, {k // 32})), got {scale.dtype} "
-                         f"{tuple(scale.shape)}")
+    check_scale_buffer(scale, n, k, "layer.weight_scale")
     if not isinstance(groups, int) or groups < 1 or n % groups:
         raise ValueError(f"layer.groups must be a positive int dividing N={n}, got {groups!r}")
     return storage, scale, n, k, groups
@@ -372,25 +361,6 @@ def _buffers(device: torch.device, n: int, rows: int, tactic: Tactic, publish=No
     return partials, counters, peer_ptrs, stage_state
 
 
-def _check_publish(publish, n: int, rows: int, device: torch.device) -> None:
-    p = publish
-    if p.peer_ptrs.dtype != torch.int64 or tuple(p.peer_ptrs.shape) != (p.tp,) or \
-            p.peer_ptrs.device != device:
-        raise ValueError(f"publish.peer_ptrs must be int64 [{p.tp}] on {device}, got "
-                         f"{p.peer_ptrs.dtype} {tuple(p.peer_ptrs.shape)} on {p.peer_ptrs.device}")
-    if p.stage_state.dtype != torch.int32 or tuple(p.stage_state.shape) != (2,) or \
-            p.stage_state.device != device:
-        raise ValueError(f"publish.stage_state must be int32 [2] on {device}, got "
-                         f"{p.stage_state.dtype} {tuple(p.stage_state.shape)}")
-    if not 0 <= p.rank < p.tp:
-        raise ValueError(f"publish.rank {p.rank} outside [0, {p.tp})")
-    if p.hidden != n or n % 8:
-        raise ValueError(f"publish.hidden ({p.hidden}) must equal the GEMM's N ({n}), "
-                         "a multiple of 8")
-    if rows > p.capacity:
-        raise ValueError(f"{rows} rows exceed the mailbox capacity {p.capacity}")
-
-
 def _check_activation(a, rows: int, a_k: int) -> bool:
     """Validate the activation operand; True when it is BF16 (quantized in the kernel)."""
     if isinstance(a, torch.Tensor):
@@ -403,10 +373,7 @@ def _check_activation(a, rows: int, a_k: int) -> bool:
             not data.is_contiguous():
         raise ValueError(f"activation data must be contiguous float8_e4m3fn [rows, {a_k}], got "
                          f"{data.dtype} {tuple(data.shape)}")
-    need = mxfp8_scale_bytes(rows, a_k)
-    if scale.dtype != torch.uint8 or scale.ndim != 1 or scale.numel() < need:
-        raise ValueError(f"activation scale must be 1-D uint8 with >= {need} bytes, got "
-                         f"{scale.dtype} {tuple(scale.shape)}")
+    check_scale_buffer(scale, rows, a_k, "activation scale")
     return False
 
 
@@ -429,7 +396,7 @@ def _launch_config(layer, a, out, tactic: Tactic, publish):
         raise ValueError(f"weight, activations and out must share one device ({device})")
     _aligned(storage, w_scale, a_data, a_scale, out)
     if publish is not None:
-        _check_publish(publish, n, rows, device)
+        check_publish_target(publish, n, rows, device)
     buffers = _buffers(device, n, rows, tactic, publish)
     grid = (n // tactic.block_n, tactic.split_k, -(-rows // tactic.rows_tile))
     pub = publish or NO_PUBLISH

@@ -1,6 +1,6 @@
 """MXFP8: e4m3 elements with one UE8M0 scale per 32 consecutive K elements.
 
-Byte-compatible with FlashInfer's ``mm_mxfp8`` operands (design.md §4):
+Byte-compatible with FlashInfer's ``mm_mxfp8`` operands (docs/DESIGN.md §4):
 
 * elements: ``float8_e4m3fn`` [rows, K], K-contiguous;
 * scales: one byte per (row, K/32 group), value ``2 ** (byte - 127)`` (0xFF is
@@ -69,6 +69,24 @@ def mxfp8_scale_bytes(rows: int, k: int) -> int:
     return padded_rows * num_k_tiles(k) * SCALE_COL_TILE
 
 
+def check_scale_buffer(scale: torch.Tensor, rows: int, k: int, name: str,
+                       device: torch.device | None = None, exact: bool = False) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``scale`` can hold the 128x4
+    swizzled scales of a [rows, K] operand: contiguous 1-D uint8 of at least
+    (``exact``: exactly) ``mxfp8_scale_bytes(rows, k)`` bytes, on ``device``
+    when given. Every MXFP8 operand's scale buffer is checked by this."""
+    need = mxfp8_scale_bytes(rows, k)
+    size_ok = scale.numel() == need if exact else scale.numel() >= need
+    if scale.dtype != torch.uint8 or scale.ndim != 1 or not size_ok or \
+            not scale.is_contiguous() or (device is not None and scale.device != device):
+        where = f" on {device}" if device is not None else ""
+        size = f"[{need}]" if exact else f"with at least {need} bytes"
+        raise ValueError(
+            f"{name} must be 1-D uint8 {size}, contiguous{where} (128x4 swizzled over "
+            f"({rows}, {scale_groups(k)})), got {scale.dtype} {tuple(scale.shape)} on "
+            f"{scale.device}")
+
+
 def swizzled_scale_offset(m: torch.Tensor | int, kb: torch.Tensor | int, k: int):
     """Offset of scale (row ``m``, group ``kb``) in the 128x4 swizzled buffer.
 
@@ -105,12 +123,7 @@ def swizzle_scales(scales: torch.Tensor) -> torch.Tensor:
 
 def unswizzle_scales(swizzled: torch.Tensor, rows: int, k: int) -> torch.Tensor:
     """Inverse of :func:`swizzle_scales`: the [rows, K/32] uint8 scales."""
-    need = mxfp8_scale_bytes(rows, k)
-    if swizzled.dtype != torch.uint8 or swizzled.ndim != 1 or swizzled.numel() < need:
-        raise ValueError(
-            f"swizzled scales must be a 1-D uint8 tensor of at least {need} bytes for "
-            f"[{rows}, {k}], got {swizzled.dtype} {tuple(swizzled.shape)}"
-        )
+    check_scale_buffer(swizzled, rows, k, "swizzled scales")
     return swizzled[_offset_grid(rows, k, swizzled.device)]
 
 
@@ -171,13 +184,4 @@ def check_quantized(qa: QuantizedActivation, name: str = "x") -> None:
     rows, k = data.shape
     if k % GROUP:
         raise ValueError(f"{name}: K must be a multiple of {GROUP}, got {k}")
-    need = mxfp8_scale_bytes(rows, k)
-    if scale.dtype != torch.uint8 or scale.ndim != 1 or scale.numel() < need:
-        raise ValueError(
-            f"{name}.scale must be 1-D uint8 with at least {need} bytes (128x4 swizzled "
-            f"for [{rows}, {k}]), got {scale.dtype} {tuple(scale.shape)}"
-        )
-    if not scale.is_contiguous():
-        raise ValueError(f"{name}.scale must be contiguous")
-    if scale.device != data.device:
-        raise ValueError(f"{name}.scale is on {scale.device}, data on {data.device}")
+    check_scale_buffer(scale, rows, k, f"{name}.scale", device=data.device)

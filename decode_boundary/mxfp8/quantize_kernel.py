@@ -21,7 +21,13 @@ import triton.language as tl
 
 from decode_boundary.common.rounding import quantize_groups, swizzled_offset
 
-from .format import QuantizedActivation, mxfp8_scale_bytes, num_k_tiles, scale_groups
+from .format import (
+    QuantizedActivation,
+    check_scale_buffer,
+    mxfp8_scale_bytes,
+    num_k_tiles,
+    scale_groups,
+)
 
 
 @triton.jit
@@ -92,11 +98,9 @@ def _quantize_eager(x: torch.Tensor, out) -> QuantizedActivation:
                 f"out data must be float8_e4m3fn [{rows}, {k}], got {data.dtype} "
                 f"{tuple(data.shape)}"
             )
-        need = mxfp8_scale_bytes(rows, k)
-        if scale.dtype != torch.uint8 or scale.ndim != 1 or scale.numel() < need:
-            raise ValueError(f"out scale must be 1-D uint8 with >= {need} bytes")
-        if not (data.is_contiguous() and scale.is_contiguous()):
-            raise ValueError("out buffers must be contiguous")
+        check_scale_buffer(scale, rows, k, "out scale")
+        if not data.is_contiguous():
+            raise ValueError("out data must be contiguous")
     block_rows, block_groups = 4, 16
     # Over the padded scale tile (rows to 128, groups to 4): its padding is written too.
     grid = (triton.cdiv(-(-rows // 128) * 128, block_rows),

@@ -1,0 +1,71 @@
+"""The contract between a producer that publishes (the publish kernel, MoE
+finalize, the GEMM's publishing epilogue) and the consumer of the boundary
+all-reduce: defined here once, imported by ``gemm/`` and ``boundary/``.
+
+Mailbox (docs/DESIGN.md §6, docs/CONTRACTS.md): every rank owns a BF16
+``[STAGES, tp, capacity, hidden]`` buffer that every peer can store into,
+filled with the sentinel -0.0 (BF16 bits ``SENTINEL_BITS``, "not yet
+written"). A publisher turns -0 into +0, so a value it stored is never taken
+for a hole. Each rank's local ``stage_state`` int32 [2] holds the stage the
+next publish writes (``stage_state[STAGE_NEXT]``) and the stage the next
+consume reads (``stage_state[STAGE_ACTIVE]``).
+
+Scale buffers of MXFP8 operands follow the 128x4 swizzle of
+``decode_boundary.mxfp8.format`` (``mxfp8_scale_bytes``,
+``check_scale_buffer``): one geometry for the quantizer, the GEMM and the
+consumer's MXFP8 output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+STAGES = 3  # a peer may be one boundary ahead: stage s+1 is being written while s is read
+STAGE_NEXT, STAGE_ACTIVE = 0, 1  # indices into stage_state
+SENTINEL = -0.0  # the fill value of an unwritten mailbox slot
+SENTINEL_BITS = -32768  # the same as int16 bits (0x8000), what kernels compare against
+
+
+@dataclass(frozen=True)
+class PublishTarget:
+    """What a producer needs to publish into an all-reduce itself: the peer
+    mailbox table (int64 [tp] on the device, 16-byte aligned addresses), this
+    rank's stage words (int32 [2] = {NEXT, ACTIVE}), and the slot geometry of
+    the BF16 mailboxes ``[STAGES, tp, capacity, hidden]``. Valid for the
+    all-reduce's lifetime."""
+
+    peer_ptrs: torch.Tensor | None
+    stage_state: torch.Tensor | None
+    rank: int
+    tp: int
+    capacity: int
+    hidden: int
+
+
+# The launch arguments of a producer that does not publish (kernels compile the
+# publishing code out; these values only fill the constexpr slots).
+NO_PUBLISH = PublishTarget(peer_ptrs=None, stage_state=None, rank=0, tp=1, capacity=1, hidden=1)
+
+
+def check_publish_target(target: PublishTarget, hidden: int, rows: int,
+                         device: torch.device) -> None:
+    """Raise ``ValueError`` unless ``target`` can take ``rows`` tokens of
+    ``hidden`` BF16 values published from ``device``."""
+    ptrs, words = target.peer_ptrs, target.stage_state
+    if ptrs is None or ptrs.dtype != torch.int64 or tuple(ptrs.shape) != (target.tp,) or \
+            ptrs.device != device:
+        got = "None" if ptrs is None else f"{ptrs.dtype} {tuple(ptrs.shape)} on {ptrs.device}"
+        raise ValueError(f"publish.peer_ptrs must be int64 [{target.tp}] on {device}, got {got}")
+    if words is None or words.dtype != torch.int32 or tuple(words.shape) != (2,) or \
+            words.device != device:
+        got = "None" if words is None else f"{words.dtype} {tuple(words.shape)} on {words.device}"
+        raise ValueError(f"publish.stage_state must be int32 [2] on {device}, got {got}")
+    if not 0 <= target.rank < target.tp:
+        raise ValueError(f"publish.rank {target.rank} outside [0, {target.tp})")
+    if target.hidden != hidden or hidden % 8:
+        raise ValueError(f"publish.hidden ({target.hidden}) must equal the producer's width "
+                         f"({hidden}), a multiple of 8 (16-byte mailbox stores)")
+    if rows > target.capacity:
+        raise ValueError(f"{rows} rows exceed the mailbox capacity {target.capacity}")

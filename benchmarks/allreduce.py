@@ -14,7 +14,7 @@ folder) and prints a table.
 
 ``--sweep``: ours (full + MXFP8) and the plain sum for H = 5120, M in {1, 8, 16,
 32, 64} over the consumer tactics of ``SWEEP_TACTICS`` (< 2 minutes), to re-pin
-``CONSUMER_TACTICS`` in ``decode_boundary/boundary/consumer_kernel.py``;
+``CONSUMER_TACTICS`` in ``decode_boundary/boundary/consumer.py``;
 ``--tactics 512x4 8192x32 1024x4s`` and ``--m`` choose others.
 """
 
@@ -30,14 +30,14 @@ import torch
 import torch.distributed as dist
 import triton
 
+from decode_boundary.bench.report import git_commit
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
-from decode_boundary.boundary.consumer_kernel import ConsumerTactic
+from decode_boundary.boundary.consumer import ConsumerTactic
 from decode_boundary.boundary.reference import consumer_ref
+from decode_boundary.common.timing import graph_time_us
 from decode_boundary.env import disable_multicast
 from decode_boundary.launch import RankContext, launch
-from decode_boundary.model.bench import step_time_us
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes
-from decode_boundary.report import git_commit
 
 HIDDENS = (5120, 4096, 7168)
 MS = (1, 2, 4, 8, 16, 32, 48, 64)
@@ -53,7 +53,7 @@ SWEEP_TACTICS = tuple(ConsumerTactic(*t) for t in (
 def _time_graph(fn, device, group) -> float:
     """Median µs per call of ``fn`` over REPS replays of a graph of CALLS calls,
     ranks barriered before each replay."""
-    return step_time_us([fn], device, group, min_calls=CALLS, replays=REPS)
+    return graph_time_us([fn], device, group, min_calls=CALLS, replays=REPS)
 
 
 def _cases(ar, symm, gamma, m, hidden, device, group) -> dict:

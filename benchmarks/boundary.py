@@ -1,7 +1,7 @@
-"""The wo_b boundary on 2 GPUs, three ways (issue 5), at the DSV4.1-Flash shapes.
+"""The wo_b boundary on 2 GPUs, four ways, at the DSV4.1-Flash shapes.
 
 Per M: (o) strong_baseline = cuBLAS BF16 ``wo_b`` + symm-mem one-shot / NCCL
-all-reduce + mHC / RMSNorm compiled by torch.compile (model/baseline.py); (i)
+all-reduce + mHC / RMSNorm compiled by torch.compile (bench/baselines.py); (i)
 baseline = cuBLAS FP8 row-wise ``wo_b`` + NCCL all-reduce + the consumer's
 math as eager torch ops; (ii) ours unfused = our MXFP8 GEMM + publish kernel +
 fused consumer; (iii) ours fused = the publishing GEMM + consumer only. The
@@ -20,40 +20,20 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 
-from decode_boundary.gemm.timing import copy_rate
+from decode_boundary.bench.gemm import mxfp8_weight_bytes
+from decode_boundary.bench.harness import boundary_weight_bytes
+from decode_boundary.bench.paths import WO_B_BOUNDARY, build
+from decode_boundary.bench.report import git_commit, write_json
+from decode_boundary.common.timing import copies_for_cold_l2, copy_rate, graph_time_us
 from decode_boundary.launch import RankContext, launch
-from decode_boundary.model.baseline import all_reduce_then_mhc
-from decode_boundary.model.bench import (
-    boundary_weight_bytes,
-    copies_for_cold_l2,
-    mxfp8_weight_bytes,
-    step_time_us,
-)
-from decode_boundary.model.chain import PATHS, AttentionBoundary
+from decode_boundary.model.chain import AttentionBoundary
 from decode_boundary.model.config import MODELS
-from decode_boundary.report import git_commit
-
-
-def _boundary_step(ab: AttentionBoundary, path: str, o: torch.Tensor, inputs) -> None:
-    c = ab.config
-    if path == "strong_baseline":
-        strong = ab.strong_baseline
-        reduced = strong.all_reduce(o @ strong.wo_b.t())
-        strong.mhc(reduced, inputs.residual, inputs.post, inputs.comb, inputs.pre,
-                   ab.norm_weight, c.eps)
-        return
-    if path == "baseline":
-        partial = ab.baseline_linear("wo_b")(o)
-        all_reduce_then_mhc(partial, inputs.residual, inputs.post, inputs.comb, inputs.pre,
-                            ab.norm_weight, c.eps, ab.group, quantize=True)
-        return
-    ab.reduce(inputs, ab.wo_b_published(o, path))
 
 
 def run_rank(ctx: RankContext, model: str, rows_list: list[int]) -> dict:
@@ -65,16 +45,18 @@ def run_rank(ctx: RankContext, model: str, rows_list: list[int]) -> dict:
                                                 ctx.device))
     rate = copy_rate(ctx.device)
     one = torch.randn(1, config.hidden, device=ctx.device).bfloat16()
-    hop_us = step_time_us([functools.partial(ab.all_reduce.plain_sum, one)], ctx.device,
-                          ctx.group)
+    hop_us = graph_time_us([functools.partial(ab.all_reduce.plain_sum, one)], ctx.device,
+                           ctx.group)
     k = config.wo_b_shape(ctx.world_size)[1]
+    steps = {path: [build(path, v) for v in views] for path in WO_B_BOUNDARY}
     rows_out = []
     for rows in rows_list:
         inputs = ab.make_inputs(rows, seed=rows)
         o = torch.randn(rows, k, device=ctx.device).bfloat16()
-        us = {path: step_time_us([functools.partial(_boundary_step, v, path, o, inputs)
-                                  for v in views], ctx.device, ctx.group)
-              for path in PATHS}
+        us = {path: graph_time_us([functools.partial(WO_B_BOUNDARY[path], v, step, o, inputs)
+                                   for v, step in zip(views, steps[path], strict=True)],
+                                  ctx.device, ctx.group)
+              for path in WO_B_BOUNDARY}
         rows_out.append({"rows": rows, "us": us})
     floor = mxfp8_weight_bytes(*config.wo_b_shape(ctx.world_size)) / rate * 1e6 + hop_us
     ab.close()
@@ -108,11 +90,8 @@ def main() -> None:
               f"{us['unfused']:>9.2f} {us['fused']:>9.2f} "
               f"{us['strong_baseline'] / us['fused']:>13.2f} "
               f"{us['fused'] / us['unfused']:>14.2f} {us['fused'] / result['floor_us']:>12.2f}")
-    os.makedirs(args.out, exist_ok=True)
     name = f"boundary-{gpu.replace(' ', '_')}-{datetime.date.today()}.json"
-    with open(os.path.join(args.out, name), "w") as f:
-        json.dump(result, f, indent=1)
-    print("wrote", os.path.join(args.out, name))
+    print("wrote", write_json(result, Path(args.out) / name))
 
 
 if __name__ == "__main__":

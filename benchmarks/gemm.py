@@ -1,11 +1,12 @@
-"""MXFP8 GEMM benchmark on one GPU (design.md §8-9, issue 11).
+"""MXFP8 GEMM benchmark on one GPU (docs/DESIGN.md §8-9).
 
 For each shape (grouped ``wo_a``: its two groups in one launch) and M: our
 kernel with its selected tactic on MXFP8 input and on BF16 input (quantized
 in the prologue), the best of a small tactic sweep, cuBLAS BF16 (grouped: one
 ``torch.bmm``), cuBLAS FP8 row-wise (``torch._scaled_mm``, per-row /
 per-column FP32 scales; grouped: one call per group) and the floor = MXFP8
-weight bytes / the copy rate measured in this run; then the three projections
+weight bytes / the copy rate measured in this run, and (``--inductor-rows``)
+Inductor's max-autotune BF16 GEMM; then the three projections
 fused_wqa_wkv -> wq_b -> wo_b chained back to back with and without PDL, with
 the chain's floor. Every time is the median per call over CUDA-graph replays
 of many back-to-back calls on rotated weight copies (> L2).
@@ -17,20 +18,27 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import triton
 
+from decode_boundary.bench.gemm import (
+    random_layer,
+    time_cublas_bf16,
+    time_cublas_fp8_rowwise,
+    time_inductor_bf16,
+    time_ours,
+)
+from decode_boundary.bench.report import git_commit, write_json
+from decode_boundary.common.timing import copy_rate, graph_time_us, rotated_copies
 from decode_boundary.gemm import launch_low_latency, selected_tactic
 from decode_boundary.gemm.reference import check_mxfp8_mm
 from decode_boundary.gemm.tactics import sweep_tactics
-from decode_boundary.gemm.timing import L2_FLUSH_BYTES, copy_rate, graph_time_us, rotated_copies
 from decode_boundary.mxfp8.format import quantize_mxfp8_ref
-from decode_boundary.report import git_commit, write_json
 
 SHAPES = {  # name: (N, K, groups)
     "wo_b": (5120, 2048, 1),
@@ -46,51 +54,6 @@ SWEEP_ROWS = (8, 32)  # a sweep per row class keeps the run (compiles) under 4 m
 SWEEP_MAX = 4
 
 
-def make_layer(n: int, k: int, groups: int = 1):
-    qw = quantize_mxfp8_ref(torch.randn(n, k, device="cuda"))
-    return SimpleNamespace(weight=qw.data.t(), weight_scale=qw.scale, bias=None, groups=groups)
-
-
-def time_ours(layer, a, tactic) -> float:
-    copies = rotated_copies(layer)
-    rows = a.shape[0] if isinstance(a, torch.Tensor) else a.rows
-    out = torch.empty(rows, layer.weight.shape[1], dtype=torch.bfloat16, device="cuda")
-    return graph_time_us(lambda i: launch_low_latency(copies[i], a, out, tactic), len(copies))
-
-
-def time_cublas_bf16(n: int, k: int, groups: int, rows: int) -> float:
-    """cuBLAS BF16 of the same product (grouped: the groups in one bmm)."""
-    weights = [torch.randn(groups, n // groups, k, device="cuda").bfloat16()
-               for _ in range(-(-L2_FLUSH_BYTES // (2 * n * k)) + 1)]
-    x = torch.randn(groups, rows, k, device="cuda").bfloat16()
-    return graph_time_us(lambda i: torch.bmm(x, weights[i].transpose(1, 2)), len(weights))
-
-
-def time_cublas_fp8_rowwise(layer, rows: int) -> float | None:
-    """torch._scaled_mm with per-row / per-column scales (M padded to 16, as it
-    requires); a grouped layer runs one call per group."""
-    k, n = layer.weight.shape
-    groups = layer.groups
-    padded = -(-rows // 16) * 16
-    a = torch.randn(padded, k, device="cuda").to(torch.float8_e4m3fn)
-    scale_a = torch.ones(padded, 1, device="cuda")
-    scale_b = torch.ones(1, n // groups, device="cuda")
-    copies = rotated_copies(layer)
-    width = n // groups
-
-    def call(i):
-        w = copies[i].weight
-        for g in range(groups):
-            torch._scaled_mm(a, w[:, g * width:(g + 1) * width], scale_a, scale_b,
-                             out_dtype=torch.bfloat16)
-
-    try:
-        return graph_time_us(call, len(copies))
-    except RuntimeError as err:
-        print(f"cuBLAS FP8 row-wise unavailable for {n}x{k} M={rows}: {err}", file=sys.stderr)
-        return None
-
-
 def time_chain(layers, rows: int) -> float:
     """µs per chain of the three projections back to back (rotated copies)."""
     copies = [rotated_copies(layer) for layer in layers]
@@ -104,24 +67,29 @@ def time_chain(layers, rows: int) -> float:
         for j, layer in enumerate(layers):
             launch_low_latency(copies[j][i], ins[j], outs[j], selected_tactic(layer, rows))
 
-    return graph_time_us(chain, count)
+    return graph_time_us([functools.partial(chain, i) for i in range(count)])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer M, no sweep")
     parser.add_argument("--check", action="store_true", help="verify every tactic before timing")
+    parser.add_argument("--inductor-rows", type=int, nargs="*", default=[1, 16, 32, 64],
+                        help="M that also time Inductor's max-autotune BF16 GEMM (one autotuned "
+                             "compile per shape and M: slow)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
     torch.manual_seed(0)
     rate = copy_rate() / 1e9  # GB/s
     results = []
     for name, (n, k, groups) in SHAPES.items():
-        layer = make_layer(n, k, groups)
+        layer = random_layer(n, k, groups, torch.device("cuda"))
         weight_bytes = n * k + layer.weight_scale.numel()
+        bf16 = layer.dequantized_weight().bfloat16().view(groups, n // groups, k)
         for rows in QUICK_ROWS if args.quick else ROWS:
             x = torch.randn(rows, groups * k, device="cuda").bfloat16()
             qa = quantize_mxfp8_ref(x)
+            xg = x.view(rows, groups, k).transpose(0, 1)  # [G, M, K] for the bmm
             selected = selected_tactic(layer, rows)
             tactics = [selected]
             if not args.quick and rows in SWEEP_ROWS:
@@ -140,16 +108,19 @@ def main() -> None:
                        ours_tactic=selected._asdict(), best_us=best_us, best_tactic=best._asdict(),
                        ours_bf16_in_us=time_ours(layer, x, bf16_tactic),
                        ours_bf16_in_tactic=bf16_tactic._asdict(),
-                       cublas_bf16_us=time_cublas_bf16(n, k, groups, rows),
-                       cublas_fp8_rowwise_us=time_cublas_fp8_rowwise(layer, rows),
+                       cublas_bf16_us=time_cublas_bf16(xg, bf16),
+                       inductor_bf16_us=(time_inductor_bf16(xg, bf16)
+                                         if rows in args.inductor_rows else None),
+                       cublas_fp8_rowwise_us=time_cublas_fp8_rowwise(layer, xg),
                        floor_us=weight_bytes / (rate * 1e3))
             results.append(row)
             print(f"{name:14s} M={rows:2d} ours {row['ours_us']:6.2f} (bf16 in "
                   f"{row['ours_bf16_in_us']:6.2f}) best {best_us:6.2f} "
-                  f"bf16 {row['cublas_bf16_us']:6.2f} fp8 {row['cublas_fp8_rowwise_us'] or 0:6.2f} "
+                  f"bf16 {row['cublas_bf16_us']:6.2f} inductor {row['inductor_bf16_us'] or 0:6.2f} "
+                  f"fp8 {row['cublas_fp8_rowwise_us'] or 0:6.2f} "
                   f"floor {row['floor_us']:5.2f} us", flush=True)
     chains = []
-    chain_layers = [make_layer(*SHAPES[name]) for name in CHAIN]  # ungrouped
+    chain_layers = [random_layer(*SHAPES[name], torch.device("cuda")) for name in CHAIN]
     chain_floor = sum(lay.weight.numel() + lay.weight_scale.numel()
                       for lay in chain_layers) / (rate * 1e3)
     for rows in (1, 8, 32):

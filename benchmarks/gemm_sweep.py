@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as futures
 import datetime
+import functools
 import multiprocessing
 import os
 import sys
@@ -34,12 +35,13 @@ import torch
 import triton
 import triton.language as tl
 
-from decode_boundary.gemm.mxfp8_gemm_kernel import launch_low_latency, warmup_low_latency
+from decode_boundary.bench.gemm import time_cublas_bf16
+from decode_boundary.bench.report import git_commit, write_json
+from decode_boundary.common.timing import copy_rate, graph_time_us, rotated_copies
+from decode_boundary.gemm.launcher import launch_low_latency, warmup_low_latency
 from decode_boundary.gemm.reference import REL_SUM_TOLERANCE, bf16_ulp, mxfp8_mm_exact
 from decode_boundary.gemm.tactics import DOT_TILES, Tactic, fits
-from decode_boundary.gemm.timing import copy_rate, graph_time_us, rotated_copies
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes, quantize_mxfp8_ref
-from decode_boundary.report import git_commit, write_json
 
 SHAPES = {  # name: (N, K, groups)
     "wo_b": (5120, 2048, 1),
@@ -137,7 +139,7 @@ def read_floor_us(copies, n: int, k: int) -> tuple[float, str]:
                 continue
             launch = lambda w: read_chunks_kernel[(n * k // chunk,)](
                 w, sink, CHUNK_WORDS=chunk // 4, SUB=warps * 128, num_warps=warps)
-            t = graph_time_us(lambda i: launch(words[i]), len(words))
+            t = graph_time_us([functools.partial(launch, w) for w in words])
             best = min(best, (t, f"{chunk_kb} KB x {warps} warps"))
     return best
 
@@ -174,16 +176,8 @@ class Problem:
         if not bool((excess <= 0).all()):
             raise AssertionError(f"{tuple(tactic)} M={rows}: {int((excess > 0).sum())} "
                                  "elements out of bound")
-        return graph_time_us(lambda i: launch_low_latency(self.copies[i], a, out, tactic),
-                             len(self.copies))
-
-
-def time_cublas_bf16(n: int, k: int, groups: int, rows: int) -> float:
-    """cuBLAS BF16 of the same product (grouped: one bmm over the groups)."""
-    count = -(-(64 << 20) // (2 * n * k)) + 1
-    weights = [torch.randn(groups, n // groups, k, device="cuda").bfloat16() for _ in range(count)]
-    x = torch.randn(groups, rows, k, device="cuda").bfloat16()
-    return graph_time_us(lambda i: torch.bmm(x, weights[i].transpose(1, 2)), count)
+        return graph_time_us([functools.partial(launch_low_latency, c, a, out, tactic)
+                              for c in self.copies])
 
 
 def main() -> None:
@@ -221,7 +215,9 @@ def main() -> None:
                 entry["timings"].append(dict(rows=rows, tactic=tuple(tactic), us=us))
                 ranked.setdefault(rows, []).append((us, tactic))
         for rows in sorted(ranked):
-            entry["cublas_bf16_us"][rows] = time_cublas_bf16(n, k, groups, rows)
+            entry["cublas_bf16_us"][rows] = time_cublas_bf16(
+                torch.randn(groups, rows, k, device="cuda").bfloat16(),
+                torch.randn(groups, n // groups, k, device="cuda").bfloat16())
             top = sorted(ranked[rows])
             us, tactic = top[0]
             bf16 = []

@@ -2,9 +2,28 @@
 decode step on Hopper GPUs (MXFP8 GEMMs, a Lamport all-reduce fused with mHC,
 RMSNorm and MXFP8 quantization, and a wo_b GEMM that publishes from its epilogue).
 
-The names a user needs import from here (``from decode_boundary import
-BoundaryAllReduce, mxfp8_mm``). They load on first use: importing the package
-imports no Triton, so ``TRITON_INTERPRET`` can still be set after it.
+The dozen names a user needs import from here (``from decode_boundary import
+BoundaryAllReduce, mxfp8_mm``), in three groups:
+
+* formats: ``QuantizedActivation`` (an MXFP8 tensor: e4m3 data + 128x4-swizzled
+  UE8M0 scales), ``quantize_mxfp8`` (the Triton quantizer), ``dequantize_mxfp8``,
+  ``mxfp8_scale_bytes`` (size of a scale buffer);
+* GEMMs: ``Mxfp8Linear`` (an MXFP8 weight), ``load_linear`` (one projection of a
+  DSV4.1 checkpoint), ``mxfp8_mm`` (the GEMM, any row count), ``precompile``
+  (compile before CUDA-graph capture);
+* the boundary: ``BoundaryAllReduce`` (all-reduce + mHC + RMSNorm + MXFP8),
+  ``PublishingMxfp8Linear`` (``wo_b`` publishing from its epilogue),
+  ``AttentionBoundary`` (one rank's whole boundary), ``MODELS`` (DSV4-family
+  shapes).
+
+They load on first use: importing the package imports no Triton, so
+``TRITON_INTERPRET`` can still be set after it. Expert names stay in their
+modules: ``selected_tactic``, ``run_zeros``,
+``compile_pinned`` and ``shape_representatives`` in ``decode_boundary.gemm``,
+``AUTOTUNER`` and ``pinned_tactics`` in ``decode_boundary.gemm.autotune``,
+``Tactic`` in ``decode_boundary.gemm.tactics``, ``mxfp8_mm_ref`` in
+``decode_boundary.gemm.reference``, ``quantize_mxfp8_ref`` in
+``decode_boundary.mxfp8.format``.
 
 Layers (each imports only those before it in this list; docs/CONTRACTS.md,
 tests/test_api.py): ``mxfp8.format``, ``env`` (formats) -> ``common`` (device
@@ -20,31 +39,17 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    # formats
+    # formats: MXFP8 tensors, byte-compatible with FlashInfer's mm_mxfp8 operands
     "QuantizedActivation": "decode_boundary.mxfp8.format",
-    "dequantize_mxfp8": "decode_boundary.mxfp8.format",
-    "quantize_mxfp8_ref": "decode_boundary.mxfp8.format",
-    "mxfp8_scale_bytes": "decode_boundary.mxfp8.format",
     "quantize_mxfp8": "decode_boundary.mxfp8.quantize_kernel",
-    # GEMMs
+    "dequantize_mxfp8": "decode_boundary.mxfp8.format",
+    "mxfp8_scale_bytes": "decode_boundary.mxfp8.format",
+    # GEMMs: MXFP8 weights and the low-row GEMM
     "Mxfp8Linear": "decode_boundary.gemm.linear",
     "load_linear": "decode_boundary.gemm.linear",
     "mxfp8_mm": "decode_boundary.gemm.api",
-    "mxfp8_mm_ref": "decode_boundary.gemm.reference",
-    "low_latency_mm": "decode_boundary.gemm.api",
-    "wide_mm": "decode_boundary.gemm.api",
-    "pinned_mm": "decode_boundary.gemm.api",
-    "wide_or_pinned_mm": "decode_boundary.gemm.api",
-    "projection_mm": "decode_boundary.gemm.api",
     "precompile": "decode_boundary.gemm.api",
-    "compile_pinned": "decode_boundary.gemm.api",
-    "run_zeros": "decode_boundary.gemm.api",
-    "shape_representatives": "decode_boundary.gemm.api",
-    "selected_tactic": "decode_boundary.gemm.api",
-    "AUTOTUNER": "decode_boundary.gemm.autotune",
-    "pinned_tactics": "decode_boundary.gemm.autotune",
-    "Tactic": "decode_boundary.gemm.tactics",
-    # the boundary
+    # the boundary: all-reduce + mHC + RMSNorm, the publishing wo_b, the whole chain
     "BoundaryAllReduce": "decode_boundary.boundary.all_reduce",
     "PublishingMxfp8Linear": "decode_boundary.publishing_linear",
     "AttentionBoundary": "decode_boundary.model.chain",

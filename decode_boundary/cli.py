@@ -1,10 +1,11 @@
 """The ``decode-boundary`` command.
 
-* ``bench``: verify, then time strong_baseline / baseline / unfused / fused
-  boundaries on every local GPU (one process per GPU, started here;
-  ``torchrun`` works too), or with ``--tp-shapes N`` one rank's share of a
-  TP-N deployment on one GPU; a table, JSON and a PNG (latency vs M, and a
-  per-kernel breakdown) in an output folder named at the end.
+* ``bench``: verify, then time every path of ``bench.paths.PATHS``
+  (compiled_step / strong_baseline / baseline / unfused / fused) on every
+  local GPU (one process per GPU, started here; ``torchrun`` works too), or
+  with ``--tp-shapes N`` one rank's share of a TP-N deployment on one GPU; a
+  table, JSON and a PNG (latency vs M, and a per-kernel breakdown) in an output
+  folder named at the end.
 * ``verify``: correctness only. Without a GPU it runs the kernels in the Triton
   interpreter on CPU at the ``tiny`` size with tp = 2 simulated in one process, and says so.
 * ``gemm``: our MXFP8 GEMM vs cuBLAS BF16 / FP8 row-wise vs the HBM floor.
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from decode_boundary import report
+from decode_boundary.bench import report
 from decode_boundary.launch import RankError, in_torchrun, launch
 from decode_boundary.model.config import MODELS, BoundaryConfig
 
@@ -95,8 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("bench", parents=[common, boundary],
-                   help="verify, then time strong_baseline / baseline / unfused / fused "
-                        "on all local GPUs (or one rank of TP N on one GPU: --tp-shapes N)")
+                   help="verify, then time compiled_step / strong_baseline / baseline / "
+                        "unfused / fused on all local GPUs (or one rank of TP N on one GPU: "
+                        "--tp-shapes N)")
     sub.add_parser("verify", parents=[common, boundary],
                    help="correctness only (Triton interpreter when there is no GPU)")
     gemm = sub.add_parser("gemm", parents=[common],
@@ -153,7 +155,7 @@ def _boundary(parser: argparse.ArgumentParser, args) -> int:
                      args.tp_shapes or tp)
     rows = tuple(args.rows or (INTERPRETER_ROWS if interpreter else DEFAULT_ROWS))
     # After TRITON_INTERPRET is set: importing Triton reads it.
-    from decode_boundary.model.bench import BenchSpec, run_rank, verify_simulated
+    from decode_boundary.bench.harness import BenchSpec, run_rank, verify_simulated
 
     out = _console(args.json)
     if interpreter:
@@ -205,7 +207,7 @@ def _gemm(parser: argparse.ArgumentParser, args) -> int:
         return 2
     tp = args.tp or GEMM_TP
     config = _config(parser, args, DEFAULT_MODEL, tp)
-    from decode_boundary.model.bench import gemm_table  # kernels: import only once needed
+    from decode_boundary.bench.gemm import gemm_table  # kernels: import only once needed
 
     shapes = args.shapes or [
         ("wo_b", *config.wo_b_shape(tp)),
@@ -220,7 +222,9 @@ def _gemm(parser: argparse.ArgumentParser, args) -> int:
         "gemm", args.command_line, report.environment(False, []),
         {"model": config.name, "tp": tp, "rows": rows, "shapes": [list(s) for s in shapes]},
     )
-    result.update(gemm_table(shapes, rows, torch.device("cuda", torch.cuda.current_device())))
+    with report.progress(True, len(shapes) * len(rows)) as advance:
+        result.update(gemm_table(shapes, rows, torch.device("cuda", torch.cuda.current_device()),
+                                 advance))
     out = _console(args.json)
     out.print(report.gemm_table(result))
     _save(args, result, out, plot=False)

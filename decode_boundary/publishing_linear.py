@@ -39,7 +39,8 @@ from types import SimpleNamespace
 
 import torch
 
-from decode_boundary.boundary.all_reduce import BoundaryAllReduce, instance, sync_words
+from decode_boundary.boundary.all_reduce import BoundaryAllReduce
+from decode_boundary.boundary.ops import instance, sync_words
 from decode_boundary.common.contract import PublishTarget
 from decode_boundary.gemm import (
     LOW_BATCH_MAX_ROWS,

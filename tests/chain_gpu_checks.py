@@ -17,8 +17,8 @@ import random
 import torch
 import torch.distributed as dist
 
+from decode_boundary.bench.harness import verify_rows
 from decode_boundary.launch import RankContext
-from decode_boundary.model.bench import verify_rows
 from decode_boundary.model.chain import OUTPUT_NAMES, AttentionBoundary, BoundaryInputs
 from decode_boundary.model.config import MODELS
 
@@ -51,9 +51,9 @@ def _layers_step(layers: list[AttentionBoundary], rows: int, mismatches: torch.T
     residual = None
     for ab in layers:
         inputs = _draw_inputs(ab, rows, residual)
-        partial_fused = ab.produce(inputs, "fused")
+        partial_fused = ab.produce(inputs, fused=True)
         fused = ab.consume(inputs, partial_fused)
-        partial_plain = ab.produce(inputs, "unfused")
+        partial_plain = ab.produce(inputs, fused=False)
         plain = ab.consume(inputs, partial_plain)
         mismatches.add_(_bits_differ(partial_fused, partial_plain))
         for name in OUTPUT_NAMES:

@@ -1,6 +1,6 @@
 """Hand-computed MXFP8 vectors shared by the reference and the kernel tests.
 
-Every expected byte is worked out by hand from design.md §4 (see the notes on
+Every expected byte is worked out by hand from docs/DESIGN.md §4 (see the notes on
 each entry), not by running either implementation.
 """
 

@@ -12,8 +12,8 @@ import decode_boundary
 PACKAGE = Path(decode_boundary.__file__).parent
 # Layer of each module path prefix (lower imports nothing higher).
 LAYERS = [("mxfp8/format.py", 0), ("env.py", 0), ("common/", 1), ("mxfp8/", 2), ("gemm/", 3),
-          ("boundary/", 3), ("publishing_linear.py", 4), ("launch.py", 4), ("report.py", 4),
-          ("model/", 5), ("cli.py", 6)]
+          ("boundary/", 3), ("publishing_linear.py", 4), ("launch.py", 4), ("model/", 5),
+          ("bench/", 6), ("cli.py", 7)]
 
 
 def layer_of(rel: str) -> int:

@@ -13,14 +13,12 @@ import triton
 import triton.language as tl
 
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
+from decode_boundary.boundary.consumer import ConsumerTactic, consume, sumsq_columns
 from decode_boundary.boundary.consumer_kernel import (
     FULL,
     NORM_TIMEOUT_BIT,
-    ConsumerTactic,
     _publish_partial,
     _wait_partials,
-    consume,
-    sumsq_columns,
 )
 from decode_boundary.boundary.reference import consumer_ref, moe_finalize_ref, reduce_ref
 from decode_boundary.gemm.reference import bf16_ulp

@@ -25,8 +25,8 @@ def tiny_boundary():
 @pytest.mark.parametrize("rows", [1, 5])
 def test_fused_matches_unfused_and_reference(tiny_boundary, rows):
     inputs = tiny_boundary.make_inputs(rows, seed=rows)
-    unfused = tiny_boundary.run(inputs, "unfused")
-    fused = tiny_boundary.run(inputs, "fused")
+    unfused = tiny_boundary(inputs, fused=False)
+    fused = tiny_boundary(inputs, fused=True)
     assert outputs_identical(fused, unfused)
     assert check_outputs(fused, tiny_boundary.reference(inputs)) == []
 
@@ -35,29 +35,31 @@ def test_consecutive_steps_rotate_stages(tiny_boundary):
     """Three fused steps in a row walk the three mailbox stages; each stays exact."""
     for step in range(4):
         inputs = tiny_boundary.make_inputs(2, seed=100 + step)
-        fused = tiny_boundary.run(inputs, "fused")
+        fused = tiny_boundary(inputs, fused=True)
         assert check_outputs(fused, tiny_boundary.reference(inputs)) == []
 
 
 def test_check_outputs_catches_a_wrong_answer(tiny_boundary):
     inputs = tiny_boundary.make_inputs(2, seed=7)
-    out = tiny_boundary.run(inputs, "unfused")
+    out = tiny_boundary(inputs, fused=False)
     ref = tiny_boundary.reference(inputs)
     out.q.mul_(1.1)
     assert any(f.startswith("q:") for f in check_outputs(out, ref))
 
 
 def test_bad_path(tiny_boundary):
-    with pytest.raises(ValueError, match="path"):
-        tiny_boundary.run(tiny_boundary.make_inputs(1, 0), "nccl")
+    from decode_boundary.bench.paths import build
+
+    with pytest.raises(ValueError, match="path must be one of"):
+        build("nccl", tiny_boundary)
 
 
 def test_two_simulated_ranks_fused_unfused_reference_and_rank_identity():
     ranks = simulated_boundaries(MODELS["tiny"], 2, capacity=8, seed=4)
     inputs = [b.make_inputs(3, seed=9) for b in ranks]
     assert not torch.equal(inputs[0].attn_out, inputs[1].attn_out)  # each rank its own
-    unfused = run_simulated(ranks, inputs, "unfused")
-    fused = run_simulated(ranks, inputs, "fused")
+    unfused = run_simulated(ranks, inputs, fused=False)
+    fused = run_simulated(ranks, inputs, fused=True)
     partials = [b.reference_partial(x) for b, x in zip(ranks, inputs, strict=True)]
     ref = ranks[0].reference(inputs[0], partials)
     for u, f in zip(unfused, fused, strict=True):
@@ -87,11 +89,11 @@ def test_fused_boundary_is_four_launches_unfused_five(tiny_boundary, rows, monke
     -> consumer -> fused_wqa_wkv; unfused adds the publish kernel."""
     launched = _count_launches(monkeypatch)
     inputs = tiny_boundary.make_inputs(rows, seed=rows)
-    tiny_boundary.run(inputs, "fused")
+    tiny_boundary(inputs, fused=True)
     assert launched == ["mxfp8_gemm_kernel", "mxfp8_gemm_kernel", "consumer_kernel",
                         "mxfp8_gemm_kernel"], launched
     launched.clear()
-    tiny_boundary.run(inputs, "unfused")
+    tiny_boundary(inputs, fused=False)
     assert launched == ["mxfp8_gemm_kernel", "mxfp8_gemm_kernel", "publish_kernel",
                         "consumer_kernel", "mxfp8_gemm_kernel"], launched
 
@@ -100,15 +102,14 @@ def test_strong_baseline_is_close_to_the_reference(tiny_boundary):
     """cuBLAS-BF16-style GEMMs + the traced mHC (aot_eager: the graph torch.compile
     would hand inductor) against the MXFP8 reference: a speed baseline, so close,
     not equal; the eager mhc_rmsnorm matches the consumer reference on the same sum."""
+    from decode_boundary.bench.baselines import BASELINE_RTOL, StrongBaseline, mhc_rmsnorm
     from decode_boundary.boundary.reference import consumer_ref
-    from decode_boundary.model.baseline import StrongBaseline, mhc_rmsnorm
-    from decode_boundary.model.chain import BASELINE_RTOL, BoundaryOutputs
 
     ab = tiny_boundary
-    strong = StrongBaseline(ab.wo_a, ab.wo_b, ab.fused_wqa_wkv, None, 8, backend="aot_eager")
+    strong = StrongBaseline(ab, backend="aot_eager")
     inputs = ab.make_inputs(5, seed=21)
     args = (inputs.residual, inputs.post, inputs.comb, inputs.pre, ab.norm_weight, ab.config.eps)
-    out = BoundaryOutputs(*strong(inputs.attn_out, *args))
+    out = strong(inputs)
     assert check_outputs(out, ab.reference(inputs), BASELINE_RTOL) == []
     reduced = torch.randn(5, ab.config.hidden).bfloat16()
     residual_out, layer_input = mhc_rmsnorm(reduced, *args)

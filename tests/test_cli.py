@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from decode_boundary import cli, report
+from decode_boundary import cli
+from decode_boundary.bench import report
 from decode_boundary.env import NO_MULTICAST_ENV
 from decode_boundary.launch import RankError, launch
 
@@ -237,10 +238,10 @@ def test_verify_without_gpu_runs_in_the_interpreter(tmp_path):
 
 
 def test_verify_fails_with_exit_1_on_a_wrong_answer(capsys, monkeypatch):
-    import decode_boundary.model.bench as bench
+    import decode_boundary.bench.harness as harness
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(bench, "check_outputs", lambda out, ref: ["q: injected"])
+    monkeypatch.setattr(harness, "check_outputs", lambda out, ref: ["q: injected"])
     assert cli.main(["verify", "--rows", "1"]) == 1
     table = capsys.readouterr().out  # without --json the table goes to stdout
     assert "fused q: injected" in table and "unfused q: injected" in table and "FAIL" in table
@@ -281,12 +282,12 @@ def test_gemm_table_times_grouped_wo_a_as_one_launch(monkeypatch):
     one bmm for cuBLAS BF16, one FP8 call per group; every call runs."""
     import types
 
-    import decode_boundary.model.bench as bench
+    import decode_boundary.bench.gemm as bench
 
     ran = []
 
-    def once(call, copies, *args, **kwargs):
-        ran.append(call(0))
+    def once(steps, *args, **kwargs):
+        ran.append(steps[0]())
         return 1.0
 
     monkeypatch.setattr(bench, "graph_time_us", once)

@@ -11,10 +11,9 @@ from decode_boundary import (
     PublishingMxfp8Linear,
     mxfp8_mm,
     mxfp8_scale_bytes,
-    quantize_mxfp8_ref,
 )
 from decode_boundary.boundary.reference import consumer_ref
-from decode_boundary.mxfp8.format import unswizzle_scales
+from decode_boundary.mxfp8.format import quantize_mxfp8_ref, unswizzle_scales
 
 
 def test_readme_decode_step_on_one_cpu_rank():

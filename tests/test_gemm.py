@@ -6,22 +6,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 from gemm_helpers import make_input, make_layer, poisoned
+from gemm_row_ranges import low_latency_mm, pinned_mm, projection_mm, wide_mm, wide_or_pinned_mm
 
 from decode_boundary.gemm import (
     Tactic,
-    low_latency_mm,
+    launcher,
     mxfp8_mm,
-    pinned_mm,
     precompile,
-    projection_mm,
     selected_tactic,
     shape_representatives,
-    wide_mm,
-    wide_or_pinned_mm,
 )
-from decode_boundary.gemm import mxfp8_gemm_kernel as kernel_module
+from decode_boundary.gemm.launcher import launch_low_latency
 from decode_boundary.gemm.linear import Mxfp8Linear
-from decode_boundary.gemm.mxfp8_gemm_kernel import launch_low_latency
 from decode_boundary.gemm.reference import check_mxfp8_mm, dequantize_weight, mxfp8_mm_ref
 from decode_boundary.mxfp8.format import (
     QuantizedActivation,
@@ -80,7 +76,7 @@ def test_kernel_meets_bar_and_repeats_bits(rows, n, k, tactic):
     again = launch_low_latency(layer, qa, poisoned(rows, n), tactic)
     assert torch.equal(out.view(torch.int16), again.view(torch.int16))
     if tactic.split_k > 1:  # the last program re-armed every counter it used
-        assert all(int(c.abs().sum()) == 0 for c in kernel_module._COUNTERS.values())
+        assert all(int(c.abs().sum()) == 0 for c in launcher._COUNTERS.values())
 
 
 @pytest.mark.parametrize("rows,n,k,tactic", [CASES[0], CASES[2], CASES[5], CASES[8]])
@@ -256,13 +252,13 @@ def test_shape_representatives_and_precompile():
     reps = shape_representatives(layers)
     assert [tuple(r.weight.shape) for r in reps] == [(128, 64), (64, 128)]
     assert reps[1] is layers[0]  # sorted by (N, K, groups)
-    before = dict(kernel_module._WORKSPACES)
+    before = dict(launcher._WORKSPACES)
     big = make_layer(128, 2048, generator=g)
     precompile(big, [1, 8, 40])  # launches nothing; allocates what split-K needs
     assert selected_tactic(big, 8).split_k > 1
-    assert len(kernel_module._WORKSPACES) >= len(before)
+    assert len(launcher._WORKSPACES) >= len(before)
     assert any(buf.numel() * 4 >= 128 * 16 * selected_tactic(big, 8).split_k
-               for buf in kernel_module._WORKSPACES.values())
+               for buf in launcher._WORKSPACES.values())
     assert selected_tactic(big, 8, bf16_input=True).rows_tile == 16
 
 

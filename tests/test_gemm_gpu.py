@@ -13,13 +13,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 from gemm_helpers import make_input, make_layer, poisoned
+from gemm_row_ranges import projection_mm
 
 from decode_boundary.gemm import (
     Tactic,
     launch_low_latency,
     mxfp8_mm,
     precompile,
-    projection_mm,
     selected_tactic,
     warmup_low_latency,
 )

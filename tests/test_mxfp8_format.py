@@ -1,6 +1,6 @@
 """MXFP8 reference format (decode_boundary.mxfp8.format) against hand-computed bytes.
 
-Every expected byte (here and in mxfp8_vectors.py) is worked out by hand from design.md §4:
+Every expected byte (here and in mxfp8_vectors.py) is worked out by hand from docs/DESIGN.md §4:
 scale byte = biased exponent of amax/448, +1 if its mantissa is non-zero;
 element = e4m3 of clamp(x / 2^(byte-127), ±448), round to nearest even.
 e4m3fn: sign | 4 exponent bits (bias 7) | 3 mantissa bits; subnormals are

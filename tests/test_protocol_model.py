@@ -1,4 +1,4 @@
-"""Properties of the Lamport mailbox protocol (design.md §6) on its host-side model:
+"""Properties of the Lamport mailbox protocol (docs/DESIGN.md §6) on its host-side model:
 random interleavings never lose or mix data and never deadlock; clearing stage s+1
 instead of the consumed stage does corrupt a fast peer."""
 
@@ -7,8 +7,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
-
-from decode_boundary.boundary.protocol_model import MailboxModel, simulate
+from protocol_model import MailboxModel, simulate
 
 
 def random_bf16_bits(rng, shape):

@@ -1,11 +1,13 @@
 """``BoundaryAllReduce``: the Lamport all-reduce of a tensor-parallel decode
-boundary, fused with mHC mixing, RMSNorm and MXFP8 quantization (design.md §5-6).
+boundary, fused with mHC mixing, RMSNorm and MXFP8 quantization (docs/DESIGN.md
+§5-6).
 
 One call = publish kernel (this rank's partial into every peer's mailbox) +
 consumer kernel (wait, rank-ordered sum, mHC, norm, quantize, re-arm). A
 producer that publishes itself (the publishing ``wo_b`` GEMM, the MoE
 finalize) calls :meth:`mark_published`; the next call with that tensor then
-launches only the consumer.
+launches only the consumer. The transport (peer mailboxes or an NCCL
+all-gather) is chosen at construction (:mod:`.transport`).
 
 Bounded waits: a consumer gives up after ``wait_timeout_s`` and records the
 ranks that never arrived in a device status word. Outside CUDA-graph capture
@@ -15,16 +17,10 @@ and raises ``RuntimeError`` naming the ranks; under capture nothing is read
 After such an error, every rank calls ``reset(collective=True)``.
 
 torch.compile: under tracing, ``publish``, ``publish_finalize`` and the
-reduction go through the custom ops ``decode_boundary::boundary_publish``,
-``boundary_publish_finalize`` and ``boundary_reduce``. Each declares mutated
-the device words it writes: this rank's stage words (every op of the protocol,
-so functionalization keeps them all and in order), the consumer's status word
-and norm scratch, and the caller's MXFP8 buffers. The mailbox itself is not an
-argument: every rank's kernels store into it through peer addresses, so a
-functional copy of it (what an eager backend makes of a mutated argument)
-would be copied back stale over a peer's later stores. The host rules
-(mark_published, one publish per reduce) stay Python and are traced with the
-step. Open the mailbox (construct, ``precompile``) before compiling.
+reduction go through the custom ops of :mod:`.ops` (which declare the device
+words they mutate); the host rules (mark_published, one publish per reduce)
+stay Python here and are traced with the step. Open the mailbox (construct,
+``precompile``) before compiling.
 
 Compiling: the first call of a kernel variant JIT-compiles it (seconds), and
 ranks compile at different speeds; a peer still compiling its publish would
@@ -38,41 +34,25 @@ raises and asks for :meth:`precompile` (or an eager warm-up call) first.
 
 from __future__ import annotations
 
-import itertools
-import weakref
-
 import torch
 import torch.distributed as dist
 
 from .. import env
 from ..common.contract import PublishTarget
-from ..mxfp8.format import mxfp8_scale_bytes
-from .consumer_kernel import (
-    FULL,
-    NORM_TIMEOUT_BIT,
-    PLAIN,
-    RESIDUAL_ONLY,
+from . import ops
+from .consumer import (
     ConsumerTactic,
+    compile_inputs,
     consume,
     consumer_tactic,
+    status_error,
+    wait_bound,
 )
+from .consumer_kernel import FULL, PLAIN, RESIDUAL_ONLY
 from .finalize_kernel import check_finalize_inputs, finalize_publish
-from .mailbox import (
-    Mailbox,
-    gpu_placements,
-    local_words,
-    peers_reachable,
-    ranks_share_a_gpu,
-    simulated_mailboxes,
-    symmetric_mailbox,
-)
+from .mailbox import Mailbox, simulated_mailboxes
 from .publish_kernel import publish
-
-# Wait bound without %globaltimer, as spins: one spin takes ~1 us on a GPU and
-# ~1 ms in the Triton interpreter.
-SPINS_PER_SECOND = 1_000_000
-INTERPRETER_SPINS_PER_SECOND = 1_000
-TRANSPORTS = ("auto", "mailbox", "nccl")
+from .transport import TRANSPORTS, gather_partials, open_transport
 
 
 class BoundaryAllReduce:
@@ -105,38 +85,18 @@ class BoundaryAllReduce:
         self.wait_timeout_s = wait_timeout_s
         self.group = group
         if _mailbox is None:
-            if group is None or dist.get_world_size(group) == 1:
-                _mailbox = simulated_mailboxes(1, capacity, hidden_size, self.device)[0]
-                transport = "mailbox"
-            else:
-                placements = gpu_placements(group, self.device)
-                shared_gpu = ranks_share_a_gpu(placements)
-                if transport == "auto":
-                    reachable = not shared_gpu and peers_reachable(group, self.device, placements)
-                    transport = "mailbox" if reachable else "nccl"
-                if transport == "mailbox" and shared_gpu:
-                    raise RuntimeError(
-                        "two ranks of the group share a GPU: symmetric memory cannot map their "
-                        "mailboxes; run one rank per GPU or use transport='nccl'")
-                if transport == "mailbox":
-                    _mailbox = symmetric_mailbox(group, capacity, hidden_size, self.device)
-                else:
-                    _mailbox = local_words(group, capacity, hidden_size, self.device)
+            _mailbox, transport = open_transport(group, capacity, hidden_size, self.device,
+                                                 transport)
         elif transport == "auto":
             transport = "mailbox"
         self.transport = transport
         self._box: Mailbox | None = _mailbox
         self.tp, self.rank = _mailbox.tp, _mailbox.rank
         self._published: torch.Tensor | None = None
-        self.handle = next(_HANDLES)  # what the custom ops name this instance by
-        _INSTANCES[self.handle] = weakref.ref(self)
+        self.handle = ops.register(self)  # what the custom ops name this instance by
         self.tactic = tactic
         self._compiled: set[tuple] = set()
-        if env.use_ptx(self.device):
-            self._wait_bound = int(wait_timeout_s * 1e9)  # %globaltimer nanoseconds
-        else:
-            rate = INTERPRETER_SPINS_PER_SECOND if env.interpret_mode() else SPINS_PER_SECOND
-            self._wait_bound = max(1, int(wait_timeout_s * rate))
+        self._wait_bound = wait_bound(wait_timeout_s, self.device)
 
     @classmethod
     def simulated(cls, tp: int, hidden_size: int, hc_mult: int, capacity: int, top_k: int,
@@ -199,20 +159,14 @@ class BoundaryAllReduce:
         return partial
 
     def _publish_finalize_launch(self, gemm2_permuted, expert_weights, idx, shared_output):
-        box = self._box
         # A host read of the index table: only outside capture (it would sync).
         if not self._capturing() and idx.numel() and int(idx.max()) >= gemm2_permuted.shape[0]:
             raise ValueError(f"expanded_idx_to_permuted_idx holds {int(idx.max())}, but "
                              f"gemm2_permuted has {gemm2_permuted.shape[0]} rows")
-        mailbox = self.transport == "mailbox"
-
-        def launch(compile_only=False):
-            return finalize_publish(gemm2_permuted, expert_weights, idx, shared_output,
-                                    box.peer_ptrs, box.stage_state, self.rank, self.capacity,
-                                    publish=mailbox, compile_only=compile_only)
-
-        self.compile_variants({("finalize", expert_weights.dtype, idx.dtype): lambda: launch(True)})
-        return launch()
+        args = (gemm2_permuted, expert_weights, idx, shared_output)
+        self.compile_variants({("finalize", expert_weights.dtype, idx.dtype):
+                               lambda: self._launch_finalize(*args, compile_only=True)})
+        return self._launch_finalize(*args)
 
     # -- reducing --------------------------------------------------------------------------
 
@@ -220,7 +174,7 @@ class BoundaryAllReduce:
                  comb: torch.Tensor, pre: torch.Tensor | None, norm_weight: torch.Tensor | None,
                  norm_eps: float, mxfp8_out: tuple[torch.Tensor, torch.Tensor] | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Reduce ``x`` over the group and apply design.md §5. Returns
+        """Reduce ``x`` over the group and apply docs/DESIGN.md §5. Returns
         (residual_out [M, hc, H], layer_input [M, H] or None when ``pre`` is None);
         the MXFP8 layer input goes into ``mxfp8_out`` = (data, swizzled scales)."""
         if pre is None and not self.residual_only:
@@ -254,7 +208,7 @@ class BoundaryAllReduce:
         ``rows`` (an int or an iterable), launching nothing, then barrier the
         group. Collective. Call it before capturing CUDA graphs."""
         rows = [rows] if isinstance(rows, int) else list(rows)
-        box = self._open()
+        self._open()
         h, hc, dev = self.hidden_size, self.hc_mult, self.device
         compilers = {}
         for m in rows:
@@ -263,29 +217,14 @@ class BoundaryAllReduce:
             compilers[("publish",)] = lambda x=x: self._launch_publish(x, compile_only=True)
             for dtype in (torch.float32, torch.bfloat16):
                 compilers[("finalize", dtype, torch.int32)] = lambda x=x, dtype=dtype: (
-                    finalize_publish(x, torch.zeros(len(x), self.top_k, dtype=dtype, device=dev),
-                                     torch.zeros(len(x), self.top_k, dtype=torch.int32,
-                                                 device=dev),
-                                     x, box.peer_ptrs, box.stage_state, self.rank,
-                                     self.capacity, publish=self.transport == "mailbox",
-                                     compile_only=True))
-            inputs = dict(residual=torch.zeros(m, hc, h, dtype=torch.bfloat16, device=dev),
-                          post=torch.zeros(m, hc, device=dev),
-                          comb=torch.zeros(m, hc, hc, device=dev),
-                          pre=torch.zeros(m, hc, device=dev),
-                          norm_weight=torch.zeros(h, dtype=torch.bfloat16, device=dev), eps=0.0)
-            variants = [(PLAIN, None), (FULL, None)]
-            if self.residual_only:
-                variants.append((RESIDUAL_ONLY, None))
-            if self.quantize_layer_input and h % 32 == 0:
-                variants.append((FULL, (torch.empty(m, h, dtype=torch.float8_e4m3fn, device=dev),
-                                        torch.empty(mxfp8_scale_bytes(m, h), dtype=torch.uint8,
-                                                    device=dev))))
-            for mode, q in variants:
-                used = {} if mode == PLAIN else dict(inputs, mxfp8_out=q)
-                if mode == RESIDUAL_ONLY:
-                    used.update(pre=None, norm_weight=None)
-                compilers[self._consumer_key(m, mode, q is not None)] = (
+                    self._launch_finalize(
+                        x, torch.zeros(len(x), self.top_k, dtype=dtype, device=dev),
+                        torch.zeros(len(x), self.top_k, dtype=torch.int32, device=dev), x,
+                        compile_only=True))
+            for mode, used in compile_inputs(m, hc, h, dev, self.residual_only,
+                                             self.quantize_layer_input):
+                quant = used.get("mxfp8_out") is not None
+                compilers[self._consumer_key(m, mode, quant)] = (
                     lambda x=x, mode=mode, used=used: self._consume(x, mode, compile_only=True,
                                                                     **used))
         self.compile_variants(compilers, force_barrier=True)
@@ -298,24 +237,14 @@ class BoundaryAllReduce:
         nothing. Every rank must then ``reset(collective=True)`` before the next
         step; graph users who check only every few replays may have consumed
         wrong sums since the timeout."""
-        status = int(self._open().status.item())
-        missing = [p for p in range(self.tp) if status >> p & 1]
-        if missing:
-            # A norm timeout next to a missing rank is its consequence (a program still
-            # waiting for that rank published its partial late): name the rank.
-            raise RuntimeError(
-                f"BoundaryAllReduce rank {self.rank}: rank(s) {missing} did not publish within "
-                f"{self.wait_timeout_s} s; call reset(collective=True) on every rank")
-        if status & NORM_TIMEOUT_BIT:
-            raise RuntimeError(
-                f"BoundaryAllReduce rank {self.rank}: the programs of a token did not meet for "
-                f"the RMSNorm within {self.wait_timeout_s} s (cooperative tactic: were they "
-                "co-resident? a serial consumer tactic needs no meeting); call "
-                "reset(collective=True) on every rank")
+        error = status_error(int(self._open().status.item()), self.tp, self.wait_timeout_s)
+        if error is not None:
+            raise RuntimeError(f"BoundaryAllReduce rank {self.rank}: {error}")
 
     def reset(self, collective: bool = False) -> None:
         """Drop an unreduced publish. ``collective=True`` (every rank must call
-        it): also re-arm the mailbox (-0), the stage words, the norm scratch and status."""
+        it): also re-arm the mailbox (sentinel fill), the stage words, the norm
+        scratch and status."""
         box = self._open()
         self._published = None
         if not collective:
@@ -369,6 +298,13 @@ class BoundaryAllReduce:
             publish(x, box.peer_ptrs, box.stage_state, self.rank, self.capacity,
                     compile_only=compile_only)
 
+    def _launch_finalize(self, gemm2_permuted, expert_weights, idx, shared_output,
+                         compile_only: bool = False) -> torch.Tensor:
+        box = self._box
+        return finalize_publish(gemm2_permuted, expert_weights, idx, shared_output,
+                                box.peer_ptrs, box.stage_state, self.rank, self.capacity,
+                                publish=self.transport == "mailbox", compile_only=compile_only)
+
     def _consumer_key(self, m: int, mode: int, quant: bool) -> tuple:
         return ("consume", mode, quant, self.tactic or consumer_tactic(m, self.hidden_size))
 
@@ -401,9 +337,7 @@ class BoundaryAllReduce:
         if self.transport == "mailbox":
             return consume(box.buffer, self.tp, m, mode=mode, stage_state=box.stage_state,
                            **scratch, **inputs)
-        gathered = torch.empty(self.tp, *x.shape, dtype=x.dtype, device=x.device)
-        if not compile_only:
-            dist.all_gather_into_tensor(gathered.view(-1, x.shape[1]), x, group=self.group)
+        gathered = gather_partials(x, self.tp, self.group, compile_only)
         return consume(gathered, self.tp, m, mode=mode, lamport=False, **scratch, **inputs)
 
     def _reduce(self, x: torch.Tensor, mode: int, **inputs):
@@ -439,83 +373,3 @@ class BoundaryAllReduce:
         if not self._capturing():
             self.check()
         return out
-
-
-# -- custom ops (torch.compile): the launches of one instance, its device state declared ----
-
-_HANDLES = itertools.count()
-_INSTANCES: dict[int, weakref.ref] = {}
-_SCRATCH = ("stage_state", "status", "generation", "sumsq", "prenorm")
-
-
-def instance(handle: int) -> BoundaryAllReduce:
-    """The live all-reduce a custom op's ``handle`` names."""
-    ref = _INSTANCES.get(handle)
-    ar = ref() if ref is not None else None
-    if ar is None or ar._box is None:
-        raise RuntimeError(f"BoundaryAllReduce {handle} is closed or gone")
-    return ar
-
-
-def sync_words(handle: int, **passed: torch.Tensor) -> None:
-    """After a launch on the instance's own device words: make the tensors an
-    op was handed (the same words, or an eager backend's functional copies of
-    them, which it copies back afterwards) hold what the kernels wrote."""
-    box = instance(handle)._box
-    for name, tensor in passed.items():
-        own = getattr(box, name)
-        if tensor.data_ptr() != own.data_ptr():
-            tensor.copy_(own)
-
-
-@torch.library.custom_op("decode_boundary::boundary_publish", mutates_args=("stage_state",))
-def _publish_op(handle: int, x: torch.Tensor, stage_state: torch.Tensor) -> None:
-    """``x`` into every peer's mailbox; ACTIVE of this rank's stage words set."""
-    instance(handle)._publish_launch(x)
-    sync_words(handle, stage_state=stage_state)
-
-
-@torch.library.custom_op("decode_boundary::boundary_publish_finalize",
-                         mutates_args=("stage_state",))
-def _publish_finalize_op(handle: int, gemm2_permuted: torch.Tensor,
-                         expert_weights: torch.Tensor, idx: torch.Tensor,
-                         shared_output: torch.Tensor, stage_state: torch.Tensor) -> torch.Tensor:
-    partial = instance(handle)._publish_finalize_launch(gemm2_permuted, expert_weights, idx,
-                                                        shared_output)
-    sync_words(handle, stage_state=stage_state)
-    return partial
-
-
-@_publish_finalize_op.register_fake
-def _(handle, gemm2_permuted, expert_weights, idx, shared_output, stage_state):
-    return shared_output.new_empty(shared_output.shape, dtype=torch.bfloat16)
-
-
-@torch.library.custom_op("decode_boundary::boundary_reduce",
-                         mutates_args=(*_SCRATCH, "mxfp8_data", "mxfp8_scale"))
-def _reduce_op(handle: int, x: torch.Tensor, publish: bool, reduce_mode: int,
-               residual: torch.Tensor | None, post: torch.Tensor | None,
-               comb: torch.Tensor | None, pre: torch.Tensor | None,
-               norm_weight: torch.Tensor | None, eps: float, stage_state: torch.Tensor,
-               status: torch.Tensor, generation: torch.Tensor, sumsq: torch.Tensor,
-               prenorm: torch.Tensor, mxfp8_data: torch.Tensor | None,
-               mxfp8_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(plain sum or residual_out, layer_input or an empty tensor). (Not
-    ``mode``: the dispatcher passes an argument of that name itself.)"""
-    ar = instance(handle)
-    inputs = {} if reduce_mode == PLAIN else dict(
-        residual=residual, post=post, comb=comb, pre=pre, norm_weight=norm_weight, eps=eps,
-        mxfp8_out=None if mxfp8_data is None else (mxfp8_data, mxfp8_scale))
-    first, second = ar._reduce_launch(x, reduce_mode, publish, **inputs)
-    sync_words(handle, stage_state=stage_state, status=status, generation=generation,
-               sumsq=sumsq, prenorm=prenorm)
-    return first, second if second is not None else x.new_empty(0)
-
-
-@_reduce_op.register_fake
-def _(handle, x, publish, reduce_mode, residual, post, comb, pre, norm_weight, eps,
-      stage_state, status, generation, sumsq, prenorm, mxfp8_data, mxfp8_scale):
-    if reduce_mode == PLAIN:
-        return torch.empty_like(x), x.new_empty(0)
-    first = x.new_empty(x.shape[0], residual.shape[1], x.shape[1])
-    return first, torch.empty_like(x) if reduce_mode == FULL else x.new_empty(0)

@@ -1,12 +1,22 @@
-"""Consume: wait for every rank's partial in this rank's mailbox, reduce, and
-apply mHC, RMSNorm and MXFP8 quantization in the same kernel (design.md §5-6).
+"""The consumer kernel: wait for every rank's partial in this rank's mailbox,
+reduce, and apply mHC, RMSNorm and MXFP8 quantization in the same kernel
+(docs/DESIGN.md §5-6). The host side (tactics, checks, the launcher) is
+:mod:`.consumer`.
 
-Grid: (column chunks, tokens), chunks fastest so a token's programs are
-dispatched together. Each program owns ``BLOCK_H`` columns of one token: it
-waits for those columns of every rank's slot (one [BLOCK_H] vector per rank),
-sums them in rank order, mixes the residual streams (one [BLOCK_H] vector per
-stream; ``post``/``comb``/``pre`` are scalars, so no step reduces across
-threads) and writes ``residual_out`` for its columns, then re-arms the slots.
+**Layout.** Lamport mode: ``mailbox`` BF16 ``[STAGES, tp, capacity, H]``
+(docs/CONTRACTS.md), the slot of rank r, token m at stage s being
+``mailbox[s, r, m]``; ``LAMPORT=False`` reads an already gathered
+``[tp, M, H]`` buffer (the NCCL fallback) with the same arithmetic. Grid:
+(column chunks, tokens), chunks fastest so a token's programs are dispatched
+together. Each program owns ``BLOCK_H`` columns of one token: it waits for
+those columns of every rank's slot (one [BLOCK_H] vector per rank), sums them
+in rank order, mixes the residual streams (one [BLOCK_H] vector per stream;
+``post``/``comb``/``pre`` are scalars, so no step reduces across threads) and
+writes ``residual_out`` for its columns, then re-arms the slots.
+
+Modes (``MODE``): 0 = plain sum (``reduced`` only; the benchmark's baseline of
+the fusion), 1 = residual-only (mHC mixing), 2 = full (mixing, collapse with
+``pre``, RMSNorm, optional MXFP8).
 
 The RMSNorm needs the sum of squares of the whole row. Each program adds up
 its own chunk's squares and publishes that one FP32 partial into the token's
@@ -25,13 +35,9 @@ row's units (the same bits in every program, on every rank). Two ways to meet
   BLOCK_H programs), chunks are dispatched fastest, and a dependent kernel
   launches only after every program here has started.
 * serial (the interpreter, which runs programs one after another; selectable
-  on the GPU, never faster there): one program per token walks its chunks twice, the first time
-  keeping ``prenorm`` in a scratch row, the second time normalising it.
-
-Modes (``MODE``): 0 = plain sum (``reduced`` only; the benchmark's baseline of
-the fusion), 1 = residual-only (mHC mixing), 2 = full (mixing, collapse with
-``pre``, RMSNorm, optional MXFP8). ``LAMPORT=False`` reads an already gathered
-[tp, M, H] buffer (the NCCL fallback) with the same arithmetic.
+  on the GPU, never faster there): one program per token walks its chunks
+  twice, the first time keeping ``prenorm`` in a scratch row, the second time
+  normalising it.
 
 The FP32 operation order is that of :mod:`.reference` (launch with
 ``enable_fp_fusion=False``): ``reduced`` and ``residual_out`` are bit-exact;
@@ -39,42 +45,54 @@ The FP32 operation order is that of :mod:`.reference` (launch with
 length-H sum of squares, approximate ``rsqrt`` on the GPU); its MXFP8 bytes
 equal ``quantize_mxfp8_ref`` of the kernel's own ``layer_input``.
 
-**Memory consistency.** Mailbox slots are polled with volatile loads
-(``ld.volatile``: not served from L1, so a peer's NVLink store becomes visible)
-until no element is -0; every element is checked because a peer's 16-byte
-store may land in pieces, and each element is its own flag, so no acquire is
-needed before using it. ACTIVE is read with a plain load after the grid
-dependency wait (the publisher's grid has completed). Re-arming the slots
-(-0 stores) and advancing NEXT are plain stores: the next reader of either is
-a later kernel on this GPU (kernel boundary), and a peer writes this stage
-again only three boundaries later, after our later publishes, which follow this
-kernel's completion in stream order.
+**Memory ordering: which loads are volatile, and why.**
 
-Norm hand-off: every program of a launch writes every unit of its chunk with
-aligned 64-bit stores (tag and partial land together: a word is never seen
-half written), so a word with this launch's tag holds this launch's partial,
-and after a launch every unit of the token holds its tag. The tag is
+* Mailbox slots: volatile (``ld.volatile``: not served from L1, so a peer's
+  NVLink store becomes visible), polled until no element is the sentinel
+  (``SENTINEL_BITS``); every element is checked because a peer's 16-byte
+  store may land in pieces, and each element is its own flag, so no acquire
+  is needed before using it. The gathered buffer (NCCL) is read plainly.
+* ``sumsq`` polls and ``generation[m]``: volatile, for the same reason (other
+  programs of the launch store them while this one waits).
+* The status word, where a poll checks it: volatile (another program may have
+  reported a failure with ``atomic_or`` meanwhile).
+* The serial path's ``prenorm`` scratch: volatile reads of the program's own
+  stores, which a ``debug_barrier`` orders before them.
+* Residual, post, comb, pre, gamma: plain loads, issued *before* the grid
+  dependency wait (so they overlap the publisher).
+
+**Stage words.** ACTIVE (``stage_ptr + STAGE_ACTIVE``) is read with a plain
+load after the grid dependency wait: the publisher that set it has completed
+its grid. Program (0, 0) stores NEXT (``stage_ptr + STAGE_NEXT``) = (ACTIVE +
+1) % STAGES with a plain store; its reader is the next publish, a later
+kernel on this GPU (kernel boundary). Re-arming the slots (sentinel stores) is
+plain too: a peer writes this stage again only three boundaries later, after
+our later publishes, which follow this kernel's completion in stream order.
+
+**Norm hand-off.** Every program of a launch writes every unit of its chunk
+with aligned 64-bit stores (tag and partial land together: a word is never
+seen half written), so a word with this launch's tag holds this launch's
+partial, and after a launch every unit of the token holds its tag. The tag is
 ``generation[m] + 1``: read (volatile) after the grid dependency wait, it was
 advanced by the previous launch's chunk-0 program, which stores it only after
 seeing every unit tagged, i.e. after every program of that launch has read the
 old value; so no program ever mixes two generations. (After a norm timeout
 chunk 0 advances it anyway; a program that had not started yet may then tag a
 unit with the next launch's tag, which is why every timeout needs
-``reset(collective=True)``, which zeroes generations and words together.) A word from an older
-launch carries the previous tag (every launch rewrites the whole row), so it
-is never taken for this one's, also when the 32-bit generation wraps. Polls
-are volatile (not served from L1). The serial path uses the same words; its
-own stores precede its reads through a ``debug_barrier``. The status word is
-set with ``atomic_or`` (several programs may time out together).
+``reset(collective=True)``, which zeroes generations and words together.) A
+word from an older launch carries the previous tag (every launch rewrites the
+whole row), so it is never taken for this one's, also when the 32-bit
+generation wraps. The serial path uses the same words; its own stores precede
+its reads through a ``debug_barrier``. The status word is set with
+``atomic_or`` (several programs may time out together).
 
-**What the caller must guarantee.** Every rank publishes exactly once per
-consume into stage NEXT (publish kernel, finalize kernel or a publishing GEMM)
-and consumes once; residual, post, comb, pre and gamma are not written by the
-kernel that immediately precedes this one and that kernel triggers its
-dependents only after its own grid wait (they are loaded before the grid
-dependency wait); output and scratch buffers are not in use by another kernel;
-the kernel is compiled before the peers wait on this rank (see
-``BoundaryAllReduce.precompile``).
+**What must not race.** The kernel that immediately precedes this one writes
+none of residual, post, comb, pre, gamma (they are loaded before the grid
+wait), and triggers its dependents only after its own grid wait; no other
+kernel uses the outputs or the scratch (``sumsq``, ``generation``,
+``prenorm``) meanwhile; ``generation`` and ``sumsq`` are only ever zeroed
+together; a peer never stores into the stage being read (one publish per
+consume on every rank, see above).
 
 **Why it is CUDA-graph safe.** The stage is read and advanced on the device,
 the generation words only ever move forward (on the device), the timeout and
@@ -83,48 +101,20 @@ grid depends only on M, fixed per captured graph.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
-import torch
 import triton
 import triton.language as tl
 
-from .. import env
-from ..common.contract import SENTINEL_BITS, STAGES
+from ..common.contract import SENTINEL_BITS, STAGE_ACTIVE, STAGE_NEXT, STAGES
 from ..common.rounding import quantize_groups, swizzled_offset, to_bf16_rne, zero_scale_padding
-from ..mxfp8.format import check_scale_buffer
-from .publish_kernel import load_module
 
 PLAIN, RESIDUAL_ONLY, FULL = 0, 1, 2  # MODE values (host side)
 _PLAIN, _FULL = tl.constexpr(PLAIN), tl.constexpr(FULL)
-SENTINEL = tl.constexpr(SENTINEL_BITS)  # the unwritten slot's -0.0 as int16
+SENTINEL = tl.constexpr(SENTINEL_BITS)  # an unwritten slot element, as int16 bits
+_STAGES = tl.constexpr(STAGES)
+_NEXT, _ACTIVE = tl.constexpr(STAGE_NEXT), tl.constexpr(STAGE_ACTIVE)  # stage_state indices
 # Status bit of a norm hand-off that timed out (bits 0..tp-1 name missing ranks).
 NORM_TIMEOUT_BIT = 1 << 30
 _NORM_TIMEOUT_BIT = tl.constexpr(NORM_TIMEOUT_BIT)
-QUANT_GROUP = 32  # MXFP8 group: a chunk holds whole groups, so it is >= 32 columns
-
-
-class ConsumerTactic(NamedTuple):
-    """Columns per program, warps, and whether the programs of a token share the
-    RMSNorm through the tagged hand-off (``cooperative``) or one program per
-    token walks the row chunk by chunk (only for the full mode; the others never
-    need a whole row)."""
-
-    block_h: int
-    warps: int
-    cooperative: bool = True
-
-
-# (largest M, tactic), re-pinned from `benchmarks/allreduce.py --sweep`. Measured on
-# 2 x H200, H = 5120, tagged norm hand-off (2026-11-29, results/allreduce-sweep-*-2017):
-# M = 1 fastest at (512, 4) 4.03 us, M = 8 at (256, 2) / (512, 4) 4.18, M = 16 at (256, 2)
-# 4.76 ((512, 4) 5.49), M = 32 at (512, 4) 6.10 ((1024, 4) 8.13), M = 64 at (512, 4) 12.02
-# ((1024, 4) 12.69); serial tactics 11-14 us.
-CONSUMER_TACTICS = (
-    (8, ConsumerTactic(512, 4)),
-    (16, ConsumerTactic(256, 2)),
-    (1 << 30, ConsumerTactic(512, 4)),
-)
 
 
 @triton.jit
@@ -160,7 +150,8 @@ def _poll_verdict(unwritten, start, spins, wait_bound, status_ptr, CHECK_STATUS:
 
 @triton.jit
 def _unwritten(slots, cmask, TP: tl.constexpr):
-    """Per column: 1 where some rank's element is still -0 (one tuple entry per rank)."""
+    """Per column: 1 where some rank's element is still the sentinel (one tuple
+    entry per rank)."""
     hole = tl.zeros(cmask.shape, dtype=tl.int32)
     for r in tl.static_range(TP):
         bits = slots[r].to(tl.int16, bitcast=True)
@@ -179,35 +170,61 @@ def _load_slots(slot, cmask, row_stride, TP: tl.constexpr, VOLATILE: tl.constexp
 
 
 @triton.jit
-def _wait_slots(slot, cmask, row_stride, status_ptr, wait_bound,
-                TP: tl.constexpr, USE_PTX: tl.constexpr):
-    """Volatile loads of every rank's slot until no element is -0 or the bound
-    passes (or another program already reported a failure); a rank still missing
-    then sets its bit in the status word. Returns the slots (tuple of BF16)."""
+def _probe_slots(slot, cmask, row_stride, TP: tl.constexpr):
+    """One volatile poll of every rank's slot: (the slots, per column 1 where
+    one is still unwritten)."""
     slots = _load_slots(slot, cmask, row_stride, TP, True)
-    hole = _unwritten(slots, cmask, TP)
+    return slots, _unwritten(slots, cmask, TP)
+
+
+@triton.jit
+def _probe_partials(row, live, tag, UNUSED: tl.constexpr):
+    """One volatile poll of a token's sum-of-squares row: (the words, per unit 1
+    where the word does not carry ``tag`` yet)."""
+    words = tl.load(row, mask=live, other=0, volatile=True)
+    return words, tl.where(live & ((words >> 32).to(tl.int32) != tag), 1, 0)
+
+
+@triton.jit
+def _spin(probe, ptr, mask, arg, status_ptr, wait_bound, N: tl.constexpr,
+          CHECK_STATUS: tl.constexpr, USE_PTX: tl.constexpr):
+    """Poll with ``probe(ptr, mask, arg, N)`` -> (value, pending per element)
+    until nothing is pending or the bound passes (with ``CHECK_STATUS``: or
+    another program already reported a failure). Returns (the last value,
+    whether something is still pending)."""
+    value, hole = probe(ptr, mask, arg, N)
     pending = tl.max(hole) > 0
     if pending:
         spins = 0
         start = _now(spins, hole, USE_PTX)
         go = pending
         while go:
-            slots = _load_slots(slot, cmask, row_stride, TP, True)
+            value, hole = probe(ptr, mask, arg, N)
             spins += 1
-            verdict = _poll_verdict(_unwritten(slots, cmask, TP), start, spins, wait_bound,
-                                    status_ptr, True, USE_PTX)
+            verdict = _poll_verdict(hole, start, spins, wait_bound, status_ptr, CHECK_STATUS,
+                                    USE_PTX)
             pending = (verdict & 1) != 0
             go = verdict == 1
-        if pending:
-            missing = 0
-            for r in tl.static_range(TP):
-                bits = slots[r].to(tl.int16, bitcast=True)
-                gone = tl.max(tl.where(cmask & (bits == SENTINEL), 1, 0))
-                missing = missing | (gone << r)
-            tl.atomic_or(status_ptr, missing)
+    return value, pending
+
+
+@triton.jit
+def _wait_slots(slot, cmask, row_stride, status_ptr, wait_bound,
+                TP: tl.constexpr, USE_PTX: tl.constexpr):
+    """Volatile loads of every rank's slot until no element is the sentinel or
+    the bound passes (or another program already reported a failure); a rank
+    still missing then sets its bit in the status word. Returns the slots
+    (tuple of BF16)."""
+    slots, pending = _spin(_probe_slots, slot, cmask, row_stride, status_ptr, wait_bound, TP,
+                           True, USE_PTX)
+    if pending:
+        missing = 0
+        for r in tl.static_range(TP):
+            bits = slots[r].to(tl.int16, bitcast=True)
+            gone = tl.max(tl.where(cmask & (bits == SENTINEL), 1, 0))
+            missing = missing | (gone << r)
+        tl.atomic_or(status_ptr, missing)
     return slots
-
-
 @triton.jit
 def _load_inputs(residual_ptr, post_ptr, comb_ptr, pre_ptr, gamma_ptr, m, cols, cmask,
                  HC: tl.constexpr, HIDDEN: tl.constexpr, MODE: tl.constexpr):
@@ -280,24 +297,10 @@ def _wait_partials(sumsq_ptr, status_ptr, m, tag, wait_bound, UNITS: tl.constexp
     bound passes (then ``NORM_TIMEOUT_BIT``); returns the row's sum of squares,
     one fixed tree over the units."""
     units = tl.arange(0, UNITS_P2)
-    live = units < UNITS
-    row = sumsq_ptr + m * UNITS + units
-    words = tl.load(row, mask=live, other=0, volatile=True)
-    old = tl.where(live & ((words >> 32).to(tl.int32) != tag), 1, 0)
-    stale = tl.max(old) > 0
+    words, stale = _spin(_probe_partials, sumsq_ptr + m * UNITS + units, units < UNITS, tag,
+                         status_ptr, wait_bound, 0, False, USE_PTX)
     if stale:
-        spins = 0
-        start = _now(spins, old, USE_PTX)
-        go = stale
-        while go:
-            words = tl.load(row, mask=live, other=0, volatile=True)
-            spins += 1
-            old = tl.where(live & ((words >> 32).to(tl.int32) != tag), 1, 0)
-            verdict = _poll_verdict(old, start, spins, wait_bound, status_ptr, False, USE_PTX)
-            stale = (verdict & 1) != 0
-            go = verdict == 1
-        if stale:
-            tl.atomic_or(status_ptr, _NORM_TIMEOUT_BIT)
+        tl.atomic_or(status_ptr, _NORM_TIMEOUT_BIT)
     partials = (words & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
     return tl.sum(partials, axis=0)
 
@@ -328,7 +331,8 @@ def _consume_chunk(mailbox_ptr, status_ptr, out_ptr, slot_row, row_stride, wait_
                    TP: tl.constexpr, HC: tl.constexpr, HIDDEN: tl.constexpr, MODE: tl.constexpr,
                    LAMPORT: tl.constexpr, USE_PTX: tl.constexpr):
     """Wait for (Lamport) or read (gathered) every rank's slot of these columns,
-    re-arm it, reduce and mix; returns the prenorm (full mode)."""
+    re-arm it (sentinel stores), reduce and mix; returns the prenorm (full
+    mode)."""
     slot = mailbox_ptr + slot_row + cols
     if LAMPORT:
         slots = _wait_slots(slot, cmask, row_stride, status_ptr, wait_bound, TP, USE_PTX)
@@ -371,9 +375,10 @@ def consumer_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     stage = tl.full((), 0, tl.int32)  # a tensor in both modes (the NCCL path has no stage)
     if LAMPORT:
-        stage = tl.load(stage_ptr + 1)
+        stage = tl.load(stage_ptr + _ACTIVE)
         if (m == 0) & (chunk == 0):
-            tl.store(stage_ptr, (stage + 1) % STAGES)  # read by the next publish, after our grid
+            # Read by the next publish, after our grid.
+            tl.store(stage_ptr + _NEXT, (stage + 1) % _STAGES)
     # Slot of rank r, token m: mailbox[stage, r, m] (Lamport) or gathered[r, m].
     row_stride = capacity.to(tl.int64) * HIDDEN
     slot_row = (stage * TP).to(tl.int64) * row_stride + m.to(tl.int64) * HIDDEN
@@ -420,151 +425,3 @@ def consumer_kernel(
             _norm_chunk(prenorm, gamma, total, eps, layer_ptr, qdata_ptr, qscale_ptr, m, chunk,
                         cols, cmask, HIDDEN, BLOCK_H, QUANT)
 
-
-def consumer_tactic(m: int, hidden: int) -> ConsumerTactic:
-    """The table's tactic for M tokens; serial in the interpreter (which runs
-    programs one after another, so they cannot wait for each other)."""
-    tactic = next(t for limit, t in CONSUMER_TACTICS if m <= limit)
-    tactic = tactic._replace(block_h=min(tactic.block_h, triton.next_power_of_2(hidden)))
-    if env.interpret_mode():
-        tactic = tactic._replace(cooperative=False)
-    return tactic
-
-
-def sumsq_columns(hidden: int) -> int:
-    """Row length of the per-token sum-of-squares scratch (one tagged word per
-    32 columns, the finest chunk a tactic may use)."""
-    return triton.cdiv(hidden, QUANT_GROUP)
-
-
-def _need(t, name, dtype, shape, device):
-    if t is None:
-        raise ValueError(f"{name} is required here: expected {dtype} {list(shape)}")
-    if t.dtype != dtype or tuple(t.shape) != tuple(shape) or t.device != device:
-        raise ValueError(f"{name} must be {dtype} {list(shape)} on {device}, got {t.dtype} "
-                         f"{list(t.shape)} on {t.device}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-
-
-def _check_tactic(tactic: ConsumerTactic, hidden: int, mode: int) -> None:
-    block, warps, cooperative = tactic
-    if block < QUANT_GROUP or block & (block - 1) or warps < 1 or warps & (warps - 1):
-        raise ValueError(f"tactic {tactic}: columns per program must be a power of two "
-                         f">= {QUANT_GROUP} and warps a power of two")
-    chunks = triton.cdiv(hidden, block)
-    if mode == FULL and cooperative and chunks > 1 and env.interpret_mode():
-        raise ValueError(f"tactic {tactic}: cooperative programs wait for each other, which "
-                         "the interpreter (programs run one by one) cannot do")
-
-
-def consume(
-    mailbox: torch.Tensor,
-    tp: int,
-    m: int,
-    *,
-    mode: int,
-    stage_state: torch.Tensor | None = None,
-    status: torch.Tensor | None = None,
-    generation: torch.Tensor | None = None,
-    sumsq: torch.Tensor | None = None,
-    prenorm: torch.Tensor | None = None,
-    residual: torch.Tensor | None = None,
-    post: torch.Tensor | None = None,
-    comb: torch.Tensor | None = None,
-    pre: torch.Tensor | None = None,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 0.0,
-    mxfp8_out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    wait_bound: int = 0,
-    lamport: bool = True,
-    tactic: ConsumerTactic | None = None,
-    compile_only: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch the consumer for ``m`` tokens. Returns (``reduced`` [M, H] in plain
-    mode / ``residual_out`` [M, hc, H], ``layer_input`` [M, H] or None).
-
-    ``mailbox``: BF16 [3, tp, capacity, H] (Lamport) or [tp, M, H] (gathered).
-    ``generation`` int32 [rows] and ``sumsq`` int64 [rows, ``sumsq_columns(H)``]
-    (full mode; zeroed together at allocation and after any timeout, never one
-    without the other; ``prenorm`` BF16 [rows, H] too for a serial tactic):
-    per-token scratch, rows >= M. ``status`` int32 [1]: the mailbox's status
-    word, also required in full mode with ``lamport=False`` (the norm hand-off
-    records its timeout there). ``wait_bound``: nanoseconds with PTX
-    (``%globaltimer``), spins without; > 0 whenever something may wait. ``tactic``: default from
-    ``CONSUMER_TACTICS``. ``compile_only``: compile this variant, launch nothing
-    (the outputs are then unwritten).
-    """
-    device = mailbox.device
-    hidden = mailbox.shape[-1]
-    if mailbox.dtype != torch.bfloat16 or not mailbox.is_contiguous():
-        raise ValueError(f"mailbox must be contiguous bf16, got {mailbox.dtype}")
-    capacity = mailbox.shape[-2]
-    if lamport:
-        _need(mailbox, "mailbox", torch.bfloat16, (STAGES, tp, capacity, hidden), device)
-        _need(stage_state, "stage_state", torch.int32, (2,), device)
-        _need(status, "status", torch.int32, (1,), device)
-    else:
-        _need(mailbox, "mailbox", torch.bfloat16, (tp, m, hidden), device)
-    if not 0 < m <= capacity:
-        raise ValueError(f"M = {m} must be in [1, capacity = {capacity}]")
-    if (lamport or mode == FULL) and wait_bound <= 0:
-        raise ValueError(f"wait_bound must be > 0 (ns with PTX, spins without), got {wait_bound}")
-    tactic = ConsumerTactic(*(tactic or consumer_tactic(m, hidden)))
-    _check_tactic(tactic, hidden, mode)
-    if mode == PLAIN:
-        out = torch.empty(m, hidden, dtype=torch.bfloat16, device=device)
-        hc = 1
-    else:
-        if residual is None or residual.ndim != 3:
-            raise ValueError(f"residual must be bf16 [{m}, hc, {hidden}]")
-        hc = residual.shape[1]
-        _need(residual, "residual", torch.bfloat16, (m, hc, hidden), device)
-        _need(post, "post", torch.float32, (m, hc), device)
-        _need(comb, "comb", torch.float32, (m, hc, hc), device)
-        out = torch.empty(m, hc, hidden, dtype=torch.bfloat16, device=device)
-    layer_input = None
-    quant = mxfp8_out is not None
-    if mode == FULL:
-        _need(pre, "pre", torch.float32, (m, hc), device)
-        _need(norm_weight, "norm_weight", torch.bfloat16, (hidden,), device)
-        rows = generation.shape[0] if generation is not None else 0
-        _need(generation, "generation", torch.int32, (max(rows, m),), device)
-        _need(sumsq, "sumsq scratch", torch.int64, (rows, sumsq_columns(hidden)), device)
-        if not tactic.cooperative:
-            _need(prenorm, "prenorm scratch", torch.bfloat16, (rows, hidden), device)
-        # Serial or cooperative, the norm hand-off records its timeout, in either transport.
-        _need(status, "status", torch.int32, (1,), device)
-        layer_input = torch.empty(m, hidden, dtype=torch.bfloat16, device=device)
-        if quant:
-            if hidden % 32:
-                raise ValueError(f"MXFP8 output needs hidden % 32 == 0, got {hidden}")
-            data, scale = mxfp8_out
-            _need(data, "mxfp8_out data", torch.float8_e4m3fn, (m, hidden), device)
-            check_scale_buffer(scale, m, hidden, "mxfp8_out scale", device=device)
-    elif quant:
-        raise ValueError("mxfp8_out needs the layer input: pass pre and norm_weight")
-    serial = mode == FULL and not tactic.cooperative
-    grid = (1 if serial else triton.cdiv(hidden, tactic.block_h), m)
-    dummy = out  # stands in for pointers a mode does not touch
-    pdl = env.use_pdl(device)
-    kernel = consumer_kernel.warmup if compile_only else consumer_kernel[grid]
-    kwargs = dict(grid=grid) if compile_only else {}
-    compiled = kernel(
-        mailbox, _or(stage_state, dummy), _or(status, dummy), _or(generation, dummy),
-        _or(sumsq, dummy), _or(prenorm, dummy), _or(residual, dummy),
-        _or(post, dummy), _or(comb, dummy), _or(pre, dummy), _or(norm_weight, dummy), out,
-        _or(layer_input, dummy), mxfp8_out[0] if quant else dummy,
-        mxfp8_out[1] if quant else dummy, float(eps), capacity, int(wait_bound),
-        TP=tp, HC=hc, HIDDEN=hidden, BLOCK_H=tactic.block_h,
-        UNITS_P2=triton.next_power_of_2(sumsq_columns(hidden)), MODE=mode, QUANT=quant,
-        LAMPORT=lamport, COOPERATIVE=tactic.cooperative, USE_PTX=env.use_ptx(device),
-        USE_PDL=pdl, num_warps=tactic.warps, enable_fp_fusion=False, launch_pdl=pdl, **kwargs,
-    )
-    if compile_only:
-        load_module(compiled)
-    return out, layer_input
-
-
-def _or(t, default):
-    return default if t is None else t

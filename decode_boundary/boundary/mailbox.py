@@ -1,25 +1,24 @@
-"""Mailbox allocation (design.md §6, docs/CONTRACTS.md).
+"""Mailbox allocation (docs/DESIGN.md §6, docs/CONTRACTS.md).
 
-Each rank owns ``buffer`` BF16 [3, tp, capacity, hidden] that every peer can
-store into, filled with -0 (0x8000, "not yet written"); ``peer_ptrs`` int64
-[tp] on the device holds every rank's buffer address as seen from this rank;
-``stage_state`` int32 {NEXT, ACTIVE}; ``status`` int32 [1] (bit p: rank p never
+Each rank owns ``buffer`` BF16 [STAGES, tp, capacity, hidden] that every peer
+can store into, filled with the sentinel -0 (``common.contract.SENTINEL``,
+"not yet written"); ``peer_ptrs`` int64 [tp] on the device holds every rank's
+buffer address as seen from this rank; ``stage_state`` int32 [2], indexed
+``STAGE_NEXT`` / ``STAGE_ACTIVE``; ``status`` int32 [1] (bit p: rank p never
 arrived within the wait bound; ``consumer_kernel.NORM_TIMEOUT_BIT``: a norm
 hand-off timed out). ``generation`` / ``sumsq`` / ``prenorm`` are the
-consumer's per-token scratch for the RMSNorm hand-off.
+consumer's per-token scratch for the RMSNorm hand-off, zeroed together.
 
 Peer memory comes from PyTorch symmetric memory with multicast disabled
-(``symm_mem.empty`` + ``rendezvous``; peers reached by unicast stores only).
-Where ranks cannot reach each other's memory (:func:`peers_reachable`) or two
-of them share a GPU (:func:`ranks_share_a_gpu`), the all-reduce falls back to
-an all-gather over the group (no mailbox buffer at all).
+(``symm_mem.empty`` + ``rendezvous``; peers reached by unicast stores only):
+:func:`symmetric_mailbox`. :func:`local_words` allocates the device words and
+scratch without a buffer (the NCCL fallback, chosen in :mod:`.transport`).
 :func:`simulated_mailboxes` builds tp mailboxes in one process (CPU tests:
 the "peer addresses" are ``data_ptr()`` of separate buffers).
 """
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +26,7 @@ import torch.distributed as dist
 
 from ..common.contract import SENTINEL, STAGES
 from ..env import disable_multicast, logger
-from .consumer_kernel import sumsq_columns
+from .consumer import sumsq_columns
 
 
 @dataclass
@@ -49,7 +48,7 @@ class Mailbox:
     keepalive: object = None
 
     def rearm(self) -> None:
-        """-0 fill, stage words and status cleared, the norm hand-off's generations
+        """Sentinel fill, stage words and status cleared, the norm hand-off's generations
         and tagged partials zeroed together (stream-ordered)."""
         if self.buffer is not None:
             self.buffer.fill_(SENTINEL)
@@ -97,28 +96,6 @@ def simulated_mailboxes(tp: int, capacity: int, hidden: int,
     ]
 
 
-def gpu_placements(group: dist.ProcessGroup, device: torch.device) -> list[tuple[str, int]]:
-    """(host name, device index) of every rank of ``group``, in rank order. Collective."""
-    me = (socket.gethostname(), device.index if device.index is not None else 0)
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, me, group=group)
-    return everyone
-
-
-def peers_reachable(group: dist.ProcessGroup, device: torch.device,
-                    placements: list[tuple[str, int]]) -> bool:
-    """Whether every rank of ``group`` can store into every other rank's GPU
-    memory (same host and ``can_device_access_peer``), given the ranks'
-    :func:`gpu_placements`. Collective; all ranks get the same answer."""
-    host, index = placements[dist.get_rank(group)]
-    ok = all(h == host for h, _ in placements) and all(
-        idx == index or torch.cuda.can_device_access_peer(index, idx) for _, idx in placements
-    )
-    flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
-
-
 def symmetric_mailbox(group: dist.ProcessGroup, capacity: int, hidden: int,
                       device: torch.device) -> Mailbox:
     """This rank's mailbox in PyTorch symmetric memory (multicast disabled),
@@ -138,12 +115,6 @@ def symmetric_mailbox(group: dist.ProcessGroup, capacity: int, hidden: int,
     dist.barrier(group=group)  # every -0 fill lands before any peer publishes
     logger.debug("rank %d: symmetric mailbox %s, peers %s", rank, tuple(buffer.shape), ptrs)
     return box
-
-
-def ranks_share_a_gpu(placements: list[tuple[str, int]]) -> bool:
-    """Whether two ranks run on one GPU of one host (from their
-    :func:`gpu_placements`): symmetric memory refuses to map their mailboxes."""
-    return len(set(placements)) < len(placements)
 
 
 def local_words(group: dist.ProcessGroup | None, capacity: int, hidden: int,

@@ -1,4 +1,4 @@
-"""Pure-torch references of the boundary consumer and the MoE finalize (design.md §5).
+"""Pure-torch references of the boundary consumer and the MoE finalize (docs/DESIGN.md §5).
 
 These fix the rounding points *and* the FP32 operation order the Triton kernels
 follow, so the kernels can be compared bit for bit where the spec promises bits.
@@ -9,7 +9,7 @@ Consumer, per token m and column c (all arithmetic FP32 unless said otherwise):
 
 1. ``acc = +0; acc += x_r`` for r = 0..tp-1; ``reduced = bf16(acc)``.
    Starting from +0 makes a partial's -0 irrelevant, which is what the mailbox
-   needs (publishers turn -0 into +0, the "not yet written" sentinel).
+   needs (publishers turn -0, the "not yet written" sentinel, into +0).
 2. for each target t: ``acc = reduced * post[t]``; then ``acc += residual[s] * comb[s, t]``
    for s = 0..hc-1; ``residual_out[t] = bf16(acc)``.
 3. unless residual-only: ``acc = +0; acc += float(mixed_t) * pre[t]`` for t = 0..hc-1;
@@ -29,7 +29,7 @@ from ..mxfp8.format import QuantizedActivation, quantize_mxfp8_ref
 
 
 def reduce_ref(partials: list[torch.Tensor]) -> torch.Tensor:
-    """``bf16(+0 + x_0 + x_1 + ...)`` in FP32, rank order (design.md §5 step 1)."""
+    """``bf16(+0 + x_0 + x_1 + ...)`` in FP32, rank order (docs/DESIGN.md §5 step 1)."""
     if not partials:
         raise ValueError("partials must hold one [M, H] tensor per rank, got none")
     acc = torch.zeros(partials[0].shape, dtype=torch.float32, device=partials[0].device)
@@ -71,7 +71,7 @@ def consumer_ref(
     eps: float,
     quantize: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, QuantizedActivation | None]:
-    """The consumer of design.md §5 in the module docstring's operation order.
+    """The consumer of docs/DESIGN.md §5 in the module docstring's operation order.
 
     Shapes: partials tp x [M, H] bf16, residual [M, hc, H] bf16, post [M, hc]
     f32, comb [M, hc, hc] f32 indexed [source, target], pre [M, hc] f32 or None

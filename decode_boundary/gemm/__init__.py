@@ -1,29 +1,25 @@
-"""MXFP8 GEMMs for Hopper: the low-row Triton kernel (CUDA-core tiles for 1..8
-rows, tensor-core tiles above, optionally grouped, BF16 input quantized in its
-prologue, an epilogue that publishes into the boundary mailbox), its tactic
-tables and autotuner, ``Mxfp8Linear``, the public entry points (seed 004's
-functions; api.py) and their custom ops (ops.py)."""
+"""MXFP8 GEMMs for Hopper: the low-row Triton kernel (mxfp8_gemm_kernel.py:
+CUDA-core tiles for 1..8 rows, tensor-core tiles above, optionally grouped,
+BF16 input quantized in its prologue, an epilogue that publishes into the
+boundary mailbox), its launcher (launcher.py: operand checks, split-K
+workspace, warm-up), its tactic tables and autotuner, ``Mxfp8Linear``, the
+public entry points (``mxfp8_mm`` and its compile helpers; api.py) and their
+custom ops (ops.py)."""
 
 from . import ops  # noqa: F401  (registers torch.ops.decode_boundary.mxfp8_mm)
 from .api import (
     compile_pinned,
-    low_latency_mm,
     mxfp8_eligible,
     mxfp8_mm,
-    pinned_mm,
     precompile,
-    projection_mm,
     run_zeros,
     selected_tactic,
     shape_representatives,
-    wide_mm,
-    wide_or_pinned_mm,
-    wide_tactic,
     zeros_input,
 )
 from .autotune import AUTOTUNER, Autotuner, pinned_tactics
+from .launcher import launch_low_latency, warmup_low_latency
 from .linear import Mxfp8Linear, load_linear
-from .mxfp8_gemm_kernel import launch_low_latency, warmup_low_latency
 from .reference import check_mxfp8_mm, mxfp8_mm_ref
 from .tactics import (
     LOW_BATCH_MAX_ROWS,
@@ -37,8 +33,7 @@ from .tactics import (
 __all__ = [
     "AUTOTUNER", "Autotuner", "LOW_BATCH_MAX_ROWS", "Mxfp8Linear", "Tactic", "load_linear",
     "WIDE_LOW_LATENCY_MAX_ROWS", "check_mxfp8_mm", "compile_pinned", "default_tactic",
-    "launch_low_latency", "low_latency_mm", "mxfp8_eligible", "mxfp8_mm", "mxfp8_mm_ref",
-    "pinned_mm", "pinned_tactics", "precompile", "projection_mm", "row_bucket", "run_zeros",
-    "selected_tactic", "shape_representatives", "valid_tactics", "warmup_low_latency",
-    "wide_mm", "wide_or_pinned_mm", "wide_tactic", "zeros_input",
+    "launch_low_latency", "mxfp8_eligible", "mxfp8_mm", "mxfp8_mm_ref", "pinned_tactics",
+    "precompile", "row_bucket", "run_zeros", "selected_tactic", "shape_representatives",
+    "valid_tactics", "warmup_low_latency", "zeros_input",
 ]

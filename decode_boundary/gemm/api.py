@@ -1,4 +1,4 @@
-"""Public MXFP8 GEMM entry points (the seed 004 functions, on our Triton kernel).
+"""Public MXFP8 GEMM entry points on our Triton kernel (``mxfp8_mm``), plus compile helpers.
 
 A *layer* is any object with ``weight`` (column-major [K, N] view of e4m3
 [N, K] storage), ``weight_scale`` (1-D uint8, 128x4-swizzled over (N, K/32)),
@@ -12,11 +12,9 @@ which is faster there), another float tensor (quantized by ``quantize_mxfp8``),
 or a ``QuantizedActivation``. Outputs are [..., N] in the
 input's original dtype (computed as BF16).
 
-Row ranges and who chooses the tactic (tactics.py): ``low_latency_mm`` (<= 8
-rows, the autotuner's choice else the table), ``wide_mm`` (9..48 rows, the
-table or heuristic, never the autotuner), ``pinned_mm`` (above 48, only tabled
-shapes). ``mxfp8_mm`` runs any row count with :func:`selected_tactic`; layers
-no kernel takes ((N / groups) % 16 != 0, misaligned buffers) get the reference
+``mxfp8_mm`` runs any row count with :func:`selected_tactic` (the autotuner's
+choice, else the pinned table, else the heuristic: tactics.py); layers no
+kernel takes ((N / groups) % 16 != 0, misaligned buffers) get the reference
 computation, which is correct but slow. Malformed operands raise ValueError.
 """
 
@@ -30,18 +28,9 @@ from decode_boundary.mxfp8.format import QuantizedActivation, check_quantized, m
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
 from .autotune import AUTOTUNER
-from .mxfp8_gemm_kernel import launch_low_latency, warmup_low_latency, weight_operands
+from .launcher import launch_low_latency, warmup_low_latency, weight_operands
 from .reference import mxfp8_mm_ref
-from .tactics import (
-    BF16_TABLE,
-    LOW_BATCH_MAX_ROWS,
-    PROLOGUE_MAX_ROWS,
-    TABLE,
-    WIDE_LOW_LATENCY_MAX_ROWS,
-    Tactic,
-    default_tactic,
-    table_tactic,
-)
+from .tactics import BF16_TABLE, PROLOGUE_MAX_ROWS, TABLE, Tactic, default_tactic
 
 
 def _shape(layer) -> tuple[int, int, int]:
@@ -155,53 +144,6 @@ def mxfp8_mm(layer, x) -> torch.Tensor:
         a, _, dtype, shape = _activation(layer, x)
         return _finish(layer, _reference(layer, a), dtype, shape)
     return _run(layer, x, lambda rows, bf16: selected_tactic(layer, rows, bf16))
-
-
-def low_latency_mm(layer, x) -> torch.Tensor | None:
-    """The low-latency GEMM (<= LOW_BATCH_MAX_ROWS rows) of an eligible layer; None otherwise."""
-    if not mxfp8_eligible(layer):
-        return None
-    return _run(layer, x, lambda rows, bf16: selected_tactic(layer, rows, bf16)
-                if rows <= LOW_BATCH_MAX_ROWS else None)
-
-
-def wide_tactic(n: int, k: int, rows: int, groups: int = 1,
-                bf16_input: bool = False) -> Tactic | None:
-    """The wide-tile tactic (rows tile 16/32/64) of (N, K, groups) at ``rows``
-    rows: the table's, else the heuristic; None outside 9..48 rows."""
-    if not LOW_BATCH_MAX_ROWS < rows <= WIDE_LOW_LATENCY_MAX_ROWS:
-        return None
-    return default_tactic(n, k, rows, groups, bf16_input)
-
-
-def wide_mm(layer, x) -> torch.Tensor | None:
-    """The wide-tile GEMM (9..48 rows) of an eligible layer; None otherwise."""
-    if not mxfp8_eligible(layer):
-        return None
-    n, k, groups = _shape(layer)
-    return _run(layer, x, lambda rows, bf16: wide_tactic(n, k, rows, groups, bf16))
-
-
-def pinned_mm(layer, x) -> torch.Tensor | None:
-    """The GEMM above 48 rows with the tactic pinned for the layer's shape and
-    row range; None where no tactic is pinned."""
-    n, k, groups = _shape(layer)
-    if not mxfp8_eligible(layer) or (n, k, groups) not in TABLE:
-        return None
-    return _run(layer, x, lambda rows, bf16: table_tactic(n, k, rows, groups, bf16)
-                if rows > WIDE_LOW_LATENCY_MAX_ROWS else None)
-
-
-def wide_or_pinned_mm(layer, x) -> torch.Tensor | None:
-    """Above LOW_BATCH_MAX_ROWS rows: the wide GEMM, else the pinned one, else None."""
-    out = wide_mm(layer, x)
-    return out if out is not None else pinned_mm(layer, x)
-
-
-def projection_mm(layer, x, low_batch: bool) -> torch.Tensor | None:
-    """A decode step's projection: ``low_latency_mm`` in a step of <= 8 rows
-    (``low_batch``), else ``wide_or_pinned_mm``; None where none applies."""
-    return low_latency_mm(layer, x) if low_batch else wide_or_pinned_mm(layer, x)
 
 
 def shape_representatives(layers: Iterable) -> list:

@@ -2,7 +2,7 @@
 
 Keys: (N, K, groups, row bucket, BF16 input); buckets 1, 2, 4, 8, 16, 32, 48,
 then powers of two (tactics.row_bucket).
-Candidates are timed with CUDA graphs on rotated weight copies (timing.py);
+Candidates are timed with CUDA graphs on rotated weight copies (``decode_boundary.common.timing``);
 the cache saves to / loads from JSON so a server start reuses a measured
 choice instead of re-timing close candidates (whose pick varies between
 starts). Under :func:`pinned_tactics` a pinned problem (a table tactic exists
@@ -15,14 +15,15 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 
+from decode_boundary.common.timing import graph_time_us, rotated_copies
 from decode_boundary.mxfp8.format import QuantizedActivation, mxfp8_scale_bytes
 
-from .mxfp8_gemm_kernel import launch_low_latency
+from .launcher import launch_low_latency
 from .tactics import PINNED_MIN_ROWS, Tactic, row_bucket, sweep_tactics, table_tactic
-from .timing import graph_time_us, rotated_copies
 
 CACHE_VERSION = 2  # 2: Tactic(block_n, rows_tile, split_k, num_warps, chunk_k); keys with
 # groups and the input kind
@@ -52,7 +53,8 @@ def default_timer(layer, rows: int, tactic: Tactic, bf16_input: bool = False) ->
     out = torch.empty(rows, layer.weight.shape[1], dtype=torch.bfloat16, device=device)
     if bf16_input:
         x = torch.randn(rows, width, device=device).bfloat16()
-        return graph_time_us(lambda i: launch_low_latency(copies[i], x, out, tactic), len(copies))
+        return graph_time_us([partial(launch_low_latency, c, x, out, tactic) for c in copies],
+                             device)
     # Random bytes, not zeros (zeros can run faster than real data); NaN-free
     # e4m3 codes and scale bytes near 127 keep the sums finite.
     data = torch.randint(0, 0x7E, (rows, width), dtype=torch.uint8, device=device)
@@ -60,7 +62,7 @@ def default_timer(layer, rows: int, tactic: Tactic, bf16_input: bool = False) ->
                           device=device)
     qa = QuantizedActivation(data.view(torch.float8_e4m3fn), scale, torch.bfloat16,
                              data.shape)
-    return graph_time_us(lambda i: launch_low_latency(copies[i], qa, out, tactic), len(copies))
+    return graph_time_us([partial(launch_low_latency, c, qa, out, tactic) for c in copies], device)
 
 
 class Autotuner:

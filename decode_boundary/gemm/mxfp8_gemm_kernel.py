@@ -1,17 +1,21 @@
-"""The low-row MXFP8 GEMM (Triton, Hopper): ``out = a @ weight``, optionally
-grouped (``wo_a``), optionally quantizing BF16 activations in its prologue,
-optionally publishing ``out`` into the boundary mailbox from its epilogue.
+"""The low-row MXFP8 GEMM kernel (Triton, Hopper): ``out = a @ weight``,
+optionally grouped (``wo_a``), optionally quantizing BF16 activations in its
+prologue, optionally publishing ``out`` into the boundary mailbox from its
+epilogue. Only the kernel and its device helpers live here; ``launcher.py``
+checks the operands, owns the split-K workspace and launches it.
 
 **Structure: weight-row owners, everything in flight at once.** A program owns
 ``BLOCK_N`` weight rows (output columns) and a contiguous K-slice of them
 (the whole K unless ``SPLIT_K`` > 1). Before the PDL grid wait it issues
 *every* load of that slice (e4m3 bytes and scale bytes) into registers, in
-16-byte vectors: the slice is cut into PIECES (<= 8) pieces of CHUNK elements
-(a power of two: ``tl.arange`` needs one), the last one masked at the slice's
-end, each held in its own variable (a loop would serialize them). Nothing it
-loads there is written by the previous kernel, so the weight stream overlaps
-the previous kernel's tail. Many small programs (wo_b at M = 1: 640 of 8 rows x
-2048) keep enough bytes in flight per SM; no shared memory, no software pipeline.
+16-byte vectors: the slice is cut into PIECES (<= 8, ``tactics.MAX_PIECES``)
+pieces of CHUNK elements (a power of two: ``tl.arange`` needs one), the last
+one masked at the slice's end, each held in its own registers (the piece loop
+is unrolled at compile time; a run-time loop would serialize them). Nothing
+it loads there is written by the previous kernel, so the weight stream
+overlaps the previous kernel's tail. Many small programs (wo_b at M = 1: 640
+of 8 rows x 2048) keep enough bytes in flight per SM; no shared memory, no
+software pipeline.
 
 **Two products, one per row range** (``ROWS``, the activation tile):
 
@@ -24,7 +28,7 @@ the previous kernel's tail. Many small programs (wo_b at M = 1: 640 of 8 rows x
   bytes 10..246) and one ``tl.dot`` per piece, FP32 accumulation, computed
   transposed ``out^T[BLOCK_N, ROWS] = W . A^T`` (the weight streams on the
   dot's M side). In the interpreter the operands stay FP32 (its BF16 dot is
-  wrong, design.md §8.1): the same exact values.
+  wrong, docs/DESIGN.md §8.1): the same exact values.
 
 Every product of two scaled e4m3 values is exact in FP32 (8 significant bits),
 so products need no fixed rounding point; the only roundings are the FP32
@@ -46,47 +50,61 @@ concatenation of the groups' outputs. A program's columns lie in one group
 **Layout contract** (the launcher checks it, the kernel assumes it): weight
 e4m3 [N, K] K-contiguous (the column-major [K, N] view's storage), scales 1-D
 128x4-swizzled; activations contiguous [M, G*K] (e4m3 + swizzled scales over
-(M, G*K/32), or BF16); out BF16 [M, N] contiguous; K % 32 == 0; every pointer
-16-byte aligned.
+(M, G*K/32), or BF16); out BF16 [M, N] contiguous; K % 32 == 0; M >= 1; every
+pointer 16-byte aligned, peer mailbox addresses included.
 
 **Deterministic split-K** (``SPLIT_K`` > 1, only where too few programs would
 otherwise stream a short weight). Each split stores its FP32 partial tile to a
-workspace and arrives on the block's int32 counter (integer ``atomic_add``,
-acq_rel, GPU scope, after a CTA barrier so all threads' stores precede the
-release). The program that sees ``SPLIT_K - 1`` sums the partials in split
-order 0..S-1 (bits independent of who arrives last), writes the block and
-stores 0 to the counter, re-armed for the next launch or graph replay. No
-float atomics. Must not race with another launch sharing the workspace on a
-different stream; on one stream, order or the PDL wait serializes them.
+workspace (FP32 [blocks, SPLIT_K, ROWS, BLOCK_N]) and arrives on the block's
+int32 counter (integer ``atomic_add``, acq_rel, GPU scope, after a CTA barrier
+so all threads' stores precede the release). The program that sees
+``SPLIT_K - 1`` sums the partials (read at L2, ``.cg``) in split order
+0..S-1 (bits independent of who arrives last), writes the block and stores 0
+to the counter, re-armed for the next launch or graph replay: counters are
+zero at every launch. No float atomics. Must not race with another launch
+sharing the workspace and counters (the launcher's cache: one per device and
+size) on a different stream; on one stream, order or the PDL wait serializes
+them.
 
-**PDL.** Before ``gdc_wait`` a program reads only weights and weight scales.
-It then releases its dependents and waits; activations, workspace, counters,
-the stage word and every store come after the wait.
+**PDL.** Before ``gdc_wait`` a program reads only weights and weight scales,
+which no kernel still in flight when it starts may write (the previous one, or
+an earlier one still running under PDL). It then releases its dependents
+(``gdc_launch_dependents``) and waits; activations, workspace, counters, the
+stage word and every store come after the wait. The dependents may therefore
+start before this grid's stores: they must read ``out`` (the consumer also
+ACTIVE and the mailbox) only after their own grid wait, which returns once
+this whole grid has completed and its memory is visible.
 
-**Publishing epilogue** (PUBLISH; the mailbox of CONTRACTS.md). The program
-that writes an output block (after any split-K reduction, so each value is
-published once) reads ``s = stage_state[NEXT]`` after its grid wait (volatile:
-the previous consumer's advance is visible and the load is not hoisted above
-the wait) and stores the same BF16 bits, -0 turned into +0, to
-``mailbox_p[s, RANK, m, col]`` of every peer p through ``publish_row``
-(16-byte stores: ``BLOCK_N`` >= 8). The writer of block (0, 0) stores
-``stage_state[ACTIVE] = s`` after its own stores; the consumer, the PDL
-dependent, reads ACTIVE and the mailbox only after this grid completed.
+**Publishing epilogue** (PUBLISH; the mailbox of docs/CONTRACTS.md). The
+program that writes an output block (after any split-K reduction, so each
+value is published once) stores it to ``out``, then reads ``s =
+stage_state[STAGE_NEXT]`` (volatile: the previous consumer's advance, ordered
+before this grid by stream order and the grid wait, is seen, and the load is
+not hoisted above the wait) and stores the same BF16 bits, -0 turned into +0,
+to ``mailbox_p[s, RANK, m, col]`` of every peer p through ``publish_row``
+(plain unicast stores, 16 bytes wide where ``BLOCK_N`` >= 8; no fence, no
+release). The
+writer of block (0, 0) then stores ``stage_state[STAGE_ACTIVE] = s``, a plain
+store program-ordered only after its own stores. None of these stores is
+ordered for another program: the local consumer, the PDL dependent, reads
+ACTIVE and the mailbox only after this grid completed; a peer's consumer is
+not ordered after this grid at all and spins until no element of its slots is
+the sentinel -0 (a 16-byte store may land in pieces). The three-stage mailbox
+(docs/DESIGN.md §6) keeps stage ``s`` apart from the one a lagging peer still
+consumes and clears.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from decode_boundary.common.contract import NO_PUBLISH, check_publish_target
+from decode_boundary.common.contract import STAGE_ACTIVE, STAGE_NEXT
 from decode_boundary.common.mailbox_store import publish_row
 from decode_boundary.common.rounding import quantize_groups, swizzled_offset, to_bf16_rne
-from decode_boundary.env import interpret_mode, use_pdl
-from decode_boundary.mxfp8.format import QuantizedActivation, check_scale_buffer, mxfp8_scale_bytes
 
-from .tactics import Tactic, fits, k_pieces
+_STAGE_NEXT = tl.constexpr(STAGE_NEXT)
+_STAGE_ACTIVE = tl.constexpr(STAGE_ACTIVE)
 
 
 @triton.jit
@@ -184,11 +202,11 @@ def _write_block(vals, out_ptr, rows, cols, M, N: tl.constexpr, is_first_block,
     mask = rows[None, :] < M
     tl.store(out_ptr + rows[None, :].to(tl.int64) * N + cols[:, None], out, mask=mask)
     if PUBLISH:
-        stage = tl.load(stage_ptr, volatile=True)
+        stage = tl.load(stage_ptr + _STAGE_NEXT, volatile=True)
         publish_row(out, peer_ptrs_ptr, stage, RANK, rows[None, :], cols[:, None], mask,
                     CAPACITY, TP=TP, HIDDEN=HIDDEN, TILE=True)
         if is_first_block:
-            tl.store(stage_ptr + 1, stage)
+            tl.store(stage_ptr + _STAGE_ACTIVE, stage)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -214,58 +232,22 @@ def mxfp8_gemm_kernel(
     k_end = tl.minimum(k0 + K_SLICE, K)
     a_k0 = (pid_n * BLOCK_N) // (N // GROUPS) * K  # this group's first activation column
 
-    # The whole weight slice, before the grid wait (nothing here is the previous kernel's).
-    # The whole weight slice in up to eight CHUNK-wide pieces, before the grid
-    # wait (nothing here is the previous kernel's); the last piece is masked.
-    w0, s0 = _load_weight(w_ptr, w_scale_ptr, cols, k0, k_end, CHUNK, K, W_K_TILES)
-    if PIECES > 1:
-        w1, s1 = _load_weight(w_ptr, w_scale_ptr, cols, k0 + CHUNK, k_end, CHUNK, K, W_K_TILES)
-    if PIECES > 2:
-        w2, s2 = _load_weight(w_ptr, w_scale_ptr, cols, k0 + 2 * CHUNK, k_end, CHUNK, K,
-                              W_K_TILES)
-    if PIECES > 3:
-        w3, s3 = _load_weight(w_ptr, w_scale_ptr, cols, k0 + 3 * CHUNK, k_end, CHUNK, K,
-                              W_K_TILES)
-    if PIECES > 4:
-        w4, s4 = _load_weight(w_ptr, w_scale_ptr, cols, k0 + 4 * CHUNK, k_end, CHUNK, K,
-                              W_K_TILES)
-    if PIECES > 5:
-        w5, s5 = _load_weight(w_ptr, w_scale_ptr, cols, k0 + 5 * CHUNK, k_end, CHUNK, K,
-                              W_K_TILES)
-    if PIECES > 6:
-        w6, s6 = _load_weight(w_ptr, w_scale_ptr, cols, k0 + 6 * CHUNK, k_end, CHUNK, K,
-                              W_K_TILES)
-    if PIECES > 7:
-        w7, s7 = _load_weight(w_ptr, w_scale_ptr, cols, k0 + 7 * CHUNK, k_end, CHUNK, K,
-                              W_K_TILES)
+    # The whole weight slice, PIECES CHUNK-wide pieces (the last one masked), before
+    # the grid wait (nothing here is the previous kernel's); static_range unrolls
+    # the loop, so every piece is its own registers and all loads are in flight.
+    pieces = ()
+    for i in tl.static_range(PIECES):
+        pieces += (_load_weight(w_ptr, w_scale_ptr, cols, k0 + i * CHUNK, k_end, CHUNK, K,
+                                W_K_TILES),)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
 
     row0 = pid_m * ROWS
     acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
-    acc = _chunk(acc, w0, s0, a_ptr, a_scale_ptr, row0, M, a_k0, k0, k_end, CHUNK, BLOCK_N,
-                 ROWS, A_K, A_K_TILES, A_BF16, INTERPRETER)
-    if PIECES > 1:
-        acc = _chunk(acc, w1, s1, a_ptr, a_scale_ptr, row0, M, a_k0, k0 + CHUNK, k_end,
-                     CHUNK, BLOCK_N, ROWS, A_K, A_K_TILES, A_BF16, INTERPRETER)
-    if PIECES > 2:
-        acc = _chunk(acc, w2, s2, a_ptr, a_scale_ptr, row0, M, a_k0, k0 + 2 * CHUNK, k_end,
-                     CHUNK, BLOCK_N, ROWS, A_K, A_K_TILES, A_BF16, INTERPRETER)
-    if PIECES > 3:
-        acc = _chunk(acc, w3, s3, a_ptr, a_scale_ptr, row0, M, a_k0, k0 + 3 * CHUNK, k_end,
-                     CHUNK, BLOCK_N, ROWS, A_K, A_K_TILES, A_BF16, INTERPRETER)
-    if PIECES > 4:
-        acc = _chunk(acc, w4, s4, a_ptr, a_scale_ptr, row0, M, a_k0, k0 + 4 * CHUNK, k_end,
-                     CHUNK, BLOCK_N, ROWS, A_K, A_K_TILES, A_BF16, INTERPRETER)
-    if PIECES > 5:
-        acc = _chunk(acc, w5, s5, a_ptr, a_scale_ptr, row0, M, a_k0, k0 + 5 * CHUNK, k_end,
-                     CHUNK, BLOCK_N, ROWS, A_K, A_K_TILES, A_BF16, INTERPRETER)
-    if PIECES > 6:
-        acc = _chunk(acc, w6, s6, a_ptr, a_scale_ptr, row0, M, a_k0, k0 + 6 * CHUNK, k_end,
-                     CHUNK, BLOCK_N, ROWS, A_K, A_K_TILES, A_BF16, INTERPRETER)
-    if PIECES > 7:
-        acc = _chunk(acc, w7, s7, a_ptr, a_scale_ptr, row0, M, a_k0, k0 + 7 * CHUNK, k_end,
+    for i in tl.static_range(PIECES):
+        w, ws = pieces[i]
+        acc = _chunk(acc, w, ws, a_ptr, a_scale_ptr, row0, M, a_k0, k0 + i * CHUNK, k_end,
                      CHUNK, BLOCK_N, ROWS, A_K, A_K_TILES, A_BF16, INTERPRETER)
 
     rows = row0 + tl.arange(0, ROWS)
@@ -292,154 +274,3 @@ def mxfp8_gemm_kernel(
             tl.store(counter_ptr + block, 0)  # re-armed for the next launch / graph replay
             _write_block(total, out_ptr, rows, cols, M, N, is_first_block, peer_ptrs_ptr,
                          stage_ptr, PUBLISH, TP, RANK, CAPACITY, HIDDEN, INTERPRETER)
-
-
-# ``publish`` arguments below: a ``decode_boundary.common.contract.PublishTarget``
-# (or any object with its attributes); ``NO_PUBLISH`` when the GEMM does not publish.
-_WORKSPACES: dict[tuple[torch.device, int], torch.Tensor] = {}
-_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
-_DUMMIES: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-
-def weight_operands(layer) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
-    """(e4m3 [N, K] storage, swizzled scales, N, K, groups) of ``layer``, checked.
-    ``layer.groups`` (default 1) > 1 marks a grouped layer (module docstring)."""
-    weight, scale = layer.weight, layer.weight_scale
-    groups = getattr(layer, "groups", 1)
-    if weight.dtype != torch.float8_e4m3fn or weight.ndim != 2:
-        raise ValueError(f"layer.weight must be a 2-D float8_e4m3fn [K, N] view, got "
-                         f"{weight.dtype} {tuple(weight.shape)}")
-    k, n = weight.shape
-    storage = weight.t()
-    if not storage.is_contiguous():
-        raise ValueError("layer.weight must be the column-major [K, N] view of a contiguous "
-                         "[N, K] tensor (layer.weight.t().is_contiguous())")
-    check_scale_buffer(scale, n, k, "layer.weight_scale")
-    if not isinstance(groups, int) or groups < 1 or n % groups:
-        raise ValueError(f"layer.groups must be a positive int dividing N={n}, got {groups!r}")
-    return storage, scale, n, k, groups
-
-
-def _aligned(*tensors: torch.Tensor) -> None:
-    for t in tensors:
-        if t.data_ptr() % 16:
-            raise ValueError(f"GEMM operands must be 16-byte aligned; got {t.dtype} "
-                             f"{tuple(t.shape)} at {t.data_ptr():#x}")
-
-
-def _cached(cache: dict, device: torch.device, nbytes: int, make) -> torch.Tensor:
-    """A buffer of >= nbytes for ``device``, sized to a power of two and kept
-    forever (a captured graph may hold it); never allocated during capture."""
-    size = max(4096, 1 << (nbytes - 1).bit_length())
-    key = (device, size)
-    buf = cache.get(key)
-    if buf is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("MXFP8 GEMM workspace missing during CUDA graph capture: call "
-                               "decode_boundary.gemm.precompile(layer, rows) before capturing")
-        buf = cache[key] = make(size, device)
-    return buf
-
-
-def _buffers(device: torch.device, n: int, rows: int, tactic: Tactic, publish=None):
-    """(partials, counters, peer_ptrs, stage_state) arguments of one launch."""
-    if device not in _DUMMIES:
-        _DUMMIES[device] = (torch.zeros(4, dtype=torch.float32, device=device),
-                            torch.zeros(2, dtype=torch.int64, device=device),
-                            torch.zeros(2, dtype=torch.int32, device=device))
-    partials, peer_ptrs, stage_state = _DUMMIES[device]
-    counters = _DUMMIES[device][2]
-    if tactic.split_k > 1:
-        m_tiles = -(-rows // tactic.rows_tile)
-        nbytes = m_tiles * n * tactic.rows_tile * tactic.split_k * 4
-        partials = _cached(_WORKSPACES, device, nbytes,
-                           lambda size, d: torch.empty(size // 4, dtype=torch.float32, device=d))
-        counters = _cached(_COUNTERS, device, m_tiles * (n // tactic.block_n) * 4,
-                           lambda size, d: torch.zeros(size // 4, dtype=torch.int32, device=d))
-    if publish is not None:
-        peer_ptrs, stage_state = publish.peer_ptrs, publish.stage_state
-    return partials, counters, peer_ptrs, stage_state
-
-
-def _check_activation(a, rows: int, a_k: int) -> bool:
-    """Validate the activation operand; True when it is BF16 (quantized in the kernel)."""
-    if isinstance(a, torch.Tensor):
-        if a.dtype != torch.bfloat16 or tuple(a.shape) != (rows, a_k) or not a.is_contiguous():
-            raise ValueError(f"activation must be contiguous bfloat16 [rows, {a_k}] (or an MXFP8 "
-                             f"QuantizedActivation), got {a.dtype} {tuple(a.shape)}")
-        return True
-    data, scale = a.data, a.scale
-    if data.dtype != torch.float8_e4m3fn or tuple(data.shape) != (rows, a_k) or \
-            not data.is_contiguous():
-        raise ValueError(f"activation data must be contiguous float8_e4m3fn [rows, {a_k}], got "
-                         f"{data.dtype} {tuple(data.shape)}")
-    check_scale_buffer(scale, rows, a_k, "activation scale")
-    return False
-
-
-def _launch_config(layer, a, out, tactic: Tactic, publish):
-    """(grid, positional args, keyword args) shared by launch and warmup, so a
-    warmed-up kernel is exactly the one a launch looks up. ``a`` is a BF16
-    [rows, G*K] tensor or a QuantizedActivation (2-D data)."""
-    storage, w_scale, n, k, groups = weight_operands(layer)
-    bf16 = isinstance(a, torch.Tensor)
-    rows = (a if bf16 else a.data).shape[0]
-    device = storage.device
-    a_bf16 = _check_activation(a, rows, groups * k)
-    a_data, a_scale = (a, a) if a_bf16 else (a.data, a.scale)
-    if out.dtype != torch.bfloat16 or tuple(out.shape) != (rows, n) or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous bfloat16 [{rows}, {n}], got {out.dtype} "
-                         f"{tuple(out.shape)}")
-    if not fits(tactic, n, k, groups):
-        raise ValueError(f"tactic {tactic} is not valid for N={n}, K={k}, groups={groups}")
-    if any(t.device != device for t in (a_data, a_scale, out)):
-        raise ValueError(f"weight, activations and out must share one device ({device})")
-    _aligned(storage, w_scale, a_data, a_scale, out)
-    if publish is not None:
-        check_publish_target(publish, n, rows, device)
-    buffers = _buffers(device, n, rows, tactic, publish)
-    grid = (n // tactic.block_n, tactic.split_k, -(-rows // tactic.rows_tile))
-    pub = publish or NO_PUBLISH
-    k_slice, pieces = k_pieces(k, tactic)
-    pdl = use_pdl(device)
-    kwargs = dict(
-        N=n, K=k, GROUPS=groups, BLOCK_N=tactic.block_n, ROWS=tactic.rows_tile,
-        SPLIT_K=tactic.split_k, K_SLICE=k_slice, CHUNK=tactic.chunk_k, PIECES=pieces,
-        A_BF16=a_bf16, USE_PDL=pdl, INTERPRETER=interpret_mode(), PUBLISH=publish is not None,
-        TP=pub.tp, RANK=pub.rank, CAPACITY=pub.capacity, HIDDEN=pub.hidden,
-        num_warps=tactic.num_warps, num_stages=1, launch_pdl=pdl,
-    )
-    return grid, (storage, w_scale, a_data, a_scale, out, *buffers, rows), kwargs
-
-
-def launch_low_latency(layer, a, out: torch.Tensor, tactic: Tactic, publish=None) -> torch.Tensor:
-    """``out`` [rows, N] (BF16) = ``a`` @ ``layer.weight`` with ``tactic`` on the
-    current stream; ``a`` is MXFP8 (``QuantizedActivation``, 2-D data) or a BF16
-    [rows, G*K] tensor quantized in the prologue; with ``publish``, also into
-    the mailbox (module docstring)."""
-    grid, args, kwargs = _launch_config(layer, a, out, tactic, publish)
-    if args[-1]:
-        mxfp8_gemm_kernel[grid](*args, **kwargs)
-    return out
-
-
-def warmup_low_latency(layer, rows: int, tactic: Tactic, publish=None, bf16_input: bool = False):
-    """Compile (launch nothing) the kernel ``launch_low_latency`` runs for
-    ``rows`` rows, ``tactic`` and the input kind, and allocate its workspace;
-    returns the compiled kernel (None in the interpreter). Peer addresses are
-    checked here, outside any capture: a host read of the table would synchronize."""
-    storage, _, n, k, groups = weight_operands(layer)
-    device = storage.device
-    a_k = groups * k
-    if bf16_input:
-        a = torch.empty(rows, a_k, dtype=torch.bfloat16, device=device)
-    else:
-        a = QuantizedActivation(
-            torch.empty(rows, a_k, dtype=torch.float8_e4m3fn, device=device),
-            torch.empty(mxfp8_scale_bytes(rows, a_k), dtype=torch.uint8, device=device),
-            torch.bfloat16, torch.Size((rows, a_k)))
-    out = torch.empty(rows, n, dtype=torch.bfloat16, device=device)
-    if publish is not None and any(ptr % 16 for ptr in publish.peer_ptrs.tolist()):
-        raise ValueError("publish.peer_ptrs must hold 16-byte aligned mailbox addresses")
-    grid, args, kwargs = _launch_config(layer, a, out, tactic, publish)
-    return mxfp8_gemm_kernel.warmup(*args, grid=grid, **kwargs)

@@ -1,7 +1,7 @@
 """The GEMM as PyTorch custom ops with fake implementations, so
 ``torch.compile(fullgraph=True)`` treats each call as one opaque op (the
 Triton launch, its workspace and tactic choice stay eager inside it) and CUDA
-graphs capture the compiled step (design.md §10). ``api.mxfp8_mm`` routes
+graphs capture the compiled step (docs/DESIGN.md §10). ``api.mxfp8_mm`` routes
 through ``decode_boundary::mxfp8_mm`` while tracing; eagerly it launches
 directly (no dispatcher overhead), the same code either way."""
 

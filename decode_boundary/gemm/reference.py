@@ -5,7 +5,7 @@ with FP32 accumulation: the spec the kernels implement. Within one 32-wide group
 the products of two e4m3 values (4 significant bits each) are exact in FP32, so
 the reference's only roundings are the FP32 sums and the final BF16 cast.
 
-The bar (design.md, issue 3): every element within one BF16 ulp of the FP64
+The bar (docs/DESIGN.md §7): every element within one BF16 ulp of the FP64
 product of the dequantized operands plus ``1e-5 * sum_k |a_k * w_k|`` (room for
 FP32 accumulation in any order).
 

@@ -3,7 +3,7 @@
 A :class:`Tactic` fixes everything a compiled kernel depends on besides the
 shape and the input kind: weight rows per program, activation rows per program
 (1..8 on CUDA cores, 16..64 on tensor cores: mxfp8_gemm_kernel.py), split-K
-and warps. Row ranges (design.md §1, seed 004):
+and warps. Row ranges (docs/DESIGN.md §7):
 
 * ``1 .. LOW_BATCH_MAX_ROWS`` (8): the low-latency GEMM;
 * ``.. WIDE_LOW_LATENCY_MAX_ROWS`` (48): wide tiles of 16, 32 and 64 rows
@@ -170,7 +170,8 @@ BF16_TABLE: dict[tuple[int, int, int], dict[int, Tactic]] = {
 }
 
 # The 5..8-row bucket and above are offered only their pinned tactic under
-# pinned_tactics() (seed 004: split-K choices tuned in isolation lose in the chain).
+# pinned_tactics() (split-K choices tuned on one GEMM alone lose in the chain of
+# the three projections, so the chain-measured table wins there).
 PINNED_MIN_ROWS = 5
 
 

@@ -1,26 +1,19 @@
-"""One rank's DeepSeek V4.1-shaped attention boundary, run three ways.
+"""One rank's DeepSeek V4-family attention boundary: the model chain.
 
-``wo_a`` (one grouped GEMM over the local output groups) -> ``wo_b`` (row-parallel: this
-rank's partial sum) -> all-reduce + mHC + RMSNorm + MXFP8 of the next input ->
-the next layer's ``fused_wqa_wkv``. Paths (design.md §1):
-
-* ``strong_baseline``: what a careful user assembles (model/baseline.py):
-  cuBLAS BF16 GEMMs (wo_a's groups in one bmm), symm-mem one-shot / NCCL
-  all-reduce, mHC + RMSNorm compiled by ``torch.compile``.
-* ``baseline`` (eager): cuBLAS FP8 row-wise GEMMs, NCCL all-reduce, torch ops
-  for mHC.
-* ``unfused``: our MXFP8 GEMMs, the publish kernel, the fused consumer (five
-  launches: grouped wo_a, wo_b, publish, consumer, fused_wqa_wkv).
-* ``fused``: as unfused, but ``wo_b`` publishes from its epilogue
-  (:class:`PublishingMxfp8Linear`), so only the consumer runs after it: four
-  launches at M <= 8, each GEMM quantizing its BF16 input in its prologue.
+``wo_a`` (one grouped GEMM over the local output groups) -> ``wo_b``
+(row-parallel: this rank's partial sum) -> all-reduce + mHC + RMSNorm + MXFP8 of
+the next input -> the next layer's ``fused_wqa_wkv`` (docs/DESIGN.md §1).
+Called fused (``wo_b`` publishes from its epilogue through
+:class:`PublishingMxfp8Linear`, so only the consumer runs after it: four
+launches at M <= 8, each GEMM quantizing its BF16 input in its prologue) or
+unfused (plain ``wo_b``, then the publish kernel: five launches); the two
+must agree bit for bit, and both with :meth:`AttentionBoundary.reference`
+within ``CHAIN_RTOL``. Every kernel is launched with PDL where the GPU has
+it, so each weight read overlaps the previous kernel.
 
 ``tp`` fixes the per-rank shapes; the group may be smaller (one GPU running one
 rank's share of a TP-``tp`` deployment: the all-reduce over a group of one).
-
-``unfused`` and ``fused`` must agree bit for bit; every kernel is launched with
-PDL where the GPU has it, so the chain overlaps each weight read with the
-previous kernel.
+The baselines and the benchmark harness live in ``decode_boundary.bench``.
 """
 
 from __future__ import annotations
@@ -37,12 +30,10 @@ from decode_boundary.gemm import mxfp8_mm
 from decode_boundary.gemm import precompile as gemm_precompile
 from decode_boundary.gemm.linear import Mxfp8Linear, load_linear
 from decode_boundary.gemm.reference import mxfp8_mm_ref
-from decode_boundary.model.baseline import RowwiseFp8Linear, StrongBaseline, all_reduce_then_mhc
 from decode_boundary.model.config import BoundaryConfig
 from decode_boundary.mxfp8.format import QuantizedActivation, mxfp8_scale_bytes, quantize_mxfp8_ref
 from decode_boundary.publishing_linear import PublishingMxfp8Linear
 
-PATHS = ("strong_baseline", "baseline", "unfused", "fused")
 OUTPUT_NAMES = ("residual_out", "layer_input", "q")  # the fields of BoundaryOutputs
 WEIGHT_STD = 0.02  # synthetic weights: the scale of a trained projection's entries
 
@@ -130,8 +121,6 @@ class AttentionBoundary:
             device=self.device,
         )
         self.publisher = PublishingMxfp8Linear(self.all_reduce)
-        self._baseline: dict[str, RowwiseFp8Linear] = {}
-        self._strong: StrongBaseline | None = None
 
     def _load(self, weights_dir: str, layer: int, groups_local: int) -> None:
         """Layer ``layer`` of a DSV4.1 checkpoint: this rank's wo_a groups, its
@@ -202,41 +191,25 @@ class AttentionBoundary:
             pre.to(**to),
         )
 
-    def run(self, inputs: BoundaryInputs, path: str) -> BoundaryOutputs:
-        """One boundary on ``path`` (one of :data:`PATHS`)."""
-        if path == "baseline":
-            return self._run_baseline(inputs)
-        if path == "strong_baseline":
-            return BoundaryOutputs(*self.strong_baseline(
-                inputs.attn_out, inputs.residual, inputs.post, inputs.comb, inputs.pre,
-                self.norm_weight, self.config.eps))
-        return self.consume(inputs, self.produce(inputs, path))
+    def __call__(self, inputs: BoundaryInputs, fused: bool = True) -> BoundaryOutputs:
+        """One boundary step, fused (the publishing ``wo_b``) or unfused."""
+        return self.consume(inputs, self.produce(inputs, fused))
 
-    @property
-    def strong_baseline(self) -> StrongBaseline:
-        """The cuBLAS BF16 + compiled-mHC twin of this boundary, built on first use."""
-        if self._strong is None:
-            self._strong = StrongBaseline(self.wo_a, self.wo_b, self.fused_wqa_wkv, self.group,
-                                          self.all_reduce.capacity)
-        return self._strong
-
-    def produce(self, inputs: BoundaryInputs, path: str) -> torch.Tensor:
-        """``wo_a`` and ``wo_b`` of ``path`` ("unfused" or "fused"); the partial
-        is published (by the publish kernel, or by ``wo_b``'s epilogue) and
-        waits for :meth:`consume`. Split from it so simulated ranks of one
-        process can all publish before any consumes."""
-        if path not in ("unfused", "fused"):
-            raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    def produce(self, inputs: BoundaryInputs, fused: bool = True) -> torch.Tensor:
+        """``wo_a`` and ``wo_b``; the partial is published (by ``wo_b``'s
+        epilogue when ``fused``, else by the publish kernel) and waits for
+        :meth:`consume`. Split from it so simulated ranks of one process can
+        all publish before any consumes."""
         # One grouped GEMM; both GEMMs quantize their BF16 input in their prologue.
         o = mxfp8_mm(self.wo_a, inputs.attn_out)
-        return self.wo_b_published(o, path)
+        return self.wo_b_published(o, fused)
 
-    def wo_b_published(self, o: torch.Tensor, path: str) -> torch.Tensor:
+    def wo_b_published(self, o: torch.Tensor, fused: bool = True) -> torch.Tensor:
         """``wo_b`` of ``o`` (BF16 [M, K], or MXFP8), published for the
-        all-reduce: by the GEMM's epilogue on the fused path where the publisher
-        takes it, else by the publish kernel."""
+        all-reduce: by the GEMM's epilogue when ``fused`` and the publisher
+        takes these rows, else by the publish kernel."""
         rows = o.rows if isinstance(o, QuantizedActivation) else o.shape[0]
-        if path == "fused" and self.publisher.supports(self.wo_b, rows):
+        if fused and self.publisher.supports(self.wo_b, rows):
             return self.publisher(self.wo_b, o)
         partial = mxfp8_mm(self.wo_b, o)
         self.all_reduce.publish(partial)
@@ -261,30 +234,6 @@ class AttentionBoundary:
         next_in = QuantizedActivation(data, scale, torch.bfloat16, layer_input.shape)
         return residual_out, layer_input, next_in
 
-    def baseline_linear(self, name: str) -> RowwiseFp8Linear:
-        """The cuBLAS FP8 row-wise twin of projection ``name`` ("wo_a<g>",
-        "wo_b", "fused_wqa_wkv"), built on first use."""
-        if name not in self._baseline:
-            linear = self.wo_a.group(int(name[4:])) if name.startswith("wo_a") \
-                else getattr(self, name)
-            self._baseline[name] = RowwiseFp8Linear(linear)
-        return self._baseline[name]
-
-    def _run_baseline(self, inputs: BoundaryInputs) -> BoundaryOutputs:
-        width = self.config.wo_a_shape()[1]
-        o = torch.cat(
-            [self.baseline_linear(f"wo_a{g}")(inputs.attn_out[:, g * width : (g + 1) * width])
-             for g in range(self.wo_a.groups)],
-            dim=1,
-        )
-        partial = self.baseline_linear("wo_b")(o)
-        residual_out, layer_input, _ = all_reduce_then_mhc(
-            partial, inputs.residual, inputs.post, inputs.comb, inputs.pre,
-            self.norm_weight, self.config.eps, self.group, quantize=True,
-        )
-        q = self.baseline_linear("fused_wqa_wkv")(layer_input)
-        return BoundaryOutputs(residual_out, layer_input, q)
-
     def reference_partial(self, inputs: BoundaryInputs) -> torch.Tensor:
         """This rank's ``wo_b`` partial from the pure-torch references."""
         return _mm_ref(self.wo_b, _mm_ref(self.wo_a, inputs.attn_out))
@@ -292,7 +241,7 @@ class AttentionBoundary:
     def reference(self, inputs: BoundaryInputs,
                   partials: list[torch.Tensor] | None = None) -> BoundaryOutputs:
         """The same boundary from the pure-torch references (GEMMs in FP32 on
-        MXFP8 operands, the consumer as design.md §5). ``partials``: every
+        MXFP8 operands, the consumer as docs/DESIGN.md §5). ``partials``: every
         rank's :meth:`reference_partial` (simulated ranks); by default they
         are gathered over the group."""
         if partials is None:
@@ -327,10 +276,10 @@ def simulated_boundaries(config: BoundaryConfig, tp: int, capacity: int, seed: i
 
 
 def run_simulated(boundaries: list[AttentionBoundary], inputs: list[BoundaryInputs],
-                  path: str) -> list[BoundaryOutputs]:
+                  fused: bool = True) -> list[BoundaryOutputs]:
     """One step of simulated ranks: every rank produces (and publishes) first,
     then every rank consumes."""
-    partials = [b.produce(x, path) for b, x in zip(boundaries, inputs, strict=True)]
+    partials = [b.produce(x, fused) for b, x in zip(boundaries, inputs, strict=True)]
     return [b.consume(x, p) for b, x, p in zip(boundaries, inputs, partials, strict=True)]
 
 
@@ -339,12 +288,6 @@ def run_simulated(boundaries: list[AttentionBoundary], inputs: list[BoundaryInpu
 # our GEMMs sum in another order than the reference, so an element near an MXFP8
 # or BF16 rounding boundary can land one step away; 2e-2 bounds the whole chain.
 CHAIN_RTOL = 2e-2
-
-
-# The baselines skip the MXFP8 rounding of activations (strong: BF16 end to end)
-# or use another FP8 scaling (eager: row-wise): about 2^-4 per element, which
-# averages to a few percent on the chain's outputs. They are speed baselines.
-BASELINE_RTOL = 8e-2
 
 
 def check_outputs(out: BoundaryOutputs, ref: BoundaryOutputs,

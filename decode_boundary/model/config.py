@@ -1,6 +1,6 @@
 """Shapes of the DeepSeek V4 family's attention boundary, per tensor-parallel rank.
 
-Values from design.md §3. Where the design gives only the per-rank GEMM shape,
+Values from docs/DESIGN.md §3. Where the design gives only the per-rank GEMM shape,
 the model dimensions are chosen to reproduce it (marked "derived").
 """
 
@@ -59,7 +59,7 @@ class BoundaryConfig:
 
 
 MODELS: dict[str, BoundaryConfig] = {
-    # design.md §3: H 5120, hc 4, 64 heads x 512, q_lora 1280, 8 x 1024 o-groups, top_k 6.
+    # docs/DESIGN.md §3: H 5120, hc 4, 64 heads x 512, q_lora 1280, 8 x 1024 o-groups, top_k 6.
     "v4.1-flash": BoundaryConfig("v4.1-flash", 5120, 4, 64, 512, 1280, 512, 8, 1024, 6),
     # H 4096 (wo_b 4096 x 2048 at TP4); other widths derived like V4.1-Flash.
     "v4-flash": BoundaryConfig("v4-flash", 4096, 4, 64, 512, 1024, 512, 8, 1024, 6),

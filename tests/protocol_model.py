@@ -1,8 +1,11 @@
-"""Host-side model of the Lamport mailbox protocol (design.md §6), for property tests.
+"""Host-side model of the Lamport mailbox protocol (docs/DESIGN.md §6), for the
+property tests of ``test_protocol_model.py``.
 
-Pure numpy, no GPU: ``tp`` ranks, each owning ``mailbox [3, tp, capacity, hidden]``
-of BF16 bits filled with -0 (0x8000, "not yet written") and the local words
-{NEXT, ACTIVE}. The model keeps exactly the freedom the hardware has:
+Pure numpy, no GPU: ``tp`` ranks, each owning ``mailbox [STAGES, tp, capacity,
+hidden]`` of BF16 bits filled with the sentinel -0 (``SENTINEL_BITS``, "not
+yet written") and the local words {NEXT, ACTIVE}; the constants are those of
+``decode_boundary.common.contract``, which the kernels use. The model keeps
+exactly the freedom the hardware has:
 
 * a publish reads NEXT, issues its stores and sets ACTIVE; the stores then land
   whenever the scheduler says, in any order, interleaved with everything else,
@@ -32,9 +35,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-STAGES = 3
-NEXT, ACTIVE = 0, 1
-NEG_ZERO = np.uint16(0x8000)  # "not yet written"
+from decode_boundary.common.contract import SENTINEL_BITS, STAGE_ACTIVE, STAGE_NEXT, STAGES
+
+NEG_ZERO = np.uint16(SENTINEL_BITS & 0xFFFF)  # "not yet written", as uint16 BF16 bits
 VECTOR = 8  # BF16 elements of one 16-byte store
 CLEAR_POLICIES = ("consumed", "previous", "next")
 
@@ -84,14 +87,14 @@ class MailboxModel:
                 f"values must be uint16 BF16 bits [M <= {self.capacity}, {self.hidden}], "
                 f"got {values.dtype} {values.shape}"
             )
-        s = int(self.stage_state[rank, NEXT])
+        s = int(self.stage_state[rank, STAGE_NEXT])
         bits = np.where(values == NEG_ZERO, np.uint16(0), values)
         for dst in range(self.tp):
             for row in range(m):
                 for col in range(0, self.hidden, self.piece):
                     part = bits[row, col : col + self.piece].copy()
                     self.in_flight.append(Piece(dst, s, rank, row, col, part))
-        self.stage_state[rank, ACTIVE] = s
+        self.stage_state[rank, STAGE_ACTIVE] = s
 
     def land(self, index: int) -> None:
         """The in-flight piece ``index`` reaches its mailbox."""
@@ -101,7 +104,7 @@ class MailboxModel:
     def ready(self, rank: int, m: int) -> bool:
         """Whether rank ``rank``'s consume of ``m`` rows would stop spinning now:
         every element of its ACTIVE stage's rows ``[:m]`` from every rank is written."""
-        s = int(self.stage_state[rank, ACTIVE])
+        s = int(self.stage_state[rank, STAGE_ACTIVE])
         return not bool((self.mailbox[rank, s, :, :m] == NEG_ZERO).any())
 
     def consume(self, rank: int, m: int) -> np.ndarray | None:
@@ -109,12 +112,12 @@ class MailboxModel:
         [m, hidden] of all ranks' values in rank order; advances NEXT and clears."""
         if not self.ready(rank, m):
             return None
-        s = int(self.stage_state[rank, ACTIVE])
+        s = int(self.stage_state[rank, STAGE_ACTIVE])
         parts = bf16_to_float(self.mailbox[rank, s, :, :m])
         total = parts[0].copy()
         for part in parts[1:]:
             total += part
-        self.stage_state[rank, NEXT] = (s + 1) % STAGES
+        self.stage_state[rank, STAGE_NEXT] = (s + 1) % STAGES
         if self.clear == "consumed":
             self.mailbox[rank, s, :, :m] = NEG_ZERO
         elif self.clear == "previous":

@@ -11,15 +11,18 @@ The result dict (schema ``SCHEMA``) is what ``decode-boundary`` writes:
 * ``config``: the model's sizes, ``tp``, ``rows``, ``transport`` of the
   all-reduce ("mailbox" peer stores, or "nccl" where peers are unreachable), ...;
 * bench / verify: ``verify`` [{``rows``, ``ok``, ``failures``, ``ranks_identical``}];
-  bench adds ``copy_rate_gbps``, ``floor_us`` (wo_b MXFP8 weight bytes / copy
-  rate), ``weight_copies`` and ``timings`` [{``rows``, ``us`` {path: µs},
-  ``speedup`` {"baseline/fused", "unfused/fused"}}];
+  bench adds ``copy_rate_gbps``, ``floor_us`` (every MXFP8 weight byte of the
+  boundary — wo_a, wo_b, fused_wqa_wkv — at the copy rate, plus ``hop_us``, one
+  measured hop where there are peers), ``weight_copies``, ``timings``
+  [{``rows``, ``us`` {path: µs}, ``speedup`` {"<path>/fused": ratio}}] and
+  ``breakdown`` {``rows``, path: {stage: µs}} (each stage timed alone);
 * gemm: ``copy_rate_gbps`` and ``gemms`` [{``name``, ``n``, ``k``, ``rows``,
   ``floor_us``, ``us`` {"ours", "cublas_bf16", "cublas_fp8_rowwise"}}].
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.metadata
 import io
@@ -28,19 +31,26 @@ import os
 import platform
 import re
 import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import matplotlib
 import torch
 from rich.console import Console
+from rich.progress import Progress
 from rich.table import Table
 
 matplotlib.use("Agg")  # files only: no display on GPU hosts or CI
 import matplotlib.pyplot as plt  # noqa: E402
 
 SCHEMA = 1
-SPEEDUPS = (("strong_baseline", "fused"), ("baseline", "fused"), ("unfused", "fused"))
-SHORT = {"strong_baseline": "strong", "baseline": "eager"}  # table headers (JSON keeps names)
+# The baseline paths of bench.paths.PATHS (what fused is compared with); report needs
+# no kernels, so the list lives here.
+BASELINES = ("compiled_step", "strong_baseline", "baseline")
+SPEEDUPS = (("compiled_step", "fused"), ("strong_baseline", "fused"), ("baseline", "fused"),
+            ("unfused", "fused"))
+# table headers (JSON keeps the names)
+SHORT = {"compiled_step": "compiled", "strong_baseline": "strong", "baseline": "eager"}
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -62,7 +72,7 @@ def git_commit() -> str | None:
 
 
 def environment(interpreter: bool, unreachable_pairs: list[tuple[int, int]]) -> dict:
-    """Where the numbers come from (design.md §9: GPU, versions, commit)."""
+    """Where the numbers come from (docs/DESIGN.md §9: GPU, versions, commit)."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return {
         "gpu": torch.cuda.get_device_name(0) if gpus else None,
@@ -91,11 +101,28 @@ def new_result(kind: str, command: str, env: dict, config: dict) -> dict:
 
 
 def add_speedups(timings: list[dict]) -> list[dict]:
-    """Each timing row gets ``speedup``: slower path's µs / fused µs."""
+    """Each timing row gets ``speedup`` (a path's µs / fused µs) and, where a
+    baseline ran, ``fastest_baseline`` (the name of the quickest at this M)
+    with ``speedup["fastest_baseline/fused"]``: the headline ratio."""
     for row in timings:
-        row["speedup"] = {f"{a}/{b}": row["us"][a] / row["us"][b] for a, b in SPEEDUPS
-                          if a in row["us"] and b in row["us"]}
+        us = row["us"]
+        row["speedup"] = {f"{a}/{b}": us[a] / us[b] for a, b in SPEEDUPS if a in us and b in us}
+        ran = [b for b in BASELINES if b in us]
+        if ran and "fused" in us:
+            row["fastest_baseline"] = min(ran, key=us.__getitem__)
+            row["speedup"]["fastest_baseline/fused"] = us[row["fastest_baseline"]] / us["fused"]
     return timings
+
+
+@contextlib.contextmanager
+def progress(show: bool, total: int) -> Iterator[Callable[[str], None]]:
+    """A progress bar on stderr (stdout may carry JSON); ``advance(label)`` steps it."""
+    if not show:
+        yield lambda label: None
+        return
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("verifying", total=total)
+        yield lambda label: bar.update(task, advance=1, description=label)
 
 
 def verify_table(result: dict) -> Table:
@@ -124,18 +151,22 @@ def bench_table(result: dict) -> Table:
         a, b = ratio.split("/")
         table.add_column(f"{SHORT.get(a, a)}/{SHORT.get(b, b)}", justify="right")
     table.add_column("fused/floor", justify="right")
+    table.add_column("fastest baseline / fused", justify="right")
     for row in result["timings"]:
+        fastest = row.get("fastest_baseline")
         table.add_row(
             str(row["rows"]),
             *(f"{row['us'][p]:.1f}" for p in paths),
             f"{result['floor_us']:.1f}",
             *(f"{row['speedup'][r]:.2f}x" for r in ratios),
             f"{row['us']['fused'] / result['floor_us']:.2f}x" if "fused" in row["us"] else "",
+            f"{row['speedup']['fastest_baseline/fused']:.2f}x "
+            f"({SHORT.get(fastest, fastest)})" if fastest else "",
         )
     table.caption = (f"floor = every MXFP8 weight byte of the boundary (wo_a, wo_b, "
                      f"fused_wqa_wkv) / copy rate ({result['copy_rate_gbps']:.0f} GB/s, "
-                     f"read + write); baseline = eager torch, strong_baseline = cuBLAS BF16 + "
-                     f"torch.compile")
+                     f"read + write); compiled = the whole step by torch.compile max-autotune, "
+                     f"strong = cuBLAS BF16 + compiled mHC, eager = cuBLAS FP8 + torch ops")
     return table
 
 
@@ -193,6 +224,12 @@ def plot_latency(result: dict, path: Path) -> Path:
     for p in timings[0]["us"]:
         ax.plot(rows, [t["us"][p] for t in timings], marker="o", label=p)
     ax.axhline(result["floor_us"], linestyle="--", color="grey", label="floor (all weights)")
+    for t in timings:  # the headline: fused against the fastest baseline at this M
+        if "fastest_baseline" in t:
+            ax.annotate(f"{t['speedup']['fastest_baseline/fused']:.2f}x vs\n"
+                        f"{SHORT.get(t['fastest_baseline'], t['fastest_baseline'])}",
+                        (t["rows"], t["us"]["fused"]), textcoords="offset points",
+                        xytext=(0, -22), ha="center", fontsize=6.5)
     ax.set_xlabel("M (tokens per decode step)")
     ax.set_ylabel("µs per boundary")
     ax.set_xscale("log", base=2)

@@ -1,0 +1,234 @@
+"""What a user can assemble today from stock parts: the baselines every
+benchmark compares against (docs/DESIGN.md §8.2). Each is built from one
+rank's :class:`~decode_boundary.model.chain.AttentionBoundary` (its weights,
+group and norm) and called like a path of the registry (``bench.paths``):
+``baseline(inputs) -> BoundaryOutputs``.
+
+* :class:`StrongBaseline` (``strong_baseline``): cuBLAS BF16 GEMMs on the
+  dequantized weights, ``wo_a``'s groups in one ``torch.bmm``, the all-reduce
+  by torch symmetric memory's one-shot kernel where the ranks share NVLink
+  (NCCL otherwise; nothing with one rank), and mHC + RMSNorm written as
+  vectorised torch and compiled by ``torch.compile``.
+* :class:`CompiledStep` (``compiled_step``): the whole step — the same BF16
+  weights, ``wo_a``'s groups in one bmm, the all-reduce (a functional
+  collective), mHC + RMSNorm, ``fused_wqa_wkv`` — as one function compiled by
+  ``torch.compile(mode="max-autotune-no-cudagraphs")``, autotuned once per M:
+  what a ``torch.compile`` user gets with no hand-written kernel.
+* :class:`EagerBaseline` (``baseline``): cuBLAS FP8 row-wise GEMMs
+  (``torch._scaled_mm``), an NCCL all-reduce, and mHC / RMSNorm / MXFP8 as
+  plain torch ops (:func:`all_reduce_then_mhc`).
+
+Neither is bit-compatible with our path (BF16 weights and row-wise FP8 are other
+numerics); both are speed baselines, checked only for being close to the
+reference (``BASELINE_RTOL``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from decode_boundary.boundary.reference import consumer_ref
+from decode_boundary.env import disable_multicast
+from decode_boundary.model.chain import AttentionBoundary, BoundaryInputs, BoundaryOutputs
+from decode_boundary.mxfp8.format import E4M3_MAX
+
+FP8_ROW_ALIGN = 16  # cuBLASLt FP8 needs every dimension a multiple of 16
+
+# The baselines skip the MXFP8 rounding of activations (strong: BF16 end to end)
+# or use another FP8 scaling (eager: row-wise): about 2^-4 per element, which
+# averages to a few percent on the chain's outputs. They are speed baselines.
+BASELINE_RTOL = 8e-2
+
+
+def rowwise_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row e4m3 quantization: (data [R, K], FP32 scale [R, 1])."""
+    amax = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
+    scale = amax / E4M3_MAX
+    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+class RowwiseFp8Linear:
+    """cuBLAS FP8 row-wise GEMM of an ``Mxfp8Linear``'s weight (re-quantized per
+    output row from the dequantized MXFP8 weight)."""
+
+    def __init__(self, linear) -> None:
+        weight = linear.dequantized_weight()  # [N, K] FP32
+        data, scale = rowwise_fp8(weight)
+        self.weight_t = data.t()  # column-major [K, N], as _scaled_mm wants its B operand
+        self.scale_t = scale.t().contiguous()  # [1, N]
+        self.out_features = weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        padded = -(-rows // FP8_ROW_ALIGN) * FP8_ROW_ALIGN
+        if padded != rows:
+            x = torch.nn.functional.pad(x, (0, 0, 0, padded - rows))
+        data, scale = rowwise_fp8(x)
+        out = torch._scaled_mm(
+            data, self.weight_t, scale_a=scale, scale_b=self.scale_t, out_dtype=torch.bfloat16
+        )
+        return out[:rows]
+
+
+def all_reduce_then_mhc(partial, residual, post, comb, pre, norm_weight, eps, group, quantize):
+    """NCCL all-reduce of the BF16 partial, then the consumer's math as torch ops.
+
+    NCCL's BF16 sum order is its own, so ``reduced`` may differ from ours in the
+    last bit; the rest follows docs/DESIGN.md §5.
+    """
+    reduced = partial.clone()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(reduced, group=group)
+    return consumer_ref([reduced], residual, post, comb, pre, norm_weight, eps, quantize=quantize)
+
+
+def mhc_rmsnorm(reduced: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
+                comb: torch.Tensor, pre: torch.Tensor, norm_weight: torch.Tensor, eps: float):
+    """mHC + RMSNorm (docs/DESIGN.md §5 steps 2-3, same rounding points) as
+    vectorised torch: (residual_out [M, hc, H], layer_input [M, H]), BF16.
+    What :class:`StrongBaseline` compiles."""
+    mixed = (reduced.float()[:, None, :] * post[:, :, None]
+             + torch.einsum("msh,mst->mth", residual.float(), comb)).bfloat16()
+    prenorm = (mixed.float() * pre[:, :, None]).sum(dim=1).bfloat16().float()
+    scale = torch.rsqrt(prenorm.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return mixed, (prenorm * scale * norm_weight.float()).bfloat16()
+
+
+def bf16_weights(ab: AttentionBoundary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``ab``'s MXFP8 weights dequantized once to BF16: ``wo_a`` [G, N/G, K]
+    (its groups stacked for one bmm), ``wo_b`` and ``fused_wqa_wkv`` [N, K]."""
+    k_a, n_a = ab.wo_a.weight.shape
+    groups = ab.wo_a.groups
+    return (ab.wo_a.dequantized_weight().bfloat16().view(groups, n_a // groups, k_a),
+            ab.wo_b.dequantized_weight().bfloat16(),
+            ab.fused_wqa_wkv.dequantized_weight().bfloat16())
+
+
+class StrongBaseline:
+    """One rank's boundary as a careful user builds it from stock parts
+    (module docstring): ``ab``'s MXFP8 ``wo_a`` (grouped), ``wo_b`` and
+    ``fused_wqa_wkv`` dequantized once to BF16, its group and norm weight.
+
+    The first call with a row count compiles the mHC step for it
+    (``torch.compile``, one graph per M): make it outside any CUDA-graph
+    capture (the bench's timer runs every step once eagerly first)."""
+
+    def __init__(self, ab: AttentionBoundary, backend: str = "inductor") -> None:
+        self.wo_a, self.wo_b, self.fused_wqa_wkv = bf16_weights(ab)
+        self.norm_weight, self.eps = ab.norm_weight, ab.config.eps
+        self.group = group = ab.group
+        self.tp = dist.get_world_size(group) if group is not None else 1
+        # One graph per M (dynamic=False), as a server compiles its decode graphs.
+        self.mhc = torch.compile(mhc_rmsnorm, dynamic=False, fullgraph=True, backend=backend)
+        self.symm = None
+        if self.tp > 1:
+            self.transport = "nccl"
+            try:
+                import torch.distributed._symmetric_memory as symm_mem
+
+                disable_multicast()
+                hidden = self.wo_b.shape[0]
+                self.symm = symm_mem.empty(ab.all_reduce.capacity * hidden,
+                                           dtype=torch.bfloat16, device=self.wo_b.device)
+                symm_mem.rendezvous(self.symm, group.group_name)
+                self.transport = "symm_mem one-shot"
+            except Exception:  # noqa: BLE001 - no peer access: NCCL is what a user has then
+                self.symm = None
+        else:
+            self.transport = "none (one rank)"
+
+    def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        if self.tp == 1:
+            return partial
+        if self.symm is not None:
+            buf = self.symm[: partial.numel()].view_as(partial)
+            buf.copy_(partial)
+            return torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", self.group.group_name)
+        out = partial.clone()
+        dist.all_reduce(out, group=self.group)
+        return out
+
+    def project_wo_a(self, attn_out: torch.Tensor) -> torch.Tensor:
+        """wo_a's groups in one bmm: [M, G*K] -> [M, G*N], the groups concatenated."""
+        groups, _, k_a = self.wo_a.shape
+        rows = attn_out.shape[0]
+        a = attn_out.view(rows, groups, k_a).transpose(0, 1)  # [G, M, K]
+        return torch.bmm(a, self.wo_a.transpose(1, 2)).transpose(0, 1).reshape(rows, -1)
+
+    def mix(self, reduced: torch.Tensor, inputs: BoundaryInputs):
+        """The compiled mHC + RMSNorm of the all-reduced sum: (residual_out, layer_input)."""
+        return self.mhc(reduced, inputs.residual, inputs.post, inputs.comb, inputs.pre,
+                        self.norm_weight, self.eps)
+
+    def __call__(self, inputs: BoundaryInputs) -> BoundaryOutputs:
+        reduced = self.all_reduce(self.project_wo_a(inputs.attn_out) @ self.wo_b.t())
+        residual_out, layer_input = self.mix(reduced, inputs)
+        return BoundaryOutputs(residual_out, layer_input, layer_input @ self.fused_wqa_wkv.t())
+
+
+class EagerBaseline:
+    """cuBLAS FP8 row-wise twins of ``ab``'s projections (``wo_a`` one call per
+    group), an NCCL all-reduce and the consumer's math as eager torch ops."""
+
+    def __init__(self, ab: AttentionBoundary) -> None:
+        self.wo_a = [RowwiseFp8Linear(ab.wo_a.group(g)) for g in range(ab.wo_a.groups)]
+        self.wo_b = RowwiseFp8Linear(ab.wo_b)
+        self.fused_wqa_wkv = RowwiseFp8Linear(ab.fused_wqa_wkv)
+        self.width = ab.config.wo_a_shape()[1]
+        self.norm_weight, self.eps, self.group = ab.norm_weight, ab.config.eps, ab.group
+
+    def __call__(self, inputs: BoundaryInputs) -> BoundaryOutputs:
+        w = self.width
+        o = torch.cat([lin(inputs.attn_out[:, g * w:(g + 1) * w])
+                       for g, lin in enumerate(self.wo_a)], dim=1)
+        residual_out, layer_input, _ = all_reduce_then_mhc(
+            self.wo_b(o), inputs.residual, inputs.post, inputs.comb, inputs.pre,
+            self.norm_weight, self.eps, self.group, quantize=True)
+        return BoundaryOutputs(residual_out, layer_input, self.fused_wqa_wkv(layer_input))
+
+
+def _whole_step(attn_out, residual, post, comb, pre, wo_a, wo_b, fused_wqa_wkv, norm_weight,
+                eps: float, group_name: str | None):
+    """One boundary in plain torch (BF16 weights): the function CompiledStep compiles."""
+    groups, _, k_a = wo_a.shape
+    rows = attn_out.shape[0]
+    a = attn_out.view(rows, groups, k_a).transpose(0, 1)
+    o = torch.bmm(a, wo_a.transpose(1, 2)).transpose(0, 1).reshape(rows, -1)
+    partial = o @ wo_b.t()
+    if group_name is not None:
+        partial = funcol.all_reduce(partial, "sum", group_name)
+    residual_out, layer_input = mhc_rmsnorm(partial, residual, post, comb, pre, norm_weight, eps)
+    return residual_out, layer_input, layer_input @ fused_wqa_wkv.t()
+
+
+@functools.cache
+def _compiled_whole_step(backend: str, mode: str | None):
+    # One compiled function for every boundary copy: the weights are arguments, so
+    # rotating copies reuses one graph (and one autotuning) per M.
+    return torch.compile(_whole_step, backend=backend, mode=mode, dynamic=False,
+                         fullgraph=True)
+
+
+class CompiledStep:
+    """The whole step of ``ab`` compiled by Inductor with
+    ``mode="max-autotune-no-cudagraphs"`` (module docstring), on the strong
+    baseline's BF16 weights. The first call per M compiles and autotunes (tens
+    of seconds): make it outside any CUDA-graph capture."""
+
+    def __init__(self, ab: AttentionBoundary, backend: str = "inductor",
+                 mode: str | None = "max-autotune-no-cudagraphs") -> None:
+        self.weights = bf16_weights(ab)
+        self.norm_weight, self.eps = ab.norm_weight, ab.config.eps
+        group = ab.group
+        self.group_name = group.group_name if group is not None and \
+            dist.get_world_size(group) > 1 else None
+        self.step = _compiled_whole_step(backend, mode if backend == "inductor" else None)
+
+    def __call__(self, inputs: BoundaryInputs) -> BoundaryOutputs:
+        return BoundaryOutputs(*self.step(
+            inputs.attn_out, inputs.residual, inputs.post, inputs.comb, inputs.pre,
+            *self.weights, self.norm_weight, self.eps, self.group_name))

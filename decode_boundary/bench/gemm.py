@@ -1,0 +1,131 @@
+"""GEMM timings: our MXFP8 GEMM and the cuBLAS baselines a user could pick,
+each over its own rotated weight copies with the one timer
+(``common.timing``), and the table ``decode-boundary gemm`` prints.
+``benchmarks/gemm.py`` and ``benchmarks/gemm_sweep.py`` time through these.
+
+A shape is (name, N, K) or (name, N, K, groups): a grouped layer (``wo_a``) of
+``groups`` [N/groups, K] weights in one launch of ours, one ``torch.bmm`` of
+cuBLAS BF16, one FP8 call per group.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from decode_boundary.common.timing import (
+    copies_for_cold_l2,
+    copy_rate,
+    graph_time_us,
+    rotated_copies,
+)
+from decode_boundary.gemm import launch_low_latency, mxfp8_mm
+from decode_boundary.gemm.linear import Mxfp8Linear
+from decode_boundary.gemm.tactics import Tactic
+from decode_boundary.mxfp8.format import QuantizedActivation, mxfp8_scale_bytes
+from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
+
+from .baselines import FP8_ROW_ALIGN, RowwiseFp8Linear, rowwise_fp8
+
+
+def mxfp8_weight_bytes(n: int, k: int) -> int:
+    """Bytes a GEMM must read for an MXFP8 [N, K] weight: elements + swizzled scales."""
+    return n * k + mxfp8_scale_bytes(n, k)
+
+
+def time_ours(layer, a: torch.Tensor | QuantizedActivation, tactic: Tactic | None = None,
+              copies: list | None = None) -> float:
+    """µs per call of our GEMM on ``a`` (BF16, or MXFP8): ``mxfp8_mm`` (its own
+    tactic choice) or, with ``tactic``, that tactic's launch."""
+    copies = copies or rotated_copies(layer)
+    if tactic is None:
+        return graph_time_us([functools.partial(mxfp8_mm, c, a) for c in copies])
+    rows = a.shape[0] if isinstance(a, torch.Tensor) else a.rows
+    out = torch.empty(rows, layer.weight.shape[1], dtype=torch.bfloat16,
+                      device=layer.weight.device)
+    return graph_time_us([functools.partial(launch_low_latency, c, a, out, tactic)
+                          for c in copies])
+
+
+def time_cublas_bf16(x_groups: torch.Tensor, weight: torch.Tensor) -> float:
+    """µs per ``torch.bmm`` of ``x_groups`` [G, M, K] with BF16 ``weight``
+    [G, N/G, K] (one group: a plain GEMM), over rotated copies of the weight."""
+    count = copies_for_cold_l2(weight.numel() * weight.element_size(), weight.device)
+    weights = [weight.clone() for _ in range(count)]
+    return graph_time_us([functools.partial(torch.bmm, x_groups, w.transpose(1, 2))
+                          for w in weights])
+
+
+def time_inductor_bf16(x_groups: torch.Tensor, weight: torch.Tensor) -> float:
+    """µs per ``x @ w.t()`` (grouped: ``torch.bmm``) compiled by Inductor with
+    ``mode="max-autotune-no-cudagraphs"`` for this M (autotuned once, before
+    timing): the GEMM a ``torch.compile`` user gets, over rotated weight copies."""
+    count = copies_for_cold_l2(weight.numel() * weight.element_size(), weight.device)
+    weights = [weight.clone() for _ in range(count)]
+    mm = torch.compile(_bmm_t, mode="max-autotune-no-cudagraphs", dynamic=False,
+                       fullgraph=True)
+    return graph_time_us([functools.partial(mm, x_groups, w) for w in weights])
+
+
+def _bmm_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.bmm(x, w.transpose(1, 2))
+
+
+def time_cublas_fp8_rowwise(layer, x_groups: torch.Tensor) -> float | None:
+    """µs per cuBLAS FP8 row-wise product (``torch._scaled_mm``, per-row /
+    per-column FP32 scales, rows padded to 16; one call per group) of
+    ``x_groups`` [G, M, K] with ``layer``'s re-quantized weight; None where
+    cuBLASLt refuses the shape."""
+    groups = getattr(layer, "groups", 1)
+    rows = x_groups.shape[1]
+    x8, s8 = zip(*[rowwise_fp8(torch.nn.functional.pad(x_groups[g],
+                                                       (0, 0, 0, -rows % FP8_ROW_ALIGN)))
+                   for g in range(groups)], strict=True)
+    per_copy = layer.weight.numel()
+    count = copies_for_cold_l2(per_copy, layer.weight.device)
+    fp8 = [[RowwiseFp8Linear(layer.group(g)) for g in range(groups)]
+           for _ in range(count)]
+
+    def call(linears):
+        for g, lin in enumerate(linears):
+            torch._scaled_mm(x8[g], lin.weight_t, scale_a=s8[g], scale_b=lin.scale_t,
+                             out_dtype=torch.bfloat16)
+
+    try:
+        return graph_time_us([functools.partial(call, linears) for linears in fp8])
+    except RuntimeError:
+        return None
+
+
+def random_layer(n: int, k: int, groups: int, device: torch.device) -> Mxfp8Linear:
+    """A (grouped) MXFP8 layer of random weights, [N, K] in all."""
+    return Mxfp8Linear.grouped([
+        Mxfp8Linear.from_float(torch.randn(n // groups, k, device=device).mul_(0.02).bfloat16())
+        for _ in range(groups)])
+
+
+def gemm_table(shapes: Sequence[tuple], rows: Sequence[int], device: torch.device,
+               advance=lambda label: None) -> dict:
+    """Per (shape, rows): our MXFP8 GEMM on MXFP8 input, cuBLAS BF16 and cuBLAS
+    FP8 row-wise (GEMM only: activations quantized beforehand), in µs, and the
+    floor. Returns ``{"copy_rate_gbps", "gemms": [{"name", "n", "k", "groups",
+    "rows", "floor_us", "us"}]}``."""
+    rate = copy_rate(device)
+    entries = []
+    for name, n, k, *rest in shapes:
+        groups = rest[0] if rest else 1
+        layer = random_layer(n, k, groups, device)
+        ours = rotated_copies(layer)
+        bf16 = layer.dequantized_weight().bfloat16().view(groups, n // groups, k)
+        for m in rows:
+            x = torch.randn(m, groups * k, device=device).bfloat16()
+            xg = x.view(m, groups, k).transpose(0, 1)  # [G, M, K] for the bmm
+            us = {"ours": time_ours(layer, quantize_mxfp8(x), copies=ours),
+                  "cublas_bf16": time_cublas_bf16(xg, bf16),
+                  "cublas_fp8_rowwise": time_cublas_fp8_rowwise(layer, xg)}
+            entries.append({"name": name, "n": n, "k": k, "groups": groups, "rows": m,
+                            "floor_us": mxfp8_weight_bytes(n, k) / rate * 1e6, "us": us})
+            advance(f"{name} M={m}")
+    return {"copy_rate_gbps": rate / 1e9, "gemms": entries}

@@ -1,0 +1,197 @@
+"""Per-rank verification and timing of the attention boundary: what
+``decode-boundary bench`` / ``verify`` run on every rank.
+
+Correctness comes first: per row count, fused and unfused outputs must be
+bit-identical, both must pass the chain's reference check, every baseline
+(``bench.paths.BASELINES``) must be close to it, and every rank must hold the same bits
+(SHA-256 of the outputs compared over the group). Then every path of
+``bench.paths.PATHS`` is timed with the one timer (``common.timing``: CUDA
+graphs of back-to-back calls on rotated weight copies, cold L2, ranks
+barriered), with the floor at the HBM rate measured in the same run, and a
+per-kernel breakdown (``bench.paths.STAGES``) at one M.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from decode_boundary.common.timing import copies_for_cold_l2, copy_rate, graph_time_us
+from decode_boundary.launch import RankContext
+from decode_boundary.model.chain import (
+    OUTPUT_NAMES,
+    AttentionBoundary,
+    BoundaryOutputs,
+    check_outputs,
+    outputs_identical,
+    run_simulated,
+    simulated_boundaries,
+)
+from decode_boundary.model.config import BoundaryConfig
+
+from .baselines import BASELINE_RTOL
+from .gemm import mxfp8_weight_bytes
+from .paths import BASELINES, PATHS, STAGES, Step, build
+from .report import progress
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """What every rank does: verify ``rows``, then (``time``) time every path."""
+
+    config: BoundaryConfig
+    rows: tuple[int, ...]
+    time: bool
+    seed: int = 0
+    weights_dir: str | None = None
+    tp_shapes: int | None = None  # per-rank shapes of this TP (default: the group's size)
+    breakdown_rows: int | None = None  # M of the per-kernel breakdown (default: the first)
+
+
+def boundary_weight_bytes(config: BoundaryConfig, tp: int) -> int:
+    """MXFP8 weight bytes one rank reads per boundary (wo_a groups, wo_b, fused_wqa_wkv)."""
+    groups = config.o_groups // tp
+    return (
+        groups * mxfp8_weight_bytes(*config.wo_a_shape())
+        + mxfp8_weight_bytes(*config.wo_b_shape(tp))
+        + mxfp8_weight_bytes(*config.fused_wqa_wkv_shape())
+    )
+
+
+def _digest(out: BoundaryOutputs) -> str:
+    h = hashlib.sha256()
+    for name in OUTPUT_NAMES:
+        h.update(getattr(out, name).detach().contiguous().view(torch.uint8).cpu().numpy())
+    return h.hexdigest()
+
+
+def _verdict(rows: int, paths_identical: bool, fused: BoundaryOutputs,
+             unfused: BoundaryOutputs, ref: BoundaryOutputs, ranks_identical: bool) -> dict:
+    """``{"rows", "ok", "failures", "ranks_identical"}`` of one row count."""
+    failures = [] if paths_identical else ["fused and unfused outputs differ"]
+    failures += [f"fused {f}" for f in check_outputs(fused, ref)]
+    failures += [f"unfused {f}" for f in check_outputs(unfused, ref)]
+    if not ranks_identical:
+        failures.append("ranks hold different outputs")
+    return {"rows": rows, "ok": not failures, "failures": failures,
+            "ranks_identical": ranks_identical}
+
+
+def verify_rows(ab: AttentionBoundary, rows: int, group: dist.ProcessGroup | None,
+                baselines: dict[str, Step] | None = None) -> dict:
+    """Correctness of one row count: ``{"rows", "ok", "failures", "ranks_identical"}``.
+    ``baselines``: the steps of ``BASELINES`` for ``ab`` (built here if not
+    given), each checked against the reference within ``BASELINE_RTOL``.
+
+    Must be called on every rank (it gathers the output digests)."""
+    inputs = ab.make_inputs(rows, seed=rows)
+    fused = ab(inputs, fused=True)
+    unfused = ab(inputs, fused=False)
+    ref = ab.reference(inputs)
+    if baselines is None:
+        baselines = {name: build(name, ab) for name in BASELINES}
+    baseline_failures = [f"{name} {f}" for name, step in baselines.items()
+                         for f in check_outputs(step(inputs), ref, BASELINE_RTOL)]
+    identical = True
+    if group is not None:
+        digests = [None] * dist.get_world_size(group)
+        dist.all_gather_object(digests, _digest(fused), group=group)
+        identical = len(set(digests)) == 1
+    verdict = _verdict(rows, outputs_identical(fused, unfused), fused, unfused, ref, identical)
+    verdict["failures"] += baseline_failures
+    verdict["ok"] = not verdict["failures"]
+    return verdict
+
+
+def verify_simulated(spec: BenchSpec, tp: int) -> dict:
+    """``verify`` with ``tp`` ranks simulated in this process (the Triton
+    interpreter on CPU): the same checks as :func:`verify_rows`, the partials
+    of every rank feeding one reference. Returns rank 0's result shape."""
+    ranks = simulated_boundaries(spec.config, tp, max(spec.rows), seed=spec.seed)
+    checks = []
+    for rows in spec.rows:
+        inputs = [b.make_inputs(rows, seed=rows) for b in ranks]
+        fused = run_simulated(ranks, inputs, fused=True)
+        unfused = run_simulated(ranks, inputs, fused=False)
+        partials = [b.reference_partial(x) for b, x in zip(ranks, inputs, strict=True)]
+        ref = ranks[0].reference(inputs[0], partials)
+        paths_identical = all(outputs_identical(f, u) for f, u in zip(fused, unfused, strict=True))
+        checks.append(_verdict(rows, paths_identical, fused[0], unfused[0], ref,
+                               len({_digest(out) for out in fused}) == 1))
+    return {"rank": 0, "device": "cpu", "transport": "simulated", "verify": checks}
+
+
+def run_rank(ctx: RankContext, spec: BenchSpec) -> dict:
+    """One rank's part of ``verify`` / ``bench``: verification of every row
+    count, then (when all pass and ``spec.time``) timings of every path.
+
+    Returns ``{"rank", "device", "transport", "verify": [...]}`` plus, when timed,
+    ``{"copy_rate_gbps", "floor_us", "weight_copies", "timings": [{"rows", "us": {path: µs}}]}``.
+    """
+    ab = AttentionBoundary(spec.config, spec.tp_shapes or ctx.world_size, ctx.rank, ctx.group,
+                           ctx.device, max(spec.rows), seed=spec.seed,
+                           weights_dir=spec.weights_dir)
+    ab.precompile(spec.rows)
+    total = len(spec.rows) * (1 + (len(PATHS) if spec.time else 0))
+    try:
+        with progress(ctx.rank == 0, total) as advance:
+            baselines = {name: build(name, ab) for name in BASELINES}
+            checks = []
+            for rows in spec.rows:
+                checks.append(verify_rows(ab, rows, ctx.group, baselines))
+                advance(f"verified M={rows}")
+            result = {"rank": ctx.rank, "device": str(ctx.device),
+                      "transport": ab.all_reduce.transport, "verify": checks}
+            if spec.time and all(c["ok"] for c in checks):
+                result.update(_time_paths(ab, spec, ctx, advance, first=baselines))
+    finally:
+        ab.close()
+    return result
+
+
+def _time_paths(ab: AttentionBoundary, spec: BenchSpec, ctx: RankContext,
+                advance: Callable[[str], None], first: dict[str, Step]) -> dict:
+    per_copy = boundary_weight_bytes(spec.config, ab.tp)
+    views = ab.weight_copies(copies_for_cold_l2(per_copy, ctx.device))
+    # Every path built once per weight copy (``first``: steps already built for ``ab``).
+    steps = {path: [first.get(path) or build(path, views[0]),
+                    *(build(path, v) for v in views[1:])] for path in PATHS}
+    rate = copy_rate(ctx.device)
+    timings = []
+    for rows in spec.rows:
+        inputs = ab.make_inputs(rows, seed=rows)
+        us = {}
+        for path, per_view in steps.items():
+            us[path] = graph_time_us([functools.partial(s, inputs) for s in per_view],
+                                     ctx.device, ctx.group)
+            advance(f"timed {path} M={rows}")
+        timings.append({"rows": rows, "us": us})
+    breakdown_rows = spec.breakdown_rows or spec.rows[0]
+    hop_us = 0.0
+    if ctx.group is not None and dist.get_world_size(ctx.group) > 1:
+        # One measured hop: our plain publish + consume of one token over the group.
+        one = torch.randn(1, spec.config.hidden, device=ctx.device).bfloat16()
+        hop_us = graph_time_us([functools.partial(ab.all_reduce.plain_sum, one)], ctx.device,
+                               ctx.group)
+    inputs = ab.make_inputs(breakdown_rows, seed=breakdown_rows)
+    breakdown = {}
+    for path, stages_of in STAGES.items():
+        per_view = [stages_of(v, s, inputs) for v, s in zip(views, steps[path], strict=True)]
+        breakdown[path] = {name: graph_time_us([stages[name] for stages in per_view],
+                                               ctx.device, ctx.group)
+                           for name in per_view[0]}
+    return {
+        "copy_rate_gbps": rate / 1e9,
+        # Every weight byte one rank reads (wo_a, wo_b, fused_wqa_wkv) at the copy rate,
+        # plus one measured hop where there are peers.
+        "floor_us": per_copy / rate * 1e6 + hop_us,
+        "hop_us": hop_us,
+        "weight_copies": len(views),
+        "timings": timings,
+        "breakdown": {"rows": breakdown_rows, **breakdown},
+    }

@@ -1,0 +1,99 @@
+"""The benchmarked ways to run one rank's boundary, by name: the one registry
+the CLI, ``benchmarks/*.py``, the tables and the plots share.
+
+``PATHS[name](ab)`` builds the path for boundary ``ab`` once (a baseline
+dequantizes its weights and compiles its tail there) and returns a step,
+``step(inputs) -> BoundaryOutputs``. ``STAGES[name](ab, step, inputs)`` gives
+each kernel (or library call) of that path alone, in chain order, as
+``{stage: callable}`` for the per-kernel breakdown. ``WO_B_BOUNDARY[name](ab,
+step, o, inputs)`` is the path's part from ``wo_b`` to the end of the
+all-reduce + mHC (the 2-GPU ``benchmarks/boundary.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+from decode_boundary.gemm import mxfp8_mm
+from decode_boundary.model.chain import AttentionBoundary, BoundaryInputs, BoundaryOutputs
+
+from .baselines import CompiledStep, EagerBaseline, StrongBaseline, all_reduce_then_mhc
+from .report import BASELINES  # noqa: F401  (what fused is compared with, in order)
+
+Step = Callable[[BoundaryInputs], BoundaryOutputs]
+
+
+def _ours(fused: bool) -> Callable[[AttentionBoundary], Step]:
+    return lambda ab: functools.partial(ab, fused=fused)
+
+
+PATHS: dict[str, Callable[[AttentionBoundary], Step]] = {
+    "compiled_step": CompiledStep,  # the whole step by torch.compile max-autotune
+    "strong_baseline": StrongBaseline,  # cuBLAS BF16 + torch.compile'd mHC / RMSNorm
+    "baseline": EagerBaseline,  # cuBLAS FP8 row-wise + eager torch
+    "unfused": _ours(fused=False),  # our GEMMs, the publish kernel, the consumer
+    "fused": _ours(fused=True),  # the publishing wo_b: four launches
+}
+
+
+def build(name: str, ab: AttentionBoundary) -> Step:
+    """The step of path ``name`` for ``ab`` (``ValueError`` for an unknown name)."""
+    if name not in PATHS:
+        raise ValueError(f"path must be one of {tuple(PATHS)}, got {name!r}")
+    return PATHS[name](ab)
+
+
+def _fused_stages(ab: AttentionBoundary, step: Step, inputs: BoundaryInputs) -> dict:
+    # The fused wo_b is timed without its publishing epilogue (a publish needs
+    # its consumer), and publish + consume together.
+    o = mxfp8_mm(ab.wo_a, inputs.attn_out)
+    partial = mxfp8_mm(ab.wo_b, o)
+    _, _, next_in = ab.reduce(inputs, partial)
+    return {
+        "wo_a (grouped, BF16 in)": lambda: mxfp8_mm(ab.wo_a, inputs.attn_out),
+        "wo_b (BF16 in)": lambda: mxfp8_mm(ab.wo_b, o),
+        "publish + consumer (all-reduce, mHC, RMSNorm, MXFP8)": lambda: ab.reduce(inputs, partial),
+        "fused_wqa_wkv (MXFP8 in)": lambda: mxfp8_mm(ab.fused_wqa_wkv, next_in),
+    }
+
+
+def _strong_stages(ab: AttentionBoundary, strong: StrongBaseline, inputs: BoundaryInputs) -> dict:
+    o = strong.project_wo_a(inputs.attn_out)
+    reduced = o @ strong.wo_b.t()
+    _, layer_input = strong.mix(reduced, inputs)
+    return {
+        "wo_a (bmm)": lambda: strong.project_wo_a(inputs.attn_out),
+        "wo_b (mm)": lambda: o @ strong.wo_b.t(),
+        f"all-reduce ({strong.transport})": lambda: strong.all_reduce(reduced),
+        "mHC + RMSNorm (torch.compile)": lambda: strong.mix(reduced, inputs),
+        "fused_wqa_wkv (mm)": lambda: layer_input @ strong.fused_wqa_wkv.t(),
+    }
+
+
+STAGES: dict[str, Callable[..., dict[str, Callable[[], object]]]] = {
+    "fused": _fused_stages,
+    "strong_baseline": _strong_stages,
+}
+
+
+def _strong_wo_b(ab, strong: StrongBaseline, o, inputs: BoundaryInputs):
+    return strong.mix(strong.all_reduce(o @ strong.wo_b.t()), inputs)
+
+
+def _eager_wo_b(ab, eager: EagerBaseline, o, inputs: BoundaryInputs):
+    return all_reduce_then_mhc(eager.wo_b(o), inputs.residual, inputs.post, inputs.comb,
+                               inputs.pre, eager.norm_weight, eager.eps, eager.group,
+                               quantize=True)
+
+
+def _ours_wo_b(fused: bool):
+    return lambda ab, step, o, inputs: ab.reduce(inputs, ab.wo_b_published(o, fused))
+
+
+WO_B_BOUNDARY: dict[str, Callable] = {
+    "strong_baseline": _strong_wo_b,
+    "baseline": _eager_wo_b,
+    "unfused": _ours_wo_b(fused=False),
+    "fused": _ours_wo_b(fused=True),
+}

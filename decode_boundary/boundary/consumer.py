@@ -1,0 +1,261 @@
+"""Host side of the consumer kernel (:mod:`.consumer_kernel`): the tactic table,
+the norm scratch geometry and the launcher :func:`consume`.
+
+**What ``consume`` checks** (``ValueError`` before anything is launched):
+dtype, shape, device and contiguity of every tensor the mode reads or writes
+(the mailbox ``[STAGES, tp, capacity, H]`` with its stage words and status
+word in Lamport mode, or the gathered ``[tp, M, H]``; residual, post, comb;
+in the full mode pre, norm weight, the norm scratch and the status word, and
+the MXFP8 output buffers, scales through ``check_scale_buffer``);
+``1 <= M <= capacity``; a positive wait bound wherever something may wait; a
+tactic of power-of-two columns (>= one MXFP8 group) and warps, never a
+cooperative full-mode tactic in the interpreter (its programs run one by one
+and cannot wait for each other).
+
+**What the caller guarantees** (nothing here can check it): every rank
+publishes exactly once per consume into stage NEXT (publish kernel, finalize
+kernel or a publishing GEMM) and consumes once; residual, post, comb, pre and
+gamma are not written by the kernel that immediately precedes the consumer,
+and that kernel triggers its dependents only after its own grid wait (they
+are loaded before the grid dependency wait); output and scratch buffers are
+not in use by another kernel; ``generation`` and ``sumsq`` are zeroed
+together, at allocation and after any timeout; the kernel variant is compiled
+before the peers wait on this rank (``compile_only``, see
+``BoundaryAllReduce.precompile``).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+
+from .. import env
+from ..common.contract import STAGES
+from ..mxfp8.format import check_scale_buffer, mxfp8_scale_bytes
+from .consumer_kernel import FULL, NORM_TIMEOUT_BIT, PLAIN, RESIDUAL_ONLY, consumer_kernel
+from .publish_kernel import load_module
+
+QUANT_GROUP = 32  # MXFP8 group: a chunk holds whole groups, so it is >= 32 columns
+# Wait bound without %globaltimer, as spins: one spin takes ~1 us on a GPU and
+# ~1 ms in the Triton interpreter.
+SPINS_PER_SECOND = 1_000_000
+INTERPRETER_SPINS_PER_SECOND = 1_000
+
+
+class ConsumerTactic(NamedTuple):
+    """Columns per program, warps, and whether the programs of a token share the
+    RMSNorm through the tagged hand-off (``cooperative``) or one program per
+    token walks the row chunk by chunk (only for the full mode; the others never
+    need a whole row)."""
+
+    block_h: int
+    warps: int
+    cooperative: bool = True
+
+
+# (largest M, tactic), re-pinned from `benchmarks/allreduce.py --sweep`. Measured on
+# 2 x H200, H = 5120, tagged norm hand-off (2026-11-29, results/allreduce-sweep-*-2017):
+# M = 1 fastest at (512, 4) 4.03 us, M = 8 at (256, 2) / (512, 4) 4.18, M = 16 at (256, 2)
+# 4.76 ((512, 4) 5.49), M = 32 at (512, 4) 6.10 ((1024, 4) 8.13), M = 64 at (512, 4) 12.02
+# ((1024, 4) 12.69); serial tactics 11-14 us.
+CONSUMER_TACTICS = (
+    (8, ConsumerTactic(512, 4)),
+    (16, ConsumerTactic(256, 2)),
+    (1 << 30, ConsumerTactic(512, 4)),
+)
+
+
+def consumer_tactic(m: int, hidden: int) -> ConsumerTactic:
+    """The table's tactic for M tokens; serial in the interpreter (which runs
+    programs one after another, so they cannot wait for each other)."""
+    tactic = next(t for limit, t in CONSUMER_TACTICS if m <= limit)
+    tactic = tactic._replace(block_h=min(tactic.block_h, triton.next_power_of_2(hidden)))
+    if env.interpret_mode():
+        tactic = tactic._replace(cooperative=False)
+    return tactic
+
+
+def sumsq_columns(hidden: int) -> int:
+    """Row length of the per-token sum-of-squares scratch (one tagged word per
+    32 columns, the finest chunk a tactic may use)."""
+    return triton.cdiv(hidden, QUANT_GROUP)
+
+
+def wait_bound(timeout_s: float, device: torch.device) -> int:
+    """``consume``'s ``wait_bound`` for a timeout: %globaltimer nanoseconds with
+    PTX, spins without."""
+    if env.use_ptx(device):
+        return int(timeout_s * 1e9)
+    rate = INTERPRETER_SPINS_PER_SECOND if env.interpret_mode() else SPINS_PER_SECOND
+    return max(1, int(timeout_s * rate))
+
+
+def status_error(status: int, tp: int, timeout_s: float) -> str | None:
+    """What the status word reports (bit p: rank p never arrived;
+    ``NORM_TIMEOUT_BIT``: the norm hand-off timed out), or None when clear."""
+    missing = [p for p in range(tp) if status >> p & 1]
+    if missing:
+        # A norm timeout next to a missing rank is its consequence (a program still
+        # waiting for that rank published its partial late): name the rank.
+        return (f"rank(s) {missing} did not publish within {timeout_s} s; call "
+                "reset(collective=True) on every rank")
+    if status & NORM_TIMEOUT_BIT:
+        return (f"the programs of a token did not meet for the RMSNorm within {timeout_s} s "
+                "(cooperative tactic: were they co-resident? a serial consumer tactic needs "
+                "no meeting); call reset(collective=True) on every rank")
+    return None
+
+
+def compile_inputs(m: int, hc: int, hidden: int, device: torch.device, residual_only: bool,
+                   quantize: bool) -> list[tuple[int, dict]]:
+    """Every consumer variant an all-reduce so configured may launch for M = m, as
+    (mode, ``consume`` inputs) with zero-filled stand-ins: what a compile-only
+    launch of each needs."""
+    inputs = dict(residual=torch.zeros(m, hc, hidden, dtype=torch.bfloat16, device=device),
+                  post=torch.zeros(m, hc, device=device),
+                  comb=torch.zeros(m, hc, hc, device=device),
+                  pre=torch.zeros(m, hc, device=device),
+                  norm_weight=torch.zeros(hidden, dtype=torch.bfloat16, device=device), eps=0.0,
+                  mxfp8_out=None)
+    variants = [(PLAIN, {}), (FULL, inputs)]
+    if residual_only:
+        variants.append((RESIDUAL_ONLY, dict(inputs, pre=None, norm_weight=None)))
+    if quantize and hidden % QUANT_GROUP == 0:
+        mxfp8_out = (torch.empty(m, hidden, dtype=torch.float8_e4m3fn, device=device),
+                     torch.empty(mxfp8_scale_bytes(m, hidden), dtype=torch.uint8, device=device))
+        variants.append((FULL, dict(inputs, mxfp8_out=mxfp8_out)))
+    return variants
+
+
+def _need(t, name, dtype, shape, device):
+    if t is None:
+        raise ValueError(f"{name} is required here: expected {dtype} {list(shape)}")
+    if t.dtype != dtype or tuple(t.shape) != tuple(shape) or t.device != device:
+        raise ValueError(f"{name} must be {dtype} {list(shape)} on {device}, got {t.dtype} "
+                         f"{list(t.shape)} on {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _check_tactic(tactic: ConsumerTactic, hidden: int, mode: int) -> None:
+    block, warps, cooperative = tactic
+    if block < QUANT_GROUP or block & (block - 1) or warps < 1 or warps & (warps - 1):
+        raise ValueError(f"tactic {tactic}: columns per program must be a power of two "
+                         f">= {QUANT_GROUP} and warps a power of two")
+    chunks = triton.cdiv(hidden, block)
+    if mode == FULL and cooperative and chunks > 1 and env.interpret_mode():
+        raise ValueError(f"tactic {tactic}: cooperative programs wait for each other, which "
+                         "the interpreter (programs run one by one) cannot do")
+
+
+def consume(
+    mailbox: torch.Tensor,
+    tp: int,
+    m: int,
+    *,
+    mode: int,
+    stage_state: torch.Tensor | None = None,
+    status: torch.Tensor | None = None,
+    generation: torch.Tensor | None = None,
+    sumsq: torch.Tensor | None = None,
+    prenorm: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    post: torch.Tensor | None = None,
+    comb: torch.Tensor | None = None,
+    pre: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    mxfp8_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    wait_bound: int = 0,
+    lamport: bool = True,
+    tactic: ConsumerTactic | None = None,
+    compile_only: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch the consumer for ``m`` tokens. Returns (``reduced`` [M, H] in plain
+    mode / ``residual_out`` [M, hc, H], ``layer_input`` [M, H] or None).
+
+    ``mailbox``: BF16 [STAGES, tp, capacity, H] (Lamport) or [tp, M, H] (gathered).
+    ``generation`` int32 [rows] and ``sumsq`` int64 [rows, ``sumsq_columns(H)``]
+    (full mode; zeroed together at allocation and after any timeout, never one
+    without the other; ``prenorm`` BF16 [rows, H] too for a serial tactic):
+    per-token scratch, rows >= M. ``status`` int32 [1]: the mailbox's status
+    word, also required in full mode with ``lamport=False`` (the norm hand-off
+    records its timeout there). ``wait_bound``: nanoseconds with PTX
+    (``%globaltimer``), spins without; > 0 whenever something may wait. ``tactic``: default from
+    ``CONSUMER_TACTICS``. ``compile_only``: compile this variant, launch nothing
+    (the outputs are then unwritten).
+    """
+    device = mailbox.device
+    hidden = mailbox.shape[-1]
+    if mailbox.dtype != torch.bfloat16 or not mailbox.is_contiguous():
+        raise ValueError(f"mailbox must be contiguous bf16, got {mailbox.dtype}")
+    capacity = mailbox.shape[-2]
+    if lamport:
+        _need(mailbox, "mailbox", torch.bfloat16, (STAGES, tp, capacity, hidden), device)
+        _need(stage_state, "stage_state", torch.int32, (2,), device)
+        _need(status, "status", torch.int32, (1,), device)
+    else:
+        _need(mailbox, "mailbox", torch.bfloat16, (tp, m, hidden), device)
+    if not 0 < m <= capacity:
+        raise ValueError(f"M = {m} must be in [1, capacity = {capacity}]")
+    if (lamport or mode == FULL) and wait_bound <= 0:
+        raise ValueError(f"wait_bound must be > 0 (ns with PTX, spins without), got {wait_bound}")
+    tactic = ConsumerTactic(*(tactic or consumer_tactic(m, hidden)))
+    _check_tactic(tactic, hidden, mode)
+    if mode == PLAIN:
+        out = torch.empty(m, hidden, dtype=torch.bfloat16, device=device)
+        hc = 1
+    else:
+        if residual is None or residual.ndim != 3:
+            raise ValueError(f"residual must be bf16 [{m}, hc, {hidden}]")
+        hc = residual.shape[1]
+        _need(residual, "residual", torch.bfloat16, (m, hc, hidden), device)
+        _need(post, "post", torch.float32, (m, hc), device)
+        _need(comb, "comb", torch.float32, (m, hc, hc), device)
+        out = torch.empty(m, hc, hidden, dtype=torch.bfloat16, device=device)
+    layer_input = None
+    quant = mxfp8_out is not None
+    if mode == FULL:
+        _need(pre, "pre", torch.float32, (m, hc), device)
+        _need(norm_weight, "norm_weight", torch.bfloat16, (hidden,), device)
+        rows = generation.shape[0] if generation is not None else 0
+        _need(generation, "generation", torch.int32, (max(rows, m),), device)
+        _need(sumsq, "sumsq scratch", torch.int64, (rows, sumsq_columns(hidden)), device)
+        if not tactic.cooperative:
+            _need(prenorm, "prenorm scratch", torch.bfloat16, (rows, hidden), device)
+        # Serial or cooperative, the norm hand-off records its timeout, in either transport.
+        _need(status, "status", torch.int32, (1,), device)
+        layer_input = torch.empty(m, hidden, dtype=torch.bfloat16, device=device)
+        if quant:
+            if hidden % 32:
+                raise ValueError(f"MXFP8 output needs hidden % 32 == 0, got {hidden}")
+            data, scale = mxfp8_out
+            _need(data, "mxfp8_out data", torch.float8_e4m3fn, (m, hidden), device)
+            check_scale_buffer(scale, m, hidden, "mxfp8_out scale", device=device)
+    elif quant:
+        raise ValueError("mxfp8_out needs the layer input: pass pre and norm_weight")
+    serial = mode == FULL and not tactic.cooperative
+    grid = (1 if serial else triton.cdiv(hidden, tactic.block_h), m)
+    dummy = out  # stands in for pointers a mode does not touch
+    pdl = env.use_pdl(device)
+    kernel = consumer_kernel.warmup if compile_only else consumer_kernel[grid]
+    kwargs = dict(grid=grid) if compile_only else {}
+    compiled = kernel(
+        mailbox, _or(stage_state, dummy), _or(status, dummy), _or(generation, dummy),
+        _or(sumsq, dummy), _or(prenorm, dummy), _or(residual, dummy),
+        _or(post, dummy), _or(comb, dummy), _or(pre, dummy), _or(norm_weight, dummy), out,
+        _or(layer_input, dummy), mxfp8_out[0] if quant else dummy,
+        mxfp8_out[1] if quant else dummy, float(eps), capacity, int(wait_bound),
+        TP=tp, HC=hc, HIDDEN=hidden, BLOCK_H=tactic.block_h,
+        UNITS_P2=triton.next_power_of_2(sumsq_columns(hidden)), MODE=mode, QUANT=quant,
+        LAMPORT=lamport, COOPERATIVE=tactic.cooperative, USE_PTX=env.use_ptx(device),
+        USE_PDL=pdl, num_warps=tactic.warps, enable_fp_fusion=False, launch_pdl=pdl, **kwargs,
+    )
+    if compile_only:
+        load_module(compiled)
+    return out, layer_input
+
+
+def _or(t, default):
+    return default if t is None else t

@@ -1,0 +1,118 @@
+"""The custom ops through which ``BoundaryAllReduce`` launches under
+torch.compile, and the registry of live instances they name.
+
+Under tracing, ``publish``, ``publish_finalize`` and the reduction go through
+``decode_boundary::boundary_publish``, ``boundary_publish_finalize`` and
+``boundary_reduce``; each runs the instance's own eager launch path. Each
+declares mutated the device words it writes: this rank's stage words (every
+op of the protocol, so functionalization keeps them all and in order), the
+consumer's status word and norm scratch, and the caller's MXFP8 buffers. The
+mailbox itself is not an argument: every rank's kernels store into it through
+peer addresses, so a functional copy of it (what an eager backend makes of a
+mutated argument) would be copied back stale over a peer's later stores. The
+host rules (``mark_published``, one publish per reduce) stay Python in the
+class and are traced with the step. Open the mailbox (construct,
+``precompile``) before compiling.
+
+An op names its instance by an int ``handle`` (:func:`register`, at
+construction; :func:`instance`); the registry holds weak references, so an
+instance lives no longer than its owner keeps it. This module imports the
+class only for type checking: ``all_reduce`` imports it, never the reverse.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+from .consumer_kernel import FULL, PLAIN
+
+if TYPE_CHECKING:
+    from .all_reduce import BoundaryAllReduce
+
+_HANDLES = itertools.count()
+_INSTANCES: dict[int, weakref.ref] = {}
+_SCRATCH = ("stage_state", "status", "generation", "sumsq", "prenorm")
+
+
+def register(ar: BoundaryAllReduce) -> int:
+    """A new handle naming ``ar`` for the custom ops (held weakly)."""
+    handle = next(_HANDLES)
+    _INSTANCES[handle] = weakref.ref(ar)
+    return handle
+
+
+def instance(handle: int) -> BoundaryAllReduce:
+    """The live all-reduce a custom op's ``handle`` names."""
+    ref = _INSTANCES.get(handle)
+    ar = ref() if ref is not None else None
+    if ar is None or ar._box is None:
+        raise RuntimeError(f"BoundaryAllReduce {handle} is closed or gone")
+    return ar
+
+
+def sync_words(handle: int, **passed: torch.Tensor) -> None:
+    """After a launch on the instance's own device words: make the tensors an
+    op was handed (the same words, or an eager backend's functional copies of
+    them, which it copies back afterwards) hold what the kernels wrote."""
+    box = instance(handle)._box
+    for name, tensor in passed.items():
+        own = getattr(box, name)
+        if tensor.data_ptr() != own.data_ptr():
+            tensor.copy_(own)
+
+
+@torch.library.custom_op("decode_boundary::boundary_publish", mutates_args=("stage_state",))
+def _publish_op(handle: int, x: torch.Tensor, stage_state: torch.Tensor) -> None:
+    """``x`` into every peer's mailbox; ACTIVE of this rank's stage words set."""
+    instance(handle)._publish_launch(x)
+    sync_words(handle, stage_state=stage_state)
+
+
+@torch.library.custom_op("decode_boundary::boundary_publish_finalize",
+                         mutates_args=("stage_state",))
+def _publish_finalize_op(handle: int, gemm2_permuted: torch.Tensor,
+                         expert_weights: torch.Tensor, idx: torch.Tensor,
+                         shared_output: torch.Tensor, stage_state: torch.Tensor) -> torch.Tensor:
+    partial = instance(handle)._publish_finalize_launch(gemm2_permuted, expert_weights, idx,
+                                                        shared_output)
+    sync_words(handle, stage_state=stage_state)
+    return partial
+
+
+@_publish_finalize_op.register_fake
+def _(handle, gemm2_permuted, expert_weights, idx, shared_output, stage_state):
+    return shared_output.new_empty(shared_output.shape, dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("decode_boundary::boundary_reduce",
+                         mutates_args=(*_SCRATCH, "mxfp8_data", "mxfp8_scale"))
+def _reduce_op(handle: int, x: torch.Tensor, publish: bool, reduce_mode: int,
+               residual: torch.Tensor | None, post: torch.Tensor | None,
+               comb: torch.Tensor | None, pre: torch.Tensor | None,
+               norm_weight: torch.Tensor | None, eps: float, stage_state: torch.Tensor,
+               status: torch.Tensor, generation: torch.Tensor, sumsq: torch.Tensor,
+               prenorm: torch.Tensor, mxfp8_data: torch.Tensor | None,
+               mxfp8_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(plain sum or residual_out, layer_input or an empty tensor). (Not
+    ``mode``: the dispatcher passes an argument of that name itself.)"""
+    ar = instance(handle)
+    inputs = {} if reduce_mode == PLAIN else dict(
+        residual=residual, post=post, comb=comb, pre=pre, norm_weight=norm_weight, eps=eps,
+        mxfp8_out=None if mxfp8_data is None else (mxfp8_data, mxfp8_scale))
+    first, second = ar._reduce_launch(x, reduce_mode, publish, **inputs)
+    sync_words(handle, stage_state=stage_state, status=status, generation=generation,
+               sumsq=sumsq, prenorm=prenorm)
+    return first, second if second is not None else x.new_empty(0)
+
+
+@_reduce_op.register_fake
+def _(handle, x, publish, reduce_mode, residual, post, comb, pre, norm_weight, eps,
+      stage_state, status, generation, sumsq, prenorm, mxfp8_data, mxfp8_scale):
+    if reduce_mode == PLAIN:
+        return torch.empty_like(x), x.new_empty(0)
+    first = x.new_empty(x.shape[0], residual.shape[1], x.shape[1])
+    return first, torch.empty_like(x) if reduce_mode == FULL else x.new_empty(0)

@@ -1,0 +1,87 @@
+"""Transport selection: how the ranks of a ``BoundaryAllReduce`` exchange their
+partials, and the mailbox (:mod:`.mailbox`) opened for it.
+
+* ``"mailbox"``: every rank stores its partial into every peer's symmetric
+  memory mailbox (publish kernel, finalize kernel or a publishing GEMM) and
+  the consumer polls its own. Needs every rank to reach every other rank's
+  GPU memory (same host and ``can_device_access_peer``) and one rank per GPU
+  (symmetric memory cannot map two mailboxes of one GPU).
+* ``"nccl"``: the fallback. Each rank's partial is all-gathered over the group
+  into a ``[tp, M, H]`` buffer (:func:`gather_partials`) that the same
+  consumer reads (``lamport=False``), with identical results; only the device
+  words and norm scratch are allocated, no mailbox buffer.
+* ``"auto"``: the mailbox where every rank reaches every other, else NCCL.
+
+A single rank (no group, or a group of one) always gets a local mailbox.
+:func:`open_transport` is collective: every rank of the group calls it with
+the same arguments, and all ranks get the same transport.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import torch
+import torch.distributed as dist
+
+from .mailbox import Mailbox, local_words, simulated_mailboxes, symmetric_mailbox
+
+TRANSPORTS = ("auto", "mailbox", "nccl")
+
+
+def gpu_placements(group: dist.ProcessGroup, device: torch.device) -> list[tuple[str, int]]:
+    """(host name, device index) of every rank of ``group``, in rank order. Collective."""
+    me = (socket.gethostname(), device.index if device.index is not None else 0)
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, me, group=group)
+    return everyone
+
+
+def peers_reachable(group: dist.ProcessGroup, device: torch.device,
+                    placements: list[tuple[str, int]]) -> bool:
+    """Whether every rank of ``group`` can store into every other rank's GPU
+    memory (same host and ``can_device_access_peer``), given the ranks'
+    :func:`gpu_placements`. Collective; all ranks get the same answer."""
+    host, index = placements[dist.get_rank(group)]
+    ok = all(h == host for h, _ in placements) and all(
+        idx == index or torch.cuda.can_device_access_peer(index, idx) for _, idx in placements
+    )
+    flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def ranks_share_a_gpu(placements: list[tuple[str, int]]) -> bool:
+    """Whether two ranks run on one GPU of one host (from their
+    :func:`gpu_placements`): symmetric memory refuses to map their mailboxes."""
+    return len(set(placements)) < len(placements)
+
+
+def open_transport(group: dist.ProcessGroup | None, capacity: int, hidden: int,
+                   device: torch.device, transport: str) -> tuple[Mailbox, str]:
+    """This rank's mailbox (or, for NCCL, its device words alone) and the
+    transport chosen for ``transport`` (one of :data:`TRANSPORTS`). Collective."""
+    if group is None or dist.get_world_size(group) == 1:
+        return simulated_mailboxes(1, capacity, hidden, device)[0], "mailbox"
+    placements = gpu_placements(group, device)
+    shared_gpu = ranks_share_a_gpu(placements)
+    if transport == "auto":
+        reachable = not shared_gpu and peers_reachable(group, device, placements)
+        transport = "mailbox" if reachable else "nccl"
+    if transport == "mailbox" and shared_gpu:
+        raise RuntimeError(
+            "two ranks of the group share a GPU: symmetric memory cannot map their "
+            "mailboxes; run one rank per GPU or use transport='nccl'")
+    if transport == "mailbox":
+        return symmetric_mailbox(group, capacity, hidden, device), transport
+    return local_words(group, capacity, hidden, device), transport
+
+
+def gather_partials(x: torch.Tensor, tp: int, group: dist.ProcessGroup | None,
+                    compile_only: bool = False) -> torch.Tensor:
+    """The NCCL transport's ``[tp, M, H]`` buffer of every rank's ``x`` [M, H],
+    all-gathered over ``group`` (``compile_only``: allocated, not filled)."""
+    gathered = torch.empty(tp, *x.shape, dtype=x.dtype, device=x.device)
+    if not compile_only:
+        dist.all_gather_into_tensor(gathered.view(-1, x.shape[1]), x, group=group)
+    return gathered

@@ -241,7 +241,11 @@ def main() -> None:
     path = os.path.join(args.out, f"gemm_sweep-{report['gpu'].replace(' ', '_')}-{stamp}.json")
     write_json(report, Path(path))
     print(f"\ncopy rate {rate:.0f} GB/s; {path}")
-    for title, tables in (("TABLE", winners), ("BF16_TABLE", bf16_winners)):
+    # One TABLE serves both input kinds (tactics.py): buckets <= 16 of the shapes the
+    # chain feeds BF16 take the BF16-in winners, everything else the MXFP8-in ones.
+    for title, tables in (("TABLE (MXFP8-in winners)", winners),
+                          ("BF16-in winners (TABLE buckets <= 16 of BF16-fed shapes)",
+                           bf16_winners)):
         print(f"{title} entries:")
         for shape, table in tables.items():
             body = ", ".join(f"{rows}: _t{tuple(t)}" for rows, t in table.items())

@@ -134,11 +134,12 @@ class PublishingMxfp8Linear:
 
     def _compiled_tactic(self, linear: torch.nn.Module, rows: int, target: PublishTarget,
                          bf16_input: bool):
-        """The tactic a plain call selects for ``rows`` and the input kind, its
-        publishing kernel compiled through the all-reduce: the first use is
-        collective, so a rank still compiling cannot make a peer's consumer
-        wait past its bound."""
-        tactic = selected_tactic(linear, rows, bf16_input)
+        """The tactic a plain call selects for ``rows`` (either input kind), its
+        publishing kernel for the input kind (``bf16_input``: the BF16-in
+        variant) compiled through the all-reduce: the first use is collective,
+        so a rank still compiling cannot make a peer's consumer wait past its
+        bound."""
+        tactic = selected_tactic(linear, rows)
         k, n = linear.weight.shape
         self.all_reduce.compile_variants({
             ("publishing_gemm", n, k, tactic, bf16_input):

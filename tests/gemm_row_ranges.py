@@ -29,17 +29,16 @@ def low_latency_mm(layer, x) -> torch.Tensor | None:
     """The low-latency GEMM (<= LOW_BATCH_MAX_ROWS rows) of an eligible layer; None otherwise."""
     if not mxfp8_eligible(layer):
         return None
-    return _run(layer, x, lambda rows, bf16: selected_tactic(layer, rows, bf16)
+    return _run(layer, x, lambda rows: selected_tactic(layer, rows)
                 if rows <= LOW_BATCH_MAX_ROWS else None)
 
 
-def wide_tactic(n: int, k: int, rows: int, groups: int = 1,
-                bf16_input: bool = False) -> Tactic | None:
+def wide_tactic(n: int, k: int, rows: int, groups: int = 1) -> Tactic | None:
     """The wide-tile tactic (rows tile 16/32/64) of (N, K, groups) at ``rows``
     rows: the table's, else the heuristic; None outside 9..48 rows."""
     if not LOW_BATCH_MAX_ROWS < rows <= WIDE_LOW_LATENCY_MAX_ROWS:
         return None
-    return default_tactic(n, k, rows, groups, bf16_input)
+    return default_tactic(n, k, rows, groups)
 
 
 def wide_mm(layer, x) -> torch.Tensor | None:
@@ -47,7 +46,7 @@ def wide_mm(layer, x) -> torch.Tensor | None:
     if not mxfp8_eligible(layer):
         return None
     n, k, groups = _shape(layer)
-    return _run(layer, x, lambda rows, bf16: wide_tactic(n, k, rows, groups, bf16))
+    return _run(layer, x, lambda rows: wide_tactic(n, k, rows, groups))
 
 
 def pinned_mm(layer, x) -> torch.Tensor | None:
@@ -56,7 +55,7 @@ def pinned_mm(layer, x) -> torch.Tensor | None:
     n, k, groups = _shape(layer)
     if not mxfp8_eligible(layer) or (n, k, groups) not in TABLE:
         return None
-    return _run(layer, x, lambda rows, bf16: table_tactic(n, k, rows, groups, bf16)
+    return _run(layer, x, lambda rows: table_tactic(n, k, rows, groups)
                 if rows > WIDE_LOW_LATENCY_MAX_ROWS else None)
 
 

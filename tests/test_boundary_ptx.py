@@ -38,9 +38,9 @@ ptrs = ["mailbox_ptr:bf16", "stage_ptr:i32", "status_ptr:i32", "generation_ptr:i
         "sumsq_ptr:i64", "prenorm_ptr:bf16", "residual_ptr:bf16",
         "post_ptr:fp32", "comb_ptr:fp32",
         "pre_ptr:fp32", "gamma_ptr:bf16", "out_ptr:bf16", "layer_ptr:bf16",
-        "qdata_ptr:fp8e4nv", "qscale_ptr:u8"]
+        "qdata_ptr:fp8e4nv", "qscale_ptr:u8", "stamp_ptr:i64"]
 sig = {p.split(":")[0]: "*" + p.split(":")[1] for p in ptrs}
-sig.update(eps="fp32", capacity="i32", wait_bound="i64")
+sig.update(stamp_base="i32", eps="fp32", capacity="i32", wait_bound="i64")
 full = dict(TP=2, HC=4, HIDDEN=5120, BLOCK_H=512, UNITS_P2=256, MODE=2, QUANT=True, LAMPORT=True,
     COOPERATIVE=True, USE_PTX=True, USE_PDL=True)
 out["consumer"] = ptx(consumer_kernel, sig, full, 2)

@@ -1,7 +1,8 @@
 """MXFP8 GEMM on an H200 (scripts/gpu_tests.sh -k gemm): the numerics bar for
-every tactic the tables and the autotuner can pick, repeatable bits, BF16
+every tactic the table and the autotuner can pick, repeatable bits, BF16
 prologue quantization bit-identical to quantize-then-GEMM (the GPU's own e4m3
-cvt), grouped wo_a, PDL on/off, CUDA-graph capture after precompile without
+cvt), ``mxfp8_mm`` of a BF16 input bit-identical to that of its quantization
+(one tactic for both kinds), grouped wo_a, PDL on/off, CUDA-graph capture after precompile without
 compiling, the publishing epilogue (bits and 16-byte stores)."""
 
 import concurrent.futures as futures
@@ -27,7 +28,6 @@ from decode_boundary.gemm.linear import Mxfp8Linear
 from decode_boundary.gemm.mxfp8_gemm_kernel import mxfp8_gemm_kernel
 from decode_boundary.gemm.reference import check_mxfp8_mm
 from decode_boundary.gemm.tactics import (
-    BF16_TABLE,
     PROLOGUE_MAX_ROWS,
     TABLE,
     k_pieces,
@@ -62,15 +62,18 @@ def compile_in_parallel(jobs, workers=14):
 
 
 def pickable():
-    """(N, K, groups, rows, tactic, bf16) of every tactic the tables pin and the
-    autotuner's candidates for the buckets it tunes, on the tabled shapes."""
+    """(N, K, groups, rows, tactic, bf16) of every tactic the table pins and the
+    autotuner's candidates for the buckets it tunes, on the tabled shapes: on
+    MXFP8 input, and on BF16 input where mxfp8_mm quantizes in the prologue
+    (<= PROLOGUE_MAX_ROWS rows; one tactic serves both kinds)."""
     out = set()
-    for bf16, table in ((False, TABLE), (True, BF16_TABLE)):
-        for (n, k, groups), entry in table.items():
-            for bucket, tactic in entry.items():
+    for (n, k, groups), entry in TABLE.items():
+        for bucket, tactic in entry.items():
+            for bf16 in (False, True) if bucket <= PROLOGUE_MAX_ROWS else (False,):
                 out.add((n, k, groups, min(bucket, 64), tuple(tactic), bf16))
-            for rows in TUNED_ROWS:
-                for tactic in sweep_tactics(n, k, rows, groups, bf16):
+        for rows in TUNED_ROWS:
+            for tactic in sweep_tactics(n, k, rows, groups):
+                for bf16 in (False, True):
                     out.add((n, k, groups, rows, tuple(tactic), bf16))
     return sorted(out)
 
@@ -115,12 +118,14 @@ def test_random_shapes_selected_and_sweep_tactics(rows, n, k):
         check_mxfp8_mm(out, qa, layer.weight, layer.weight_scale)
 
 
-@pytest.mark.parametrize("n,k,groups", sorted(BF16_TABLE))
+@pytest.mark.parametrize("n,k,groups", sorted(TABLE))
 def test_bf16_prologue_equals_quantize_then_gemm_bits(n, k, groups):
     """The prologue rounds with the GPU's e4m3 cvt; quantize_mxfp8 with the
     integer rounding: same e4m3 values, so the same output bits."""
     layer = grouped_layer(groups, n // groups, k)
-    for bucket, tactic in BF16_TABLE[(n, k, groups)].items():
+    for bucket, tactic in TABLE[(n, k, groups)].items():
+        if bucket > PROLOGUE_MAX_ROWS:
+            continue  # mxfp8_mm quantizes such BF16 inputs first
         x = (torch.randn(bucket, groups * k, device=DEV) *
              torch.exp2(torch.randint(-8, 9, (bucket, 1), device=DEV))).bfloat16()
         x[0, :64] = 0.0
@@ -128,6 +133,28 @@ def test_bf16_prologue_equals_quantize_then_gemm_bits(n, k, groups):
         fused = launch_low_latency(layer, x, poisoned(bucket, n, DEV), tactic)
         two_step = launch_low_latency(layer, quantize_mxfp8(x), poisoned(bucket, n, DEV), tactic)
         assert torch.equal(fused.view(torch.int16), two_step.view(torch.int16)), (bucket, tactic)
+
+
+# The tabled shapes whose tactics once followed the input kind (wo_b-type, V4-Pro
+# wo_b, grouped wo_a), and two shapes no other test runs (heuristic tactics).
+EQUAL_BITS_SHAPES = [(7168, 4096, 1), (5120, 2048, 1), (2048, 4096, 2), (4096, 2048, 1),
+                     (3072, 1536, 1)]
+
+
+@pytest.mark.parametrize("n,k,groups", EQUAL_BITS_SHAPES)
+def test_mxfp8_mm_bf16_input_equals_its_quantization_bits(n, k, groups):
+    """mxfp8_mm(layer, x) == mxfp8_mm(layer, quantize_mxfp8(x)) bit for bit at
+    every prologue row count: the tactic does not depend on the input kind."""
+    g = torch.Generator().manual_seed(n + k + groups)
+    layer = grouped_layer(groups, n // groups, k, g)
+    for rows in range(1, PROLOGUE_MAX_ROWS + 1):
+        x = (torch.randn(rows, groups * k, device=DEV) *
+             torch.exp2(torch.randint(-8, 9, (rows, 1), device=DEV))).bfloat16()
+        x[0, :64] = 0.0
+        x[-1, 7] = 6.0e4
+        fused = mxfp8_mm(layer, x)
+        two_step = mxfp8_mm(layer, quantize_mxfp8(x))
+        assert torch.equal(fused.view(torch.int16), two_step.view(torch.int16)), rows
 
 
 @pytest.mark.parametrize("rows", [1, 6, 8, 16, 33, 64])
@@ -139,7 +166,7 @@ def test_public_paths_and_grouped(rows):
     proj = projection_mm(layer, x, low_batch=rows <= 8)
     assert proj is not None and torch.equal(proj, out)
     prologue = rows <= PROLOGUE_MAX_ROWS  # what mxfp8_mm does with a BF16 input
-    tactic = selected_tactic(layer, rows, bf16_input=prologue)
+    tactic = selected_tactic(layer, rows)
     parts = []
     for g in range(2):
         part = x[:, g * 4096:(g + 1) * 4096].contiguous()
@@ -203,7 +230,7 @@ def test_publish_on_gpu(rows, bf16):
     layer = make_layer(n, k, DEV)
     x = torch.randn(rows, k, device=DEV).bfloat16()
     a = x if bf16 else quantize_mxfp8(x)
-    tactic = selected_tactic(layer, rows, bf16)
+    tactic = selected_tactic(layer, rows)
     plain = launch_low_latency(layer, a, poisoned(rows, n, DEV), tactic)
     boxes, target = publish_target(2, 1, 32, n)
     out = launch_low_latency(layer, a, poisoned(rows, n, DEV), tactic, target)
@@ -224,7 +251,7 @@ def test_publish_stores_are_16_byte_vectors(rows, bf16):
     wait."""
     layer = make_layer(5120, 2048, DEV)
     _, target = publish_target(2, 0, 8, 5120)
-    tactic = selected_tactic(layer, rows, bf16)
+    tactic = selected_tactic(layer, rows)
     plain = warmup_low_latency(layer, rows, tactic, bf16_input=bf16).asm["ptx"]
     publishing = warmup_low_latency(layer, rows, tactic, target, bf16).asm["ptx"]
     if tactic.block_n * tactic.rows_tile >= 8 * tactic.num_warps * 32:
@@ -249,5 +276,9 @@ def test_autotuner_times_on_gpu():
     tuner = Autotuner()
     with pinned_tactics():
         assert tuner.tune(layer, 8) == selected_tactic(layer, 8)
-        assert tuner.tune(layer, 8, bf16_input=True) == selected_tactic(layer, 8, True)
+        assert tuner.tune(layer, 8, bf16_input=True) == selected_tactic(layer, 8)
     assert isinstance(tuner.tune(layer, 2), Tactic)
+    # Timed on BF16 input, stored for both kinds: one entry per bucket.
+    best = tuner.tune(layer, 2, bf16_input=True)
+    assert tuner.lookup(1792, 5120, 2) == best and list(tuner.cache) == [(1792, 5120, 1, 8),
+                                                                        (1792, 5120, 1, 2)]

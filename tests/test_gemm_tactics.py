@@ -1,13 +1,28 @@
 """Tactic tables, row buckets and the autotuner (selection logic, pinned
-offering, save/load); timing itself is a GPU test."""
+offering, save/load), the tactic's independence of the input kind (BF16 in ==
+quantize_mxfp8 first, bit for bit); timing itself is a GPU test."""
+
+import inspect
+import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 from gemm_helpers import make_layer
 
-from decode_boundary.gemm import AUTOTUNER, Autotuner, pinned_tactics, selected_tactic
+from decode_boundary.gemm import (
+    AUTOTUNER,
+    Autotuner,
+    api,
+    mxfp8_mm,
+    pinned_tactics,
+    selected_tactic,
+    zeros_input,
+)
+from decode_boundary.gemm.autotune import CACHE_VERSION
+from decode_boundary.gemm.linear import Mxfp8Linear
 from decode_boundary.gemm.tactics import (
-    BF16_TABLE,
+    PROLOGUE_MAX_ROWS,
     TABLE,
     Tactic,
     default_tactic,
@@ -16,8 +31,11 @@ from decode_boundary.gemm.tactics import (
     k_pieces,
     row_bucket,
     sweep_tactics,
+    table_tactic,
     valid_tactics,
 )
+from decode_boundary.mxfp8.format import mxfp8_scale_bytes
+from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
 DSV4_SHAPES = [(5120, 2048, 1), (8192, 1280, 1), (1792, 5120, 1), (2048, 4096, 2),
                (7168, 4096, 1), (5120, 4096, 1)]
@@ -40,18 +58,16 @@ def test_k_pieces_cover_the_slice():
 
 @pytest.mark.parametrize("n,k,groups", DSV4_SHAPES)
 def test_tables_hold_valid_tactics_and_default_comes_first(n, k, groups):
-    for table in (TABLE, BF16_TABLE):
-        for bucket, tactic in table[(n, k, groups)].items():
-            rows = min(bucket, 64)
-            assert is_valid(tactic, n, k, rows, groups), (bucket, tactic)
+    for bucket, tactic in TABLE[(n, k, groups)].items():
+        rows = min(bucket, 64)
+        assert is_valid(tactic, n, k, rows, groups), (bucket, tactic)
     for rows in (1, 2, 5, 8, 16, 40, 64, 300):
-        for bf16 in (False, True):
-            tactics = valid_tactics(n, k, rows, groups, bf16)
-            assert tactics[0] == default_tactic(n, k, rows, groups, bf16)
-            assert len(set(tactics)) == len(tactics)
-            sweep = sweep_tactics(n, k, rows, groups, bf16)
-            assert sweep[0] == tactics[0] and set(sweep) <= set(tactics) and len(sweep) <= 12
-            assert all(is_valid(t, n, k, rows, groups) for t in sweep)
+        tactics = valid_tactics(n, k, rows, groups)
+        assert tactics[0] == default_tactic(n, k, rows, groups)
+        assert len(set(tactics)) == len(tactics)
+        sweep = sweep_tactics(n, k, rows, groups)
+        assert sweep[0] == tactics[0] and set(sweep) <= set(tactics) and len(sweep) <= 12
+        assert all(is_valid(t, n, k, rows, groups) for t in sweep)
 
 
 def test_heuristic_gives_a_valid_tactic_for_unpinned_shapes():
@@ -89,7 +105,6 @@ def test_autotuner_picks_fastest_per_bucket_and_selected_follows(clean_autotuner
     assert not any(bf16 for _, _, bf16 in seen)
     assert selected_tactic(layer, 4) == fast and selected_tactic(layer, 3) == fast
     assert selected_tactic(layer, 2) == default_tactic(128, 512, 2)  # another bucket
-    assert selected_tactic(layer, 4, bf16_input=True) == default_tactic(128, 512, 4)
     path = tmp_path / "tactics.json"
     clean_autotuner.save(str(path))
     other = Autotuner()
@@ -97,12 +112,119 @@ def test_autotuner_picks_fastest_per_bucket_and_selected_follows(clean_autotuner
     assert other.cache == clean_autotuner.cache
 
 
+def test_autotuner_choice_serves_both_input_kinds(clean_autotuner, tmp_path):
+    """A tune timed on BF16 input stores one entry, keyed without the kind, and
+    mxfp8_mm runs it for MXFP8 input too (and the other way round)."""
+    n, k = 5120, 2048  # a tabled shape: the tuned choice overrides the table
+    layer = shape_layer(n, k, 1)
+    for rows, bf16 in ((8, True), (2, False)):
+        fast = sweep_tactics(n, k, rows)[-1]
+        assert fast != table_tactic(n, k, rows)
+        kinds = set()
+
+        def timer(lay, rows, tactic, bf16_input, fast=fast, kinds=kinds):
+            kinds.add(bf16_input)
+            return 1.0 if tactic == fast else 2.0
+
+        assert clean_autotuner.tune(layer, rows, timer=timer, bf16_input=bf16) == fast
+        assert kinds == {bf16}  # timed on the kind asked for
+        assert clean_autotuner.cache[(n, k, 1, rows)] == fast
+        assert clean_autotuner.lookup(n, k, rows) == fast == selected_tactic(layer, rows)
+        assert ran_tactics(layer, rows) == (fast, fast)
+    path = tmp_path / "tactics.json"
+    clean_autotuner.save(str(path))
+    saved = json.loads(path.read_text())
+    assert saved["version"] == CACHE_VERSION == 3
+    assert all("bf16_input" not in entry for entry in saved["entries"])
+
+
+def test_autotuner_rejects_an_older_cache_version(tmp_path):
+    """A version-2 cache (keys with the input kind) is not read as one without."""
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"version": 2, "entries": [
+        {"n": 128, "k": 512, "groups": 1, "bucket": 4, "bf16_input": True,
+         "tactic": Tactic(64, 16, 2, 4, 128)._asdict()}]}))
+    tuner = Autotuner()
+    with pytest.raises(ValueError, match="version 2"):
+        tuner.load(str(path))
+    assert tuner.cache == {}
+
+
+def test_tactic_selection_takes_no_input_kind():
+    """Selection is a function of (N, K, groups, rows) only: no entry point of
+    it has an input-kind parameter any more."""
+    for fn in (selected_tactic, table_tactic, default_tactic, valid_tactics, sweep_tactics,
+               Autotuner.lookup, Autotuner.candidates):
+        assert "bf16_input" not in inspect.signature(fn).parameters, fn.__name__
+
+
+def shape_layer(n, k, groups):
+    """A layer of zero weights of (N, K, groups): enough to select and record."""
+    return SimpleNamespace(weight=torch.zeros(n, k, dtype=torch.float8_e4m3fn).t(),
+                           weight_scale=torch.zeros(mxfp8_scale_bytes(n, k), dtype=torch.uint8),
+                           bias=None, groups=groups)
+
+
+def ran_tactics(layer, rows):
+    """(tactic mxfp8_mm launches for a BF16 input of ``rows`` rows, for an MXFP8
+    one), recorded without running the kernel."""
+    seen = []
+
+    def record(lay, a, out, tactic, *args, **kwargs):
+        seen.append((isinstance(a, torch.Tensor), tactic))
+        return out
+
+    k, n = layer.weight.shape
+    groups = getattr(layer, "groups", 1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(api, "launch_low_latency", record)
+        mxfp8_mm(layer, torch.zeros(rows, groups * k, dtype=torch.bfloat16))
+        mxfp8_mm(layer, zeros_input(layer, rows))
+    assert [bf16 for bf16, _ in seen] == [rows <= PROLOGUE_MAX_ROWS, False]
+    return tuple(t for _, t in seen)
+
+
+@pytest.mark.parametrize("n,k,groups", DSV4_SHAPES)
+def test_tabled_shapes_run_one_tactic_for_both_input_kinds(clean_autotuner, n, k, groups):
+    """Every tabled shape and bucket: mxfp8_mm launches the same tactic for a
+    BF16 input (quantized in the prologue up to PROLOGUE_MAX_ROWS rows) as for
+    its MXFP8 quantization, the table's."""
+    layer = shape_layer(n, k, groups)
+    for rows in (*range(1, PROLOGUE_MAX_ROWS + 1), 17, 32, 48, 64, 100):
+        tactic = TABLE[(n, k, groups)][min(row_bucket(rows), 64)]
+        assert selected_tactic((n, k, groups), rows) == tactic
+        assert ran_tactics(layer, rows) == (tactic, tactic), rows
+
+
+# (N, K, groups) no other test runs: unpinned, so the heuristic's tactics.
+EQUAL_BITS_SHAPES = [(96, 160, 1), (64, 96, 2), (128, 320, 1)]
+
+
+@pytest.mark.parametrize("n,k,groups", EQUAL_BITS_SHAPES)
+def test_bf16_input_and_its_quantization_give_the_same_bits(n, k, groups):
+    """mxfp8_mm(layer, x) == mxfp8_mm(layer, quantize_mxfp8(x)) bit for bit at
+    every row count of the prologue (1..16) and one above it."""
+    g = torch.Generator().manual_seed(n * 1000 + k * 10 + groups)
+    layer = Mxfp8Linear.grouped([Mxfp8Linear(lay.weight.t().contiguous(), lay.weight_scale)
+                                 for lay in (make_layer(n // groups, k, generator=g)
+                                             for _ in range(groups))])
+    assert layer.groups == groups and api.mxfp8_eligible(layer)
+    for rows in (*range(1, PROLOGUE_MAX_ROWS + 1), PROLOGUE_MAX_ROWS + 3):
+        x = (torch.randn(rows, groups * k, generator=g) *
+             torch.exp2(torch.randint(-6, 7, (rows, 1), generator=g))).bfloat16()
+        x[0, :40] = 0.0  # an all-zero group (scale byte 0) and a huge value
+        x[-1, 33] = 3.0e4
+        fused = mxfp8_mm(layer, x)
+        two_step = mxfp8_mm(layer, quantize_mxfp8(x))
+        assert fused.shape == two_step.shape == (rows, n)
+        assert torch.equal(fused.view(torch.int16), two_step.view(torch.int16)), rows
+
+
 def test_pinned_tactics_offers_only_the_pinned_one(clean_autotuner):
     n, k = 5120, 2048
     assert len(clean_autotuner.candidates(n, k, 8)) > 1
     with pinned_tactics():
-        assert clean_autotuner.candidates(n, k, 8) == [TABLE[(n, k, 1)][8]]
-        assert clean_autotuner.candidates(n, k, 8, bf16_input=True) == [BF16_TABLE[(n, k, 1)][8]]
+        assert clean_autotuner.candidates(n, k, 8) == [TABLE[(n, k, 1)][8]]  # both kinds
         assert clean_autotuner.candidates(n, k, 32) == [TABLE[(n, k, 1)][32]]
         assert len(clean_autotuner.candidates(n, k, 4)) > 1  # 1..4 rows stay tuned
         assert len(clean_autotuner.candidates(256, 256, 8)) > 1  # not a pinned shape

@@ -32,6 +32,7 @@ import triton
 
 from .. import env
 from ..common.contract import STAGES
+from ..common.timeline import launch_args
 from ..mxfp8.format import check_scale_buffer, mxfp8_scale_bytes
 from .consumer_kernel import FULL, NORM_TIMEOUT_BIT, PLAIN, RESIDUAL_ONLY, consumer_kernel
 from .publish_kernel import load_module
@@ -241,16 +242,20 @@ def consume(
     pdl = env.use_pdl(device)
     kernel = consumer_kernel.warmup if compile_only else consumer_kernel[grid]
     kwargs = dict(grid=grid) if compile_only else {}
+    stamps, first_slot, timeline = (dummy, 0, False) if compile_only else \
+        launch_args("consumer_kernel", grid[0] * grid[1], device, dummy)
     compiled = kernel(
         mailbox, _or(stage_state, dummy), _or(status, dummy), _or(generation, dummy),
         _or(sumsq, dummy), _or(prenorm, dummy), _or(residual, dummy),
         _or(post, dummy), _or(comb, dummy), _or(pre, dummy), _or(norm_weight, dummy), out,
         _or(layer_input, dummy), mxfp8_out[0] if quant else dummy,
-        mxfp8_out[1] if quant else dummy, float(eps), capacity, int(wait_bound),
+        mxfp8_out[1] if quant else dummy, stamps, first_slot, float(eps), capacity,
+        int(wait_bound),
         TP=tp, HC=hc, HIDDEN=hidden, BLOCK_H=tactic.block_h,
         UNITS_P2=triton.next_power_of_2(sumsq_columns(hidden)), MODE=mode, QUANT=quant,
         LAMPORT=lamport, COOPERATIVE=tactic.cooperative, USE_PTX=env.use_ptx(device),
-        USE_PDL=pdl, num_warps=tactic.warps, enable_fp_fusion=False, launch_pdl=pdl, **kwargs,
+        USE_PDL=pdl, TIMELINE=timeline, num_warps=tactic.warps, enable_fp_fusion=False,
+        launch_pdl=pdl, **kwargs,
     )
     if compile_only:
         load_module(compiled)

@@ -106,6 +106,7 @@ import triton.language as tl
 
 from ..common.contract import SENTINEL_BITS, STAGE_ACTIVE, STAGE_NEXT, STAGES
 from ..common.rounding import quantize_groups, swizzled_offset, to_bf16_rne, zero_scale_padding
+from ..common.timeline import END, START, WAITED, stamp
 
 PLAIN, RESIDUAL_ONLY, FULL = 0, 1, 2  # MODE values (host side)
 _PLAIN, _FULL = tl.constexpr(PLAIN), tl.constexpr(FULL)
@@ -348,21 +349,24 @@ def _consume_chunk(mailbox_ptr, status_ptr, out_ptr, slot_row, row_stride, wait_
 
 # capacity is the gathered buffer's M in NCCL mode: unspecialized, so M = 1 does
 # not turn it into a Python int.
-@triton.jit(do_not_specialize=["capacity"])
+@triton.jit(do_not_specialize=["capacity", "stamp_base"])
 def consumer_kernel(
     mailbox_ptr, stage_ptr, status_ptr, generation_ptr, sumsq_ptr, prenorm_ptr,
     residual_ptr, post_ptr, comb_ptr, pre_ptr, gamma_ptr,
-    out_ptr, layer_ptr, qdata_ptr, qscale_ptr,
+    out_ptr, layer_ptr, qdata_ptr, qscale_ptr, stamp_ptr, stamp_base,
     eps, capacity, wait_bound,
     TP: tl.constexpr, HC: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr,
     UNITS_P2: tl.constexpr, MODE: tl.constexpr, QUANT: tl.constexpr, LAMPORT: tl.constexpr,
     COOPERATIVE: tl.constexpr, USE_PTX: tl.constexpr, USE_PDL: tl.constexpr,
+    TIMELINE: tl.constexpr = False,
 ):
     CHUNKS: tl.constexpr = (HIDDEN + BLOCK_H - 1) // BLOCK_H
     UNITS: tl.constexpr = (HIDDEN + 31) // 32  # sumsq row: one word per 32 columns
     SERIAL: tl.constexpr = (MODE == _FULL) and (not COOPERATIVE)
     chunk = tl.program_id(0)  # always 0 when SERIAL: the program walks the row
     m = tl.program_id(1)
+    slot = stamp_base + m * tl.num_programs(0) + chunk  # common.timeline (a diagnostic)
+    stamp(stamp_ptr, slot, START, TIMELINE)
     offs = tl.arange(0, BLOCK_H)
     cols = chunk * BLOCK_H + offs
     cmask = cols < HIDDEN
@@ -373,6 +377,7 @@ def consumer_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    stamp(stamp_ptr, slot, WAITED, TIMELINE)
     stage = tl.full((), 0, tl.int32)  # a tensor in both modes (the NCCL path has no stage)
     if LAMPORT:
         stage = tl.load(stage_ptr + _ACTIVE)
@@ -424,4 +429,4 @@ def consumer_kernel(
                 tl.store(generation_ptr + m, tag)
             _norm_chunk(prenorm, gamma, total, eps, layer_ptr, qdata_ptr, qscale_ptr, m, chunk,
                         cols, cmask, HIDDEN, BLOCK_H, QUANT)
-
+    stamp(stamp_ptr, slot, END, TIMELINE)

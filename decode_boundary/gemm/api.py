@@ -13,7 +13,9 @@ or a ``QuantizedActivation``. Outputs are [..., N] in the
 input's original dtype (computed as BF16).
 
 ``mxfp8_mm`` runs any row count with :func:`selected_tactic` (the autotuner's
-choice, else the pinned table, else the heuristic: tactics.py); layers no
+choice, else the pinned table, else the heuristic: tactics.py), the same
+tactic for a BF16 input and for its ``quantize_mxfp8``, so both give the same
+output bits (the summation order follows the tactic); layers no
 kernel takes ((N / groups) % 16 != 0, misaligned buffers) get the reference
 computation, which is correct but slow. Malformed operands raise ValueError.
 """
@@ -30,7 +32,7 @@ from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 from .autotune import AUTOTUNER
 from .launcher import launch_low_latency, warmup_low_latency, weight_operands
 from .reference import mxfp8_mm_ref
-from .tactics import BF16_TABLE, PROLOGUE_MAX_ROWS, TABLE, Tactic, default_tactic
+from .tactics import PROLOGUE_MAX_ROWS, TABLE, Tactic, default_tactic
 
 
 def _shape(layer) -> tuple[int, int, int]:
@@ -53,15 +55,15 @@ def mxfp8_eligible(layer) -> bool:
                                              and scale.data_ptr() % 16 == 0)
 
 
-def selected_tactic(layer_or_shape, rows: int, bf16_input: bool = False) -> Tactic:
-    """The tactic ``mxfp8_mm`` runs for ``rows`` rows of MXFP8 (or, with
-    ``bf16_input``, BF16) activations: the autotuner's cached choice, else the
-    pinned table, else the heuristic. ``layer_or_shape`` is a layer or an
-    (N, K) / (N, K, groups) tuple."""
+def selected_tactic(layer_or_shape, rows: int) -> Tactic:
+    """The tactic ``mxfp8_mm`` runs for ``rows`` rows of MXFP8 or BF16
+    activations alike (it never depends on the input kind): the autotuner's
+    cached choice, else the pinned table, else the heuristic.
+    ``layer_or_shape`` is a layer or an (N, K) / (N, K, groups) tuple."""
     n, k, groups = (*layer_or_shape, 1)[:3] if isinstance(layer_or_shape, tuple) \
         else _shape(layer_or_shape)
-    cached = AUTOTUNER.lookup(n, k, rows, groups, bf16_input)
-    return cached if cached is not None else default_tactic(n, k, rows, groups, bf16_input)
+    cached = AUTOTUNER.lookup(n, k, rows, groups)
+    return cached if cached is not None else default_tactic(n, k, rows, groups)
 
 
 def _activation(layer, x):
@@ -106,15 +108,15 @@ def _reference(layer, a) -> torch.Tensor:
 
 
 def _run(layer, x, tactic_for) -> torch.Tensor | None:
-    """Run ``layer`` on ``x`` with ``tactic_for(rows, bf16_input)`` (None: not
-    this entry point's)."""
+    """Run ``layer`` on ``x`` with ``tactic_for(rows)`` (None: not this entry
+    point's); the input kind picks the kernel variant, not the tactic."""
     a, rows, dtype, shape = _activation(layer, x)
     n = layer.weight.shape[1]
     device = layer.weight.device
     if rows == 0:
         return _finish(layer, torch.empty(0, n, dtype=torch.bfloat16, device=device), dtype,
                        shape)
-    tactic = tactic_for(rows, isinstance(a, torch.Tensor))
+    tactic = tactic_for(rows)
     if tactic is None:
         return None
     out = torch.empty(rows, n, dtype=torch.bfloat16, device=device)
@@ -143,7 +145,7 @@ def mxfp8_mm(layer, x) -> torch.Tensor:
     if not mxfp8_eligible(layer):
         a, _, dtype, shape = _activation(layer, x)
         return _finish(layer, _reference(layer, a), dtype, shape)
-    return _run(layer, x, lambda rows, bf16: selected_tactic(layer, rows, bf16))
+    return _run(layer, x, lambda rows: selected_tactic(layer, rows))
 
 
 def shape_representatives(layers: Iterable) -> list:
@@ -177,8 +179,8 @@ def precompile(layer, rows_list: Iterable[int], publish=None, bf16_input: bool |
     launch) uses for each row count and allocate their workspaces, launching
     nothing (but the quantizer, once, where a BF16 input of that many rows is
     quantized first), so CUDA-graph capture never compiles or allocates.
-    ``bf16_input``: the BF16-in (prologue-quantized) kernel, the MXFP8-in one,
-    or both (None).
+    ``bf16_input``: the BF16-in (prologue-quantized) kernel variant, the
+    MXFP8-in one, or both (None); the tactic is the same for both.
     Call it again after the autotuner changes a choice."""
     if not mxfp8_eligible(layer):
         return
@@ -192,16 +194,18 @@ def precompile(layer, rows_list: Iterable[int], publish=None, bf16_input: bool |
                 quantize_mxfp8(torch.zeros(rows, groups * k, dtype=torch.bfloat16,
                                            device=layer.weight.device))
                 bf16 = False
-            warmup_low_latency(layer, rows, selected_tactic(layer, rows, bf16), publish, bf16)
+            warmup_low_latency(layer, rows, selected_tactic(layer, rows), publish, bf16)
 
 
 def compile_pinned(layer) -> None:
     """Compile ``layer``'s tabled tactics (each at its bucket's largest row
-    count) and its wide tiles, for MXFP8 and BF16 inputs."""
+    count) and its wide tiles, in the MXFP8-in kernel variant and (buckets up to
+    PROLOGUE_MAX_ROWS, the wide tiles) the BF16-in one; one tactic for both."""
     if not mxfp8_eligible(layer):
         return
     n, k, groups = _shape(layer)
+    buckets = TABLE.get((n, k, groups), {})
     for bf16 in (False, True):
-        buckets = (BF16_TABLE if bf16 else TABLE).get((n, k, groups), {})
-        for rows in sorted({*buckets, 16, 32, 48}):
-            warmup_low_latency(layer, rows, default_tactic(n, k, rows, groups, bf16), None, bf16)
+        tabled = [b for b in buckets if not bf16 or b <= PROLOGUE_MAX_ROWS]
+        for rows in sorted({*tabled, 16, 32, 48}):
+            warmup_low_latency(layer, rows, default_tactic(n, k, rows, groups), None, bf16)

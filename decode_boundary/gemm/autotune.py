@@ -1,7 +1,10 @@
 """Autotuner of the MXFP8 GEMM: the best tactic per (N, K, row bucket).
 
-Keys: (N, K, groups, row bucket, BF16 input); buckets 1, 2, 4, 8, 16, 32, 48,
-then powers of two (tactics.row_bucket).
+Keys: (N, K, groups, row bucket); buckets 1, 2, 4, 8, 16, 32, 48, then powers
+of two (tactics.row_bucket). No input kind: one choice serves MXFP8 and BF16
+inputs alike, so ``mxfp8_mm(layer, x)`` and ``mxfp8_mm(layer,
+quantize_mxfp8(x))`` give the same bits (the summation order follows the
+tactic); a tune may time either kind.
 Candidates are timed with CUDA graphs on rotated weight copies (``decode_boundary.common.timing``);
 the cache saves to / loads from JSON so a server start reuses a measured
 choice instead of re-timing close candidates (whose pick varies between
@@ -25,8 +28,8 @@ from decode_boundary.mxfp8.format import QuantizedActivation, mxfp8_scale_bytes
 from .launcher import launch_low_latency
 from .tactics import PINNED_MIN_ROWS, Tactic, row_bucket, sweep_tactics, table_tactic
 
-CACHE_VERSION = 2  # 2: Tactic(block_n, rows_tile, split_k, num_warps, chunk_k); keys with
-# groups and the input kind
+CACHE_VERSION = 3  # 2: Tactic(block_n, rows_tile, split_k, num_warps, chunk_k); keys with
+# groups and the input kind. 3: keys without the input kind (one tactic for both)
 
 _pinned_only = False
 
@@ -66,43 +69,42 @@ def default_timer(layer, rows: int, tactic: Tactic, bf16_input: bool = False) ->
 
 
 class Autotuner:
-    """Cache (N, K, groups, row bucket, BF16 input) -> Tactic, filled by :meth:`tune`."""
+    """Cache (N, K, groups, row bucket) -> Tactic, for both input kinds, filled
+    by :meth:`tune`."""
 
     def __init__(self) -> None:
-        self.cache: dict[tuple[int, int, int, int, bool], Tactic] = {}
+        self.cache: dict[tuple[int, int, int, int], Tactic] = {}
 
-    def lookup(self, n: int, k: int, rows: int, groups: int = 1,
-               bf16_input: bool = False) -> Tactic | None:
-        return self.cache.get((n, k, groups, row_bucket(rows), bf16_input))
+    def lookup(self, n: int, k: int, rows: int, groups: int = 1) -> Tactic | None:
+        return self.cache.get((n, k, groups, row_bucket(rows)))
 
-    def candidates(self, n: int, k: int, rows: int, groups: int = 1,
-                   bf16_input: bool = False) -> list[Tactic]:
-        """Tactics offered for (N, K, groups, rows, input kind): only the pinned
-        one under pinned_tactics() for a pinned problem, else a small sweep."""
-        pinned = table_tactic(n, k, rows, groups, bf16_input)
+    def candidates(self, n: int, k: int, rows: int, groups: int = 1) -> list[Tactic]:
+        """Tactics offered for (N, K, groups, rows): only the pinned one under
+        pinned_tactics() for a pinned problem, else a small sweep."""
+        pinned = table_tactic(n, k, rows, groups)
         if _pinned_only and pinned is not None and rows >= PINNED_MIN_ROWS:
             return [pinned]
-        return sweep_tactics(n, k, rows, groups, bf16_input)
+        return sweep_tactics(n, k, rows, groups)
 
     def tune(self, layer, rows: int, timer: Callable[..., float] = default_timer,
              bf16_input: bool = False) -> Tactic:
         """Time the candidates for ``layer`` at ``rows`` rows (the bucket's
         largest count, so the chosen tiles cover every row of the bucket) and
         cache the fastest; ties keep the earlier (default-first) candidate.
-        ``timer(layer, rows, tactic, bf16_input)`` returns µs."""
+        ``timer(layer, rows, tactic, bf16_input)`` returns µs; ``bf16_input``
+        only says which input kind is timed: the winner serves both kinds."""
         k, n = layer.weight.shape
         groups = getattr(layer, "groups", 1)
         bucket = row_bucket(rows)
-        offered = self.candidates(n, k, bucket, groups, bf16_input)
+        offered = self.candidates(n, k, bucket, groups)
         timed = [(timer(layer, bucket, t, bf16_input), i, t) for i, t in enumerate(offered)]
         best = min(timed)[2]
-        self.cache[(n, k, groups, bucket, bf16_input)] = best
+        self.cache[(n, k, groups, bucket)] = best
         return best
 
     def save(self, path: str) -> None:
-        entries = [{"n": n, "k": k, "groups": g, "bucket": b, "bf16_input": bf16,
-                    "tactic": t._asdict()}
-                   for (n, k, g, b, bf16), t in sorted(self.cache.items())]
+        entries = [{"n": n, "k": k, "groups": g, "bucket": b, "tactic": t._asdict()}
+                   for (n, k, g, b), t in sorted(self.cache.items())]
         with open(path, "w") as f:
             json.dump({"version": CACHE_VERSION, "entries": entries}, f, indent=1)
 
@@ -114,7 +116,7 @@ class Autotuner:
             raise ValueError(f"{path}: autotuner cache version {data.get('version')}, this "
                              f"library reads version {CACHE_VERSION} (re-tune)")
         for entry in data["entries"]:
-            key = (entry["n"], entry["k"], entry["groups"], entry["bucket"], entry["bf16_input"])
+            key = (entry["n"], entry["k"], entry["groups"], entry["bucket"])
             self.cache[key] = Tactic(**entry["tactic"])
 
 

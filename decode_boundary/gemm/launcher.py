@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from decode_boundary.common.contract import NO_PUBLISH, check_publish_target
+from decode_boundary.common.timeline import launch_args
 from decode_boundary.env import interpret_mode, use_pdl
 from decode_boundary.mxfp8.format import QuantizedActivation, check_scale_buffer, mxfp8_scale_bytes
 
@@ -145,6 +146,8 @@ def _launch_config(layer, a, out, tactic: Tactic, publish):
         check_publish_target(publish, n, rows, device)
     buffers = _buffers(device, n, rows, tactic, publish)
     grid = (n // tactic.block_n, tactic.split_k, -(-rows // tactic.rows_tile))
+    stamps, first_slot, timeline = launch_args("mxfp8_gemm_kernel", grid[0] * grid[1] * grid[2],
+                                               device, buffers[0])
     pub = publish or NO_PUBLISH
     k_slice, pieces = k_pieces(k, tactic)
     pdl = use_pdl(device)
@@ -153,9 +156,10 @@ def _launch_config(layer, a, out, tactic: Tactic, publish):
         SPLIT_K=tactic.split_k, K_SLICE=k_slice, CHUNK=tactic.chunk_k, PIECES=pieces,
         A_BF16=a_bf16, USE_PDL=pdl, INTERPRETER=interpret_mode(), PUBLISH=publish is not None,
         TP=pub.tp, RANK=pub.rank, CAPACITY=pub.capacity, HIDDEN=pub.hidden,
-        num_warps=tactic.num_warps, num_stages=1, launch_pdl=pdl,
+        TIMELINE=timeline, num_warps=tactic.num_warps, num_stages=1, launch_pdl=pdl,
     )
-    return grid, (storage, w_scale, a_data, a_scale, out, *buffers, rows), kwargs
+    return grid, (storage, w_scale, a_data, a_scale, out, *buffers, stamps, first_slot, rows), \
+        kwargs
 
 
 def launch_low_latency(layer, a, out: torch.Tensor, tactic: Tactic, publish=None) -> torch.Tensor:

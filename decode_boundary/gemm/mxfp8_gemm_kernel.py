@@ -102,6 +102,7 @@ import triton.language as tl
 from decode_boundary.common.contract import STAGE_ACTIVE, STAGE_NEXT
 from decode_boundary.common.mailbox_store import publish_row
 from decode_boundary.common.rounding import quantize_groups, swizzled_offset, to_bf16_rne
+from decode_boundary.common.timeline import END, START, WAITED, stamp
 
 _STAGE_NEXT = tl.constexpr(STAGE_NEXT)
 _STAGE_ACTIVE = tl.constexpr(STAGE_ACTIVE)
@@ -209,17 +210,17 @@ def _write_block(vals, out_ptr, rows, cols, M, N: tl.constexpr, is_first_block,
             tl.store(stage_ptr + _STAGE_ACTIVE, stage)
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "stamp_base"])
 def mxfp8_gemm_kernel(
     w_ptr, w_scale_ptr, a_ptr, a_scale_ptr, out_ptr,
-    partial_ptr, counter_ptr, peer_ptrs_ptr, stage_ptr,
+    partial_ptr, counter_ptr, peer_ptrs_ptr, stage_ptr, stamp_ptr, stamp_base,
     M,
     N: tl.constexpr, K: tl.constexpr, GROUPS: tl.constexpr,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr,
     K_SLICE: tl.constexpr, CHUNK: tl.constexpr, PIECES: tl.constexpr,
     A_BF16: tl.constexpr, USE_PDL: tl.constexpr, INTERPRETER: tl.constexpr,
     PUBLISH: tl.constexpr, TP: tl.constexpr, RANK: tl.constexpr,
-    CAPACITY: tl.constexpr, HIDDEN: tl.constexpr,
+    CAPACITY: tl.constexpr, HIDDEN: tl.constexpr, TIMELINE: tl.constexpr = False,
 ):
     W_K_TILES: tl.constexpr = (K // 32 + 3) // 4
     A_K: tl.constexpr = GROUPS * K
@@ -227,6 +228,9 @@ def mxfp8_gemm_kernel(
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
+    # common.timeline's slot of this program (a diagnostic; compiled out by default).
+    slot = stamp_base + (pid_m * tl.num_programs(1) + pid_k) * tl.num_programs(0) + pid_n
+    stamp(stamp_ptr, slot, START, TIMELINE)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = pid_k * K_SLICE
     k_end = tl.minimum(k0 + K_SLICE, K)
@@ -242,6 +246,7 @@ def mxfp8_gemm_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+    stamp(stamp_ptr, slot, WAITED, TIMELINE)
 
     row0 = pid_m * ROWS
     acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
@@ -274,3 +279,4 @@ def mxfp8_gemm_kernel(
             tl.store(counter_ptr + block, 0)  # re-armed for the next launch / graph replay
             _write_block(total, out_ptr, rows, cols, M, N, is_first_block, peer_ptrs_ptr,
                          stage_ptr, PUBLISH, TP, RANK, CAPACITY, HIDDEN, INTERPRETER)
+    stamp(stamp_ptr, slot, END, TIMELINE)

@@ -1,7 +1,8 @@
 """Tactics of the MXFP8 GEMM kernel and the tables that pin them: one place.
 
 A :class:`Tactic` fixes everything a compiled kernel depends on besides the
-shape and the input kind: weight rows per program, activation rows per program
+shape and the input kind (the kind picks the kernel variant, never the tactic):
+weight rows per program, activation rows per program
 (1..8 on CUDA cores, 16..64 on tensor cores: mxfp8_gemm_kernel.py), split-K
 and warps. Row ranges (docs/DESIGN.md §7):
 
@@ -11,10 +12,13 @@ and warps. Row ranges (docs/DESIGN.md §7):
 * above: 64-row tiles over a grid of row blocks, pinned per row range for the
   tabled shapes so a choice never changes between process starts.
 
-``TABLE`` / ``BF16_TABLE`` hold the measured winners of
-``benchmarks/gemm_sweep.py`` on one H200 per (N, K, groups) and row bucket
-(benchmarks/NOTES.md), for MXFP8 and BF16 activations. Unpinned shapes get
-:func:`heuristic_tactic`, shaped like those winners.
+``TABLE`` holds the measured winners of ``benchmarks/gemm_sweep.py`` on one
+H200 per (N, K, groups) and row bucket (benchmarks/NOTES.md), one entry for
+both input kinds. Unpinned shapes get :func:`heuristic_tactic`, shaped like
+those winners. Every selection here is a function of (N, K, groups, rows)
+only: the FP32 summation order depends on the whole tactic, so a tactic that
+followed the input kind would make a BF16 input and its ``quantize_mxfp8``
+give different bits.
 """
 
 from __future__ import annotations
@@ -118,14 +122,28 @@ def _t(block_n, rows_tile, split_k=1, num_warps=4, chunk_k=256) -> Tactic:
 
 # (N, K, groups) -> {row bucket: tactic}; buckets above 64 take the 64 entry.
 # Measured winners of benchmarks/gemm_sweep.py on one H200 (2026-12-01,
-# results/gemm_sweep-NVIDIA_H200-2026-12-01-0911.json; µs in benchmarks/NOTES.md):
-# TABLE for MXFP8 activations, BF16_TABLE for BF16 ones (quantized in the
-# prologue, which favours wider blocks: every program quantizes its K-slice).
+# results/gemm_sweep-NVIDIA_H200-2026-12-01-0911.json; µs in benchmarks/NOTES.md).
+# One table for MXFP8 and BF16 activations: the kernel's FP32 summation order
+# depends on the whole tactic (block_n, rows_tile, split_k, num_warps, chunk_k),
+# so a tactic chosen per input kind made mxfp8_mm(layer, x) and
+# mxfp8_mm(layer, quantize_mxfp8(x)) differ in bits (the prologue's quantization
+# itself is byte-identical to quantize_mxfp8). With one tactic per (N, K, groups,
+# rows) the bits do not depend on the input kind. The sweep measured a winner
+# per kind at <= 16 rows (PROLOGUE_MAX_ROWS; above it a BF16 input is quantized
+# first and runs as MXFP8); the merged table keeps, per shape, the kind the
+# decode chain feeds it:
+# * wo_b-type (5120, 2048, 1), (7168, 4096, 1), (5120, 4096, 1) and the grouped
+#   wo_a (2048, 4096, 2) take BF16 activations in the chain (attention output,
+#   wo_a's output): buckets <= 16 are the BF16-in winners (the prologue favours
+#   wider blocks: every program quantizes its K-slice), 32.. the MXFP8-in ones;
+# * wq_b (8192, 1280, 1) and fused_wqa_wkv (1792, 5120, 1) take MXFP8 in the
+#   chain: every bucket is the MXFP8-in winner.
 # Shapes: DSV4.1-Flash TP-4 wo_b, wq_b, fused_wqa_wkv, grouped wo_a; V4-Pro
 # wo_b; DSV4.1-Flash wo_b at TP 2. Others take heuristic_tactic.
 TABLE: dict[tuple[int, int, int], dict[int, Tactic]] = {
-    (5120, 2048, 1): {1: _t(8, 1, 1, 2, 1024), 2: _t(8, 2, 1, 2, 512), 4: _t(64, 16, 8, 4, 128),
-                      8: _t(64, 16, 8, 4, 128), 16: _t(64, 16, 8, 4, 128),
+    (5120, 2048, 1): {1: _t(8, 1, 1, 4, 1024), 2: _t(16, 2, 1, 4, 512),
+                      4: _t(128, 16, 6, 8, 128), 8: _t(128, 16, 6, 8, 128),
+                      16: _t(64, 16, 4, 4, 128),
                       32: _t(64, 32, 4, 4, 128), 48: _t(64, 64, 4, 4, 128),
                       64: _t(64, 64, 4, 4, 128)},
     (8192, 1280, 1): {1: _t(16, 1, 1, 4, 512), 2: _t(16, 2, 1, 2, 512), 4: _t(64, 16, 5, 4, 128),
@@ -136,37 +154,21 @@ TABLE: dict[tuple[int, int, int], dict[int, Tactic]] = {
                       4: _t(64, 16, 14, 4, 128), 8: _t(64, 16, 10, 4, 128),
                       16: _t(64, 16, 10, 4, 128), 32: _t(64, 32, 14, 4, 128),
                       48: _t(64, 64, 14, 4, 64), 64: _t(64, 64, 14, 4, 64)},
-    (2048, 4096, 2): {1: _t(4, 1, 1, 4, 1024), 2: _t(8, 2, 2, 4, 1024),
-                      4: _t(128, 16, 16, 8, 128), 8: _t(64, 16, 11, 4, 128),
-                      16: _t(64, 16, 11, 4, 128), 32: _t(64, 32, 11, 4, 128),
-                      48: _t(64, 64, 8, 4, 128), 64: _t(64, 64, 8, 4, 128)},
-    (7168, 4096, 1): {1: _t(4, 1, 1, 2, 1024), 2: _t(4, 2, 1, 2, 1024), 4: _t(64, 16, 9, 4, 128),
-                      8: _t(64, 16, 9, 4, 128), 16: _t(64, 16, 9, 4, 128),
-                      32: _t(64, 32, 8, 4, 128), 48: _t(128, 64, 16, 8, 128),
-                      64: _t(64, 64, 8, 4, 128)},
-    (5120, 4096, 1): {1: _t(8, 1, 2, 4, 1024), 2: _t(4, 2, 1, 4, 1024),
-                      4: _t(64, 16, 11, 4, 128), 8: _t(64, 16, 11, 4, 128),
-                      16: _t(64, 16, 11, 4, 128), 32: _t(64, 32, 8, 4, 128),
-                      48: _t(64, 64, 8, 4, 64), 64: _t(64, 64, 8, 4, 64)},
-}
-BF16_TABLE: dict[tuple[int, int, int], dict[int, Tactic]] = {
-    (5120, 2048, 1): {1: _t(8, 1, 1, 4, 1024), 2: _t(16, 2, 1, 4, 512),
-                      4: _t(128, 16, 6, 8, 128), 8: _t(128, 16, 6, 8, 128),
-                      16: _t(64, 16, 4, 4, 128)},
-    (8192, 1280, 1): {1: _t(16, 1, 1, 2, 512), 2: _t(16, 2, 1, 2, 512), 4: _t(128, 16, 7, 8, 64),
-                      8: _t(128, 16, 5, 8, 64), 16: _t(64, 16, 7, 4, 64)},
-    (1792, 5120, 1): {1: _t(8, 1, 1, 4, 1024), 2: _t(16, 2, 2, 4, 1024),
-                      4: _t(128, 16, 14, 8, 128), 8: _t(128, 16, 14, 8, 128),
-                      16: _t(128, 16, 14, 8, 128)},
     (2048, 4096, 2): {1: _t(8, 1, 1, 4, 1024), 2: _t(8, 2, 2, 4, 1024),
                       4: _t(128, 16, 16, 8, 128), 8: _t(128, 16, 16, 8, 128),
-                      16: _t(64, 16, 8, 4, 128)},
+                      16: _t(64, 16, 8, 4, 128),
+                      32: _t(64, 32, 11, 4, 128), 48: _t(64, 64, 8, 4, 128),
+                      64: _t(64, 64, 8, 4, 128)},
     (7168, 4096, 1): {1: _t(8, 1, 1, 4, 1024), 2: _t(8, 2, 2, 4, 1024),
                       4: _t(64, 16, 11, 4, 128), 8: _t(64, 16, 11, 4, 128),
-                      16: _t(64, 16, 11, 4, 128)},
+                      16: _t(64, 16, 11, 4, 128),
+                      32: _t(64, 32, 8, 4, 128), 48: _t(128, 64, 16, 8, 128),
+                      64: _t(64, 64, 8, 4, 128)},
     (5120, 4096, 1): {1: _t(8, 1, 1, 4, 1024), 2: _t(8, 2, 1, 4, 1024),
                       4: _t(128, 16, 11, 8, 128), 8: _t(128, 16, 11, 8, 128),
-                      16: _t(64, 16, 11, 4, 128)},
+                      16: _t(64, 16, 11, 4, 128),
+                      32: _t(64, 32, 8, 4, 128), 48: _t(64, 64, 8, 4, 64),
+                      64: _t(64, 64, 8, 4, 64)},
 }
 
 # The 5..8-row bucket and above are offered only their pinned tactic under
@@ -175,14 +177,9 @@ BF16_TABLE: dict[tuple[int, int, int], dict[int, Tactic]] = {
 PINNED_MIN_ROWS = 5
 
 
-def table_tactic(n: int, k: int, rows: int, groups: int = 1,
-                 bf16_input: bool = False) -> Tactic | None:
-    """The pinned tactic of (N, K, groups) at ``rows`` rows for the input kind
-    (BF16 buckets not in BF16_TABLE take TABLE's), or None."""
-    bucket = min(row_bucket(rows), 64)
-    if bf16_input and bucket in BF16_TABLE.get((n, k, groups), {}):
-        return BF16_TABLE[(n, k, groups)][bucket]
-    return TABLE.get((n, k, groups), {}).get(bucket)
+def table_tactic(n: int, k: int, rows: int, groups: int = 1) -> Tactic | None:
+    """The pinned tactic of (N, K, groups) at ``rows`` rows (either input kind), or None."""
+    return TABLE.get((n, k, groups), {}).get(min(row_bucket(rows), 64))
 
 
 def _split_for(k: int, target_slice: int) -> int:
@@ -213,17 +210,16 @@ def heuristic_tactic(n: int, k: int, rows: int, groups: int = 1) -> Tactic:
     raise ValueError(f"no MXFP8 GEMM tactic fits N={n}, K={k}, groups={groups}")
 
 
-def default_tactic(n: int, k: int, rows: int, groups: int = 1,
-                   bf16_input: bool = False) -> Tactic:
-    """What runs without an autotuner entry: the pinned tactic, else the heuristic."""
-    pinned = table_tactic(n, k, rows, groups, bf16_input)
+def default_tactic(n: int, k: int, rows: int, groups: int = 1) -> Tactic:
+    """What runs without an autotuner entry (either input kind): the pinned
+    tactic, else the heuristic."""
+    pinned = table_tactic(n, k, rows, groups)
     return pinned if pinned is not None else heuristic_tactic(n, k, rows, groups)
 
 
-def valid_tactics(n: int, k: int, rows: int, groups: int = 1,
-                  bf16_input: bool = False) -> list[Tactic]:
+def valid_tactics(n: int, k: int, rows: int, groups: int = 1) -> list[Tactic]:
     """Every valid tactic of (N, K, groups, rows), the default first."""
-    out = [default_tactic(n, k, rows, groups, bf16_input)]
+    out = [default_tactic(n, k, rows, groups)]
     for tile in rows_tiles_for(rows):
         for block_n in BLOCK_NS:
             for split_k in SPLIT_KS:
@@ -235,12 +231,12 @@ def valid_tactics(n: int, k: int, rows: int, groups: int = 1,
     return out
 
 
-def sweep_tactics(n: int, k: int, rows: int, groups: int = 1, bf16_input: bool = False,
+def sweep_tactics(n: int, k: int, rows: int, groups: int = 1,
                   limit: int = 12) -> list[Tactic]:
     """What the autotuner times: the default, then its neighbours (half or
     double the block, the split-K count +-1 and x/÷2, the other warp count and
     chunk), valid ones only, at most ``limit``."""
-    base = default_tactic(n, k, rows, groups, bf16_input)
+    base = default_tactic(n, k, rows, groups)
     out = [base]
     b, sp, w, c = base.block_n, base.split_k, base.num_warps, base.chunk_k
     for t in (base._replace(block_n=b * 2, num_warps=max(w, 8 if b >= 64 else w)),

@@ -1,0 +1,113 @@
+"""Where the time of one rank's fused boundary goes, per kernel, inside the chain.
+
+Every program of the GEMMs and the consumer stamps ``%globaltimer`` when it
+starts, when it has passed its grid-dependency wait and when it ends
+(``decode_boundary.common.timeline``). The fused boundary (grouped wo_a ->
+publishing wo_b -> consumer -> fused_wqa_wkv) runs as a CUDA graph of many
+back-to-back steps on rotated weight copies (cold L2), with PDL, like the
+bench; per kernel the table gives, relative to the step's first program start
+and as medians over the steps in the middle of the graph: the first and last
+program start, the median and last pass of the grid wait, the median and last
+end. The same graph without stamps is timed too (the stamps' own cost).
+
+    PYTHONPATH=. python benchmarks/timeline.py [--tp-shapes 4] [--rows 1 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from decode_boundary.bench.harness import boundary_weight_bytes
+from decode_boundary.bench.report import environment, git_commit, new_result, write_json
+from decode_boundary.common import timeline
+from decode_boundary.common.timing import copies_for_cold_l2, graph_time_us
+from decode_boundary.model.chain import AttentionBoundary
+from decode_boundary.model.config import MODELS
+
+STEPS = 24  # steps in the graph; the first and last few are left out of the medians
+FIELDS = ("first_start", "last_start", "median_waited", "last_waited", "median_end",
+          "last_end")
+
+
+def _kernel_times(stamps: torch.Tensor, first: int, programs: int, t0: int) -> dict:
+    s = stamps[first:first + programs].double()
+    start, waited, end = ((s[:, i] - t0) / 1e3 for i in range(3))  # µs
+    return {"first_start": start.min().item(), "last_start": start.max().item(),
+            "median_waited": waited.median().item(), "last_waited": waited.max().item(),
+            "median_end": end.median().item(), "last_end": end.max().item(),
+            "programs": programs}
+
+
+def profile(ab: AttentionBoundary, views: list, rows: int, device: torch.device) -> dict:
+    inputs = ab.make_inputs(rows, seed=rows)
+    steps = [functools.partial(v, inputs, fused=True) for v in views]
+    plain_us = graph_time_us(steps, device)
+    calls = len(steps) * -(-STEPS // len(steps))
+    with timeline.recording(device) as rec:
+        for step in steps:  # compiles the stamped variants, outside the capture
+            step()
+        torch.cuda.synchronize(device)
+        eager = len(rec.launches)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(calls):
+                steps[i % len(steps)]()
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize(device)
+        launches = rec.launches[eager:]
+        stamps = rec.stamps.cpu()
+    per_step = len(launches) // calls
+    names = [name for name, _, _ in launches[:per_step]]
+    kept = range(3, calls - 3)
+    firsts = [launches[s * per_step] for s in range(calls)]  # each step's first kernel
+    t0s = [int(stamps[first:first + n, 0].min()) for _, first, n in firsts]
+    rows_out = []
+    for k in range(per_step):
+        samples = [_kernel_times(stamps, launches[s * per_step + k][1],
+                                 launches[s * per_step + k][2], t0s[s]) for s in kept]
+        rows_out.append({"kernel": f"{k}: {names[k]}", "programs": samples[0]["programs"],
+                         **{f: statistics.median(x[f] for x in samples) for f in FIELDS}})
+    step_us = statistics.median((t0s[s + 1] - t0s[s]) / 1e3 for s in kept)
+    return {"rows": rows, "graph_us_per_step": plain_us, "stamped_step_us": step_us,
+            "kernels": rows_out}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="v4.1-flash", choices=sorted(MODELS))
+    parser.add_argument("--tp-shapes", type=int, default=4)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    device = torch.device("cuda", torch.cuda.current_device())
+    config = MODELS[args.model]
+    ab = AttentionBoundary(config, args.tp_shapes, 0, None, device, max(args.rows), seed=3)
+    ab.precompile(args.rows)
+    views = ab.weight_copies(copies_for_cold_l2(boundary_weight_bytes(config, args.tp_shapes),
+                                                device))
+    result = new_result("timeline", " ".join([Path(sys.executable).name, *sys.argv]),
+                        environment(False, []), {"model": args.model, "tp": 1,
+                                                 "tp_shapes": args.tp_shapes,
+                                                 "rows": args.rows})
+    result["profiles"] = [profile(ab, views, rows, device) for rows in args.rows]
+    ab.close()
+    for p in result["profiles"]:
+        print(f"\nM = {p['rows']}: {p['graph_us_per_step']:.2f} µs per step in a graph "
+              f"(stamped: {p['stamped_step_us']:.2f}); µs from the step's first program start")
+        print(f"{'kernel':28s} {'progs':>5s} " + " ".join(f"{f:>13s}" for f in FIELDS))
+        for k in p["kernels"]:
+            print(f"{k['kernel']:28s} {k['programs']:5d} "
+                  + " ".join(f"{k[f]:13.2f}" for f in FIELDS))
+    name = f"timeline-{args.model}-tp{args.tp_shapes}-shapes-{git_commit() or 'nocommit'}.json"
+    print("wrote", write_json(result, Path(args.out) / name))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Per-program timestamps inside a running chain: a diagnostic, off unless a
+:func:`recording` block is active (then kernels compile a ``TIMELINE``
+variant; the default variant's code is unchanged).
+
+Each program of an instrumented kernel (the MXFP8 GEMM, the consumer) writes
+three ``%globaltimer`` readings (ns) to its slot of the recording's buffer:
+when it starts, when it has passed its grid-dependency wait, when it ends.
+Launchers reserve the slots on the host at launch (or capture) time, in
+launch order, so a CUDA graph captured inside the block records every replay
+into the same slots. ``benchmarks/timeline.py`` turns them into the
+where-does-the-time-go table of a chain.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import triton
+import triton.language as tl
+
+from decode_boundary.env import interpret_mode
+
+# The three stamps of a program (constexpr: kernels read them).
+START, WAITED, END = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
+@dataclass
+class Recording:
+    """Slots of every instrumented launch made inside the block: ``launches``
+    holds (kernel name, first slot, programs) in launch order."""
+
+    stamps: torch.Tensor  # int64 [slots, 3] on the device
+    launches: list[tuple[str, int, int]] = field(default_factory=list)
+    used: int = 0
+
+    def reserve(self, name: str, programs: int) -> int:
+        if self.used + programs > self.stamps.shape[0]:
+            raise RuntimeError(f"timeline buffer of {self.stamps.shape[0]} slots is full: "
+                               f"record fewer launches or pass more slots")
+        first, self.used = self.used, self.used + programs
+        self.launches.append((name, first, programs))
+        return first
+
+
+_active: Recording | None = None
+
+
+@contextlib.contextmanager
+def recording(device: torch.device | str, slots: int = 1 << 16) -> Iterator[Recording]:
+    """Instrument every GEMM / consumer launch inside the block (GPU only)."""
+    global _active
+    if interpret_mode() or torch.device(device).type != "cuda":
+        raise RuntimeError("a timeline reads %globaltimer: it needs a CUDA device and compiled "
+                           "kernels (not the Triton interpreter)")
+    previous, _active = _active, Recording(torch.zeros(slots, 3, dtype=torch.int64,
+                                                       device=device))
+    try:
+        yield _active
+    finally:
+        _active = previous
+
+
+def launch_args(name: str, programs: int, device: torch.device,
+                dummy: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
+    """(stamp buffer, first slot, TIMELINE) for one launch of ``programs``
+    programs: the recording's slots when one is active on ``device``, else a
+    dummy pointer and TIMELINE False."""
+    if _active is None or _active.stamps.device != device:
+        return dummy, 0, False
+    return _active.stamps, _active.reserve(name, programs), True
+
+
+@triton.jit
+def stamp(stamp_ptr, slot, which: tl.constexpr, TIMELINE: tl.constexpr):
+    """Store ``%globaltimer`` as stamp ``which`` of ``slot`` (a no-op unless
+    TIMELINE; GPU only: the interpreter has no PTX)."""
+    if TIMELINE:
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r",
+                                        [tl.zeros((1,), tl.int32)], dtype=tl.int64,
+                                        is_pure=False, pack=1)
+        tl.store(stamp_ptr + slot.to(tl.int64) * 3 + which + tl.arange(0, 1), now)

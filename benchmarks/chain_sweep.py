@@ -1,0 +1,101 @@
+"""Tactics chosen inside the chain, not alone: for one rank's fused boundary
+(grouped wo_a -> publishing wo_b -> consumer -> fused_wqa_wkv), each GEMM's
+tactic is swept while the others keep theirs, and the whole boundary is timed
+(the one timer: CUDA graphs of back-to-back steps, rotated weight copies, cold
+L2). Layers are swept one after another, each keeping the best so far
+(coordinate descent). A GEMM timed alone runs with the whole GPU to itself;
+inside the chain its programs share the SMs with the kernel before it, which is
+still running while they wait (PDL), so the winner can differ.
+
+The chosen tactics are checked (fused = unfused bit for bit, both against the
+reference) and printed as TABLE entries.
+
+    PYTHONPATH=. python benchmarks/chain_sweep.py [--tp-shapes 4] [--rows 1 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from pathlib import Path
+
+import torch
+
+from decode_boundary.bench.harness import boundary_weight_bytes
+from decode_boundary.bench.report import environment, git_commit, new_result, write_json
+from decode_boundary.common.timing import copies_for_cold_l2, graph_time_us
+from decode_boundary.gemm.autotune import AUTOTUNER
+from decode_boundary.gemm.tactics import row_bucket, sweep_tactics, table_tactic
+from decode_boundary.model.chain import (
+    AttentionBoundary,
+    check_outputs,
+    outputs_identical,
+)
+from decode_boundary.model.config import MODELS
+
+LAYERS = ("wo_b", "wo_a", "fused_wqa_wkv")  # swept in this order
+
+
+def _key(layer, rows: int) -> tuple:
+    k, n = layer.weight.shape
+    return n, k, getattr(layer, "groups", 1), row_bucket(rows)
+
+
+def sweep(ab: AttentionBoundary, views: list, rows: int, device: torch.device) -> dict:
+    inputs = ab.make_inputs(rows, seed=rows)
+    steps = [functools.partial(v, inputs, fused=True) for v in views]
+    chosen = {}
+    trials = []
+    for name in LAYERS:
+        layer = getattr(ab, name)
+        n, k, groups, bucket = key = _key(layer, rows)
+        base = table_tactic(n, k, rows, groups) or sweep_tactics(n, k, rows, groups)[0]
+        timed = []
+        for tactic in [base, *(t for t in sweep_tactics(n, k, rows, groups) if t != base)]:
+            AUTOTUNER.cache[key] = tactic
+            us = graph_time_us(steps, device)
+            timed.append((us, tactic))
+            trials.append({"layer": name, "tactic": tactic._asdict(), "us": us})
+            print(f"M={rows} {name:14s} {tuple(tactic)} {us:7.2f} µs", flush=True)
+        best_us, best = min(timed)
+        AUTOTUNER.cache[key] = best
+        chosen[name] = {"tactic": best._asdict(), "us": best_us, "table_us": timed[0][0]}
+    out = ab(inputs, fused=True)
+    failures = [] if outputs_identical(out, ab(inputs, fused=False)) else ["fused != unfused"]
+    failures += check_outputs(out, ab.reference(inputs))
+    for name in LAYERS:  # leave the table in charge for the next M
+        AUTOTUNER.cache.pop(_key(getattr(ab, name), rows), None)
+    return {"rows": rows, "chosen": chosen, "trials": trials, "failures": failures}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="v4.1-flash", choices=sorted(MODELS))
+    parser.add_argument("--tp-shapes", type=int, default=4)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    device = torch.device("cuda", torch.cuda.current_device())
+    config = MODELS[args.model]
+    ab = AttentionBoundary(config, args.tp_shapes, 0, None, device, max(args.rows), seed=5)
+    ab.precompile(args.rows)
+    views = ab.weight_copies(copies_for_cold_l2(boundary_weight_bytes(config, args.tp_shapes),
+                                                device))
+    result = new_result("chain_sweep", " ".join([Path(sys.executable).name, *sys.argv]),
+                        environment(False, []), {"model": args.model, "tp": 1,
+                                                 "tp_shapes": args.tp_shapes,
+                                                 "rows": args.rows})
+    result["sweeps"] = [sweep(ab, views, rows, device) for rows in args.rows]
+    ab.close()
+    for s in result["sweeps"]:
+        print(f"\nM = {s['rows']}: {'; '.join(s['failures']) or 'checks ok'}")
+        for name, c in s["chosen"].items():
+            print(f"  {name:14s} {tuple(c['tactic'].values())}: {c['us']:.2f} µs "
+                  f"(table's {c['table_us']:.2f})")
+    name = f"chain_sweep-{args.model}-tp{args.tp_shapes}-shapes-{git_commit() or 'nocommit'}.json"
+    print("wrote", write_json(result, Path(args.out) / name))
+
+
+if __name__ == "__main__":
+    main()

@@ -52,11 +52,6 @@ equal ``quantize_mxfp8_ref`` of the kernel's own ``layer_input``.
   (``SENTINEL_BITS``); every element is checked because a peer's 16-byte
   store may land in pieces, and each element is its own flag, so no acquire
   is needed before using it. The gathered buffer (NCCL) is read plainly.
-  With up to ``SPECULATE_MAX_TP`` ranks (cooperative, residual-only and plain
-  modes) the first poll reads the slots of all three stages together with the
-  ACTIVE stage word and keeps the ACTIVE one's values: the same values a poll
-  after the stage read would see (the slot holds the sentinel or this step's
-  value), one round trip earlier.
 * ``sumsq`` polls and ``generation[m]``: volatile, for the same reason (other
   programs of the launch store them while this one waits).
 * The status word, where a poll checks it: volatile (another program may have
@@ -115,9 +110,6 @@ from ..common.timeline import END, START, WAITED, stamp
 
 PLAIN, RESIDUAL_ONLY, FULL = 0, 1, 2  # MODE values (host side)
 _PLAIN, _FULL = tl.constexpr(PLAIN), tl.constexpr(FULL)
-# Up to this many ranks the first mailbox poll reads all three stages (3 x TP slots
-# per thread in registers); above it the stage word is read first.
-SPECULATE_MAX_TP = tl.constexpr(4)
 SENTINEL = tl.constexpr(SENTINEL_BITS)  # an unwritten slot element, as int16 bits
 _STAGES = tl.constexpr(STAGES)
 _NEXT, _ACTIVE = tl.constexpr(STAGE_NEXT), tl.constexpr(STAGE_ACTIVE)  # stage_state indices
@@ -202,14 +194,6 @@ def _spin(probe, ptr, mask, arg, status_ptr, wait_bound, N: tl.constexpr,
     another program already reported a failure). Returns (the last value,
     whether something is still pending)."""
     value, hole = probe(ptr, mask, arg, N)
-    return _spin_from(value, hole, probe, ptr, mask, arg, status_ptr, wait_bound, N,
-                      CHECK_STATUS, USE_PTX)
-
-
-@triton.jit
-def _spin_from(value, hole, probe, ptr, mask, arg, status_ptr, wait_bound, N: tl.constexpr,
-               CHECK_STATUS: tl.constexpr, USE_PTX: tl.constexpr):
-    """:func:`_spin` after a first poll (``value``, ``hole``) made elsewhere."""
     pending = tl.max(hole) > 0
     if pending:
         spins = 0
@@ -226,14 +210,14 @@ def _spin_from(value, hole, probe, ptr, mask, arg, status_ptr, wait_bound, N: tl
 
 
 @triton.jit
-def _wait_slots(first, slot, cmask, row_stride, status_ptr, wait_bound,
+def _wait_slots(slot, cmask, row_stride, status_ptr, wait_bound,
                 TP: tl.constexpr, USE_PTX: tl.constexpr):
     """Volatile loads of every rank's slot until no element is the sentinel or
     the bound passes (or another program already reported a failure); a rank
-    still missing then sets its bit in the status word. ``first``: the first
-    poll of these slots (tuple of BF16), made by the caller. Returns the slots."""
-    slots, pending = _spin_from(first, _unwritten(first, cmask, TP), _probe_slots, slot, cmask,
-                                row_stride, status_ptr, wait_bound, TP, True, USE_PTX)
+    still missing then sets its bit in the status word. Returns the slots
+    (tuple of BF16)."""
+    slots, pending = _spin(_probe_slots, slot, cmask, row_stride, status_ptr, wait_bound, TP,
+                           True, USE_PTX)
     if pending:
         missing = 0
         for r in tl.static_range(TP):
@@ -343,18 +327,16 @@ def _norm_chunk(prenorm, gamma, total, eps, layer_ptr, qdata_ptr, qscale_ptr, m,
 
 
 @triton.jit
-def _consume_chunk(mailbox_ptr, status_ptr, out_ptr, slot_row, row_stride, wait_bound, first,
+def _consume_chunk(mailbox_ptr, status_ptr, out_ptr, slot_row, row_stride, wait_bound,
                    res, post, comb, pre, m, cols, cmask,
                    TP: tl.constexpr, HC: tl.constexpr, HIDDEN: tl.constexpr, MODE: tl.constexpr,
-                   LAMPORT: tl.constexpr, FIRST: tl.constexpr, USE_PTX: tl.constexpr):
+                   LAMPORT: tl.constexpr, USE_PTX: tl.constexpr):
     """Wait for (Lamport) or read (gathered) every rank's slot of these columns,
     re-arm it (sentinel stores), reduce and mix; returns the prenorm (full
-    mode). ``FIRST``: ``first`` holds the slots' first poll already."""
+    mode)."""
     slot = mailbox_ptr + slot_row + cols
     if LAMPORT:
-        if not FIRST:
-            first = _load_slots(slot, cmask, row_stride, TP, True)
-        slots = _wait_slots(first, slot, cmask, row_stride, status_ptr, wait_bound, TP, USE_PTX)
+        slots = _wait_slots(slot, cmask, row_stride, status_ptr, wait_bound, TP, USE_PTX)
         # Re-arm the consumed slots; the values are in registers now.
         for r in tl.static_range(TP):
             tl.store(slot + r * row_stride,
@@ -396,34 +378,16 @@ def consumer_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     stamp(stamp_ptr, slot, WAITED, TIMELINE)
-    row_stride = capacity.to(tl.int64) * HIDDEN
-    row_off = m.to(tl.int64) * HIDDEN
-    # The first poll of every stage's slots goes out together with the load of the
-    # stage word instead of after it (one round trip less on the critical path);
-    # only the ACTIVE stage's values are kept. Safe as a first poll: a slot of the
-    # ACTIVE stage holds the sentinel or this step's value (the consumer three steps
-    # back re-armed it and completed before our grid wait returned).
-    SPECULATE: tl.constexpr = LAMPORT and (not SERIAL) and (TP <= SPECULATE_MAX_TP)
-    polls = ()
-    if SPECULATE:
-        for s in tl.static_range(_STAGES):
-            polls = polls + (_load_slots(mailbox_ptr + (s * TP) * row_stride + row_off + cols,
-                                         cmask, row_stride, TP, True),)
     stage = tl.full((), 0, tl.int32)  # a tensor in both modes (the NCCL path has no stage)
     if LAMPORT:
         stage = tl.load(stage_ptr + _ACTIVE)
         if (m == 0) & (chunk == 0):
             # Read by the next publish, after our grid.
             tl.store(stage_ptr + _NEXT, (stage + 1) % _STAGES)
-    first = ()
-    if SPECULATE:
-        for r in tl.static_range(TP):
-            pick = polls[0][r]
-            for s in tl.static_range(1, _STAGES):
-                pick = tl.where(stage == s, polls[s][r], pick)
-            first = first + (pick,)
     # Slot of rank r, token m: mailbox[stage, r, m] (Lamport) or gathered[r, m].
-    slot_row = (stage * TP).to(tl.int64) * row_stride + row_off
+    row_stride = capacity.to(tl.int64) * HIDDEN
+    slot_row = (stage * TP).to(tl.int64) * row_stride + m.to(tl.int64) * HIDDEN
+    row_off = m.to(tl.int64) * HIDDEN
     tag = tl.full((), 0, tl.int32)
     if MODE == _FULL:
         # After the grid wait: the previous launch advanced it (see the docstring).
@@ -435,8 +399,8 @@ def consumer_kernel(
             res, post, comb, pre, gamma = _load_inputs(residual_ptr, post_ptr, comb_ptr, pre_ptr,
                                                        gamma_ptr, m, cols, cmask, HC, HIDDEN, MODE)
             prenorm = _consume_chunk(mailbox_ptr, status_ptr, out_ptr, slot_row, row_stride,
-                                     wait_bound, first, res, post, comb, pre, m, cols, cmask,
-                                     TP, HC, HIDDEN, MODE, LAMPORT, False, USE_PTX)
+                                     wait_bound, res, post, comb, pre, m, cols, cmask,
+                                     TP, HC, HIDDEN, MODE, LAMPORT, USE_PTX)
             _publish_partial(sumsq_ptr, m, c, tl.sum(prenorm * prenorm, axis=0), tag, UNITS,
                              BLOCK_H)
             tl.store(prenorm_ptr + row_off + cols, prenorm.to(tl.bfloat16), mask=cmask)
@@ -454,8 +418,8 @@ def consumer_kernel(
                         cols, cmask, HIDDEN, BLOCK_H, QUANT)
     else:
         prenorm = _consume_chunk(mailbox_ptr, status_ptr, out_ptr, slot_row, row_stride,
-                                 wait_bound, first, res, post, comb, pre, m, cols, cmask,
-                                 TP, HC, HIDDEN, MODE, LAMPORT, SPECULATE, USE_PTX)
+                                 wait_bound, res, post, comb, pre, m, cols, cmask,
+                                 TP, HC, HIDDEN, MODE, LAMPORT, USE_PTX)
         if MODE == _FULL:
             _publish_partial(sumsq_ptr, m, chunk, tl.sum(prenorm * prenorm, axis=0), tag, UNITS,
                              BLOCK_H)

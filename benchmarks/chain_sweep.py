@@ -15,16 +15,13 @@ reference) and printed as TABLE entries.
 
 from __future__ import annotations
 
-import argparse
 import functools
-import sys
-from pathlib import Path
 
 import torch
 
-from decode_boundary.bench.harness import boundary_weight_bytes
-from decode_boundary.bench.report import environment, git_commit, new_result, write_json
-from decode_boundary.common.timing import copies_for_cold_l2, graph_time_us
+from decode_boundary.bench.harness import one_gpu_boundary, one_gpu_parser, one_gpu_result
+from decode_boundary.bench.report import git_commit, write_json
+from decode_boundary.common.timing import graph_time_us
 from decode_boundary.gemm.autotune import AUTOTUNER
 from decode_boundary.gemm.tactics import row_bucket, sweep_tactics, table_tactic
 from decode_boundary.model.chain import (
@@ -32,7 +29,6 @@ from decode_boundary.model.chain import (
     check_outputs,
     outputs_identical,
 )
-from decode_boundary.model.config import MODELS
 
 LAYERS = ("wo_b", "wo_a", "fused_wqa_wkv")  # swept in this order
 
@@ -70,22 +66,10 @@ def sweep(ab: AttentionBoundary, views: list, rows: int, device: torch.device) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="v4.1-flash", choices=sorted(MODELS))
-    parser.add_argument("--tp-shapes", type=int, default=4)
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    args = parser.parse_args()
-    device = torch.device("cuda", torch.cuda.current_device())
-    config = MODELS[args.model]
-    ab = AttentionBoundary(config, args.tp_shapes, 0, None, device, max(args.rows), seed=5)
-    ab.precompile(args.rows)
-    views = ab.weight_copies(copies_for_cold_l2(boundary_weight_bytes(config, args.tp_shapes),
-                                                device))
-    result = new_result("chain_sweep", " ".join([Path(sys.executable).name, *sys.argv]),
-                        environment(False, []), {"model": args.model, "tp": 1,
-                                                 "tp_shapes": args.tp_shapes,
-                                                 "rows": args.rows})
+    args = one_gpu_parser(__doc__.splitlines()[0]).parse_args()
+    ab, views = one_gpu_boundary(args, seed=5)
+    device = ab.device
+    result = one_gpu_result("chain_sweep", args)
     result["sweeps"] = [sweep(ab, views, rows, device) for rows in args.rows]
     ab.close()
     for s in result["sweeps"]:
@@ -94,7 +78,7 @@ def main() -> None:
             print(f"  {name:14s} {tuple(c['tactic'].values())}: {c['us']:.2f} µs "
                   f"(table's {c['table_us']:.2f})")
     name = f"chain_sweep-{args.model}-tp{args.tp_shapes}-shapes-{git_commit() or 'nocommit'}.json"
-    print("wrote", write_json(result, Path(args.out) / name))
+    print("wrote", write_json(result, args.out / name))
 
 
 if __name__ == "__main__":

@@ -15,20 +15,16 @@ end. The same graph without stamps is timed too (the stamps' own cost).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 
-from decode_boundary.bench.harness import boundary_weight_bytes
-from decode_boundary.bench.report import environment, git_commit, new_result, write_json
+from decode_boundary.bench.harness import one_gpu_boundary, one_gpu_parser, one_gpu_result
+from decode_boundary.bench.report import git_commit, write_json
 from decode_boundary.common import timeline
-from decode_boundary.common.timing import copies_for_cold_l2, graph_time_us
+from decode_boundary.common.timing import graph_time_us
 from decode_boundary.model.chain import AttentionBoundary
-from decode_boundary.model.config import MODELS
 
 STEPS = 24  # steps in the graph; the first and last few are left out of the medians
 FIELDS = ("first_start", "last_start", "median_waited", "last_waited", "median_end",
@@ -80,22 +76,10 @@ def profile(ab: AttentionBoundary, views: list, rows: int, device: torch.device)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="v4.1-flash", choices=sorted(MODELS))
-    parser.add_argument("--tp-shapes", type=int, default=4)
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    args = parser.parse_args()
-    device = torch.device("cuda", torch.cuda.current_device())
-    config = MODELS[args.model]
-    ab = AttentionBoundary(config, args.tp_shapes, 0, None, device, max(args.rows), seed=3)
-    ab.precompile(args.rows)
-    views = ab.weight_copies(copies_for_cold_l2(boundary_weight_bytes(config, args.tp_shapes),
-                                                device))
-    result = new_result("timeline", " ".join([Path(sys.executable).name, *sys.argv]),
-                        environment(False, []), {"model": args.model, "tp": 1,
-                                                 "tp_shapes": args.tp_shapes,
-                                                 "rows": args.rows})
+    args = one_gpu_parser(__doc__.splitlines()[0]).parse_args()
+    ab, views = one_gpu_boundary(args, seed=3)
+    device = ab.device
+    result = one_gpu_result("timeline", args)
     result["profiles"] = [profile(ab, views, rows, device) for rows in args.rows]
     ab.close()
     for p in result["profiles"]:
@@ -106,7 +90,7 @@ def main() -> None:
             print(f"{k['kernel']:28s} {k['programs']:5d} "
                   + " ".join(f"{k[f]:13.2f}" for f in FIELDS))
     name = f"timeline-{args.model}-tp{args.tp_shapes}-shapes-{git_commit() or 'nocommit'}.json"
-    print("wrote", write_json(result, Path(args.out) / name))
+    print("wrote", write_json(result, args.out / name))
 
 
 if __name__ == "__main__":

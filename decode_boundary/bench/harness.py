@@ -13,10 +13,13 @@ per-kernel breakdown (``bench.paths.STAGES``) at one M.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import hashlib
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -32,12 +35,12 @@ from decode_boundary.model.chain import (
     run_simulated,
     simulated_boundaries,
 )
-from decode_boundary.model.config import BoundaryConfig
+from decode_boundary.model.config import MODELS, BoundaryConfig
 
 from .baselines import BASELINE_RTOL
 from .gemm import mxfp8_weight_bytes
 from .paths import BASELINES, PATHS, STAGES, Step, build
-from .report import progress
+from .report import environment, new_result, progress
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,42 @@ def boundary_weight_bytes(config: BoundaryConfig, tp: int) -> int:
         + mxfp8_weight_bytes(*config.wo_b_shape(tp))
         + mxfp8_weight_bytes(*config.fused_wqa_wkv_shape())
     )
+
+
+def cold_copies(ab: AttentionBoundary) -> list[AttentionBoundary]:
+    """``ab`` and copies of its weights (sharing its all-reduce), enough that a
+    step on copy i finds none of copy i-1's weights in L2."""
+    per_copy = boundary_weight_bytes(ab.config, ab.tp)
+    return ab.weight_copies(copies_for_cold_l2(per_copy, ab.device))
+
+
+def one_gpu_parser(description: str) -> argparse.ArgumentParser:
+    """The options of a script that studies one rank's share of a TP-N boundary
+    on this GPU: --model, --tp-shapes, --rows, --out."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model", default="v4.1-flash", choices=sorted(MODELS))
+    parser.add_argument("--tp-shapes", type=int, default=4)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks") / "results")
+    return parser
+
+
+def one_gpu_result(kind: str, args: argparse.Namespace) -> dict:
+    """The result dict (``report``'s schema) of such a script's run."""
+    command = " ".join([Path(sys.executable).name, *sys.argv])
+    return new_result(kind, command, environment(False, []),
+                      {"model": args.model, "tp": 1, "tp_shapes": args.tp_shapes,
+                       "rows": args.rows})
+
+
+def one_gpu_boundary(args: argparse.Namespace, seed: int) -> tuple[AttentionBoundary, list]:
+    """(one rank's boundary of ``args`` on the current GPU, precompiled for
+    ``args.rows`` — the all-reduce over a group of one —, its cold-L2 copies)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    ab = AttentionBoundary(MODELS[args.model], args.tp_shapes, 0, None, device, max(args.rows),
+                           seed=seed)
+    ab.precompile(args.rows)
+    return ab, cold_copies(ab)
 
 
 def _digest(out: BoundaryOutputs) -> str:
@@ -157,7 +196,7 @@ def run_rank(ctx: RankContext, spec: BenchSpec) -> dict:
 def _time_paths(ab: AttentionBoundary, spec: BenchSpec, ctx: RankContext,
                 advance: Callable[[str], None], first: dict[str, Step]) -> dict:
     per_copy = boundary_weight_bytes(spec.config, ab.tp)
-    views = ab.weight_copies(copies_for_cold_l2(per_copy, ctx.device))
+    views = cold_copies(ab)
     # Every path built once per weight copy (``first``: steps already built for ``ab``).
     steps = {path: [first.get(path) or build(path, views[0]),
                     *(build(path, v) for v in views[1:])] for path in PATHS}

@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 
 from decode_boundary.bench.gemm import mxfp8_weight_bytes
-from decode_boundary.bench.harness import boundary_weight_bytes
+from decode_boundary.bench.harness import cold_copies
 from decode_boundary.bench.paths import WO_B_BOUNDARY, build
 from decode_boundary.bench.report import git_commit, write_json
-from decode_boundary.common.timing import copies_for_cold_l2, copy_rate, graph_time_us
+from decode_boundary.common.timing import copy_rate, graph_time_us
 from decode_boundary.launch import RankContext, launch
 from decode_boundary.model.chain import AttentionBoundary
 from decode_boundary.model.config import MODELS
@@ -41,8 +41,7 @@ def run_rank(ctx: RankContext, model: str, rows_list: list[int]) -> dict:
     ab = AttentionBoundary(config, ctx.world_size, ctx.rank, ctx.group, ctx.device,
                            max(rows_list), seed=7)
     ab.precompile(rows_list)
-    views = ab.weight_copies(copies_for_cold_l2(boundary_weight_bytes(config, ctx.world_size),
-                                                ctx.device))
+    views = cold_copies(ab)
     rate = copy_rate(ctx.device)
     one = torch.randn(1, config.hidden, device=ctx.device).bfloat16()
     hop_us = graph_time_us([functools.partial(ab.all_reduce.plain_sum, one)], ctx.device,

@@ -21,6 +21,7 @@ from decode_boundary.common.timing import (
     graph_time_us,
     rotated_copies,
 )
+from decode_boundary.env import logger
 from decode_boundary.gemm import launch_low_latency, mxfp8_mm
 from decode_boundary.gemm.linear import Mxfp8Linear
 from decode_boundary.gemm.tactics import Tactic
@@ -95,7 +96,9 @@ def time_cublas_fp8_rowwise(layer, x_groups: torch.Tensor) -> float | None:
 
     try:
         return graph_time_us([functools.partial(call, linears) for linears in fp8])
-    except RuntimeError:
+    except RuntimeError as err:
+        logger.warning("cuBLAS FP8 row-wise unavailable for %s x %s, M = %d: %s",
+                       layer.weight.shape[1], layer.weight.shape[0], rows, err)
         return None
 
 

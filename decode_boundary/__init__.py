@@ -36,6 +36,11 @@ from __future__ import annotations
 
 import importlib
 
+# Importing the package sets NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and
+# NVSHMEM_DISABLE_NVLS=1 (env.py, at its import): NVLink multicast is never used, and a
+# process group created after this import cannot pick it up. env imports no Triton.
+from . import env  # noqa: E402, F401
+
 __version__ = "0.1.0"
 
 _EXPORTS = {

@@ -4,6 +4,22 @@ NVLink multicast (NVLS, ``multimem.*``, ``cuMulticastCreate``) can take a shared
 host's GPUs out of service, so every multi-GPU process this library starts or
 joins runs with it switched off in NCCL, PyTorch symmetric memory and NVSHMEM.
 Peers are reached with unicast loads and stores only.
+
+The switches are process environment variables that NCCL, symmetric memory and
+NVSHMEM read when a communicator (or heap) is created, and NCCL keeps the first
+value it read for the life of the process. So they must be in the environment
+before the first collective, if possible before ``init_process_group``:
+:func:`disable_multicast` sets them, and importing this module (which every
+module of the package that touches a process group does) calls it once.
+Every entry point that may touch a process group or symmetric memory calls it
+again first thing (``BoundaryAllReduce``, ``launch``, the baselines); with a
+group it also refuses an NCCL group that may have been created with multicast
+possible (:func:`disable_multicast`).
+
+The library's own switches (``DECODE_BOUNDARY_*``) are read with
+:func:`env_flag`: ``1/0``, ``true/false``, ``yes/no``, ``on/off`` (any case,
+surrounding spaces ignored), unset or empty meaning the default; anything else
+raises ``ValueError``.
 """
 
 from __future__ import annotations
@@ -21,16 +37,84 @@ NO_MULTICAST_ENV = {
     "NVSHMEM_DISABLE_NVLS": "1",
 }
 
+# The variables of NO_MULTICAST_ENV this process set while torch.distributed was
+# already initialized, with the value each had before (None: unset). A
+# communicator created before that moment may have read the old value.
+_SET_LATE: dict[str, str | None] = {}
 
-def disable_multicast() -> None:
-    """Force the no-multicast settings into this process's environment.
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
-    Called before anything touches NCCL or symmetric memory; overriding a
-    user's ``NCCL_NVLS_ENABLE=1`` is deliberate (see the module docstring).
+
+def _distributed_initialized() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized()
+
+
+def disable_multicast(group=None) -> None:
+    """Force the no-multicast settings into this process's environment; with
+    ``group``, also check that its communicator cannot predate them.
+
+    Called first thing by every entry point that may touch a process group or
+    symmetric memory; overriding a user's ``NCCL_NVLS_ENABLE=1`` is deliberate
+    (see the module docstring). Local (no collective), cheap, idempotent.
+
+    ``group`` (a ``ProcessGroup`` with an NCCL backend): raises
+    ``RuntimeError`` when this process had to set ``NCCL_NVLS_ENABLE=0``
+    itself while ``torch.distributed`` was already initialized, i.e. the
+    group's communicator may have been created (eagerly, or at an earlier
+    collective) with NVLS possible, and NCCL keeps the value it read first.
+    Nothing is changed by the refusal beyond the environment.
+
+    Residual risk: we cannot see how an existing communicator was configured.
+    Not detected: a variable set by someone else after the communicator was
+    created but before this call; NCCL communicators created outside
+    ``torch.distributed`` (another library's NCCL, before any process group);
+    symmetric memory or NVSHMEM heaps created before these variables were set.
+    Conservative: an NCCL group initialized before the variables were set but
+    that has run no collective yet (so no communicator yet) is refused too.
     """
+    if _distributed_initialized():
+        for key, value in NO_MULTICAST_ENV.items():
+            if os.environ.get(key) != value:
+                _SET_LATE.setdefault(key, os.environ.get(key))
     for key, value in NO_MULTICAST_ENV.items():
         if os.environ.get(key) != value:
             os.environ[key] = value
+    if group is not None:
+        _check_group(group)
+
+
+def _check_group(group) -> None:
+    backend = str(torch.distributed.get_backend(group)).lower()
+    if "nccl" not in backend or "NCCL_NVLS_ENABLE" not in _SET_LATE:
+        return
+    before = _SET_LATE["NCCL_NVLS_ENABLE"]
+    raise RuntimeError(
+        f"decode_boundary: this NCCL process group (backend {backend!r}) was initialized "
+        f"before NCCL_NVLS_ENABLE=0 was in the environment (it was "
+        f"{'unset' if before is None else repr(before)}), so its communicator may use NVLink "
+        "multicast (NVLS), which must never run on these machines. Set "
+        + ", ".join(f"{k}={v}" for k, v in NO_MULTICAST_ENV.items())
+        + " in the environment of every rank, or import decode_boundary.env / call "
+        "decode_boundary.env.disable_multicast(), before torch.distributed.init_process_group "
+        "(decode_boundary.launch does this)")
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    """The boolean switch ``name`` of the environment (module docstring):
+    ``default`` when unset or empty; raises ``ValueError`` naming the variable
+    and its value for anything but 1/0, true/false, yes/no, on/off."""
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"environment variable {name}={raw!r}: expected one of "
+                     f"{'/'.join(_TRUE)} or {'/'.join(_FALSE)} (any case)")
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:
@@ -44,8 +128,9 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
 
 
 def interpret_mode() -> bool:
-    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET``,
+    read as Triton itself reads it: 1, true, on, yes or y in any case)."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes", "y")
 
 
 def use_ptx(device: torch.device) -> bool:
@@ -53,10 +138,12 @@ def use_ptx(device: torch.device) -> bool:
 
     Off in the interpreter and on CPU tensors; ``DECODE_BOUNDARY_DISABLE_PTX=1``
     switches it off on a GPU too (useful to bisect a suspected PTX problem).
+    Read at each launch: a caller that derives something from it (the
+    consumer's wait bound) must take both from the same call.
     """
     if interpret_mode() or device.type != "cuda":
         return False
-    return os.environ.get("DECODE_BOUNDARY_DISABLE_PTX", "0") in ("", "0")
+    return not env_flag("DECODE_BOUNDARY_DISABLE_PTX")
 
 
 def use_pdl(device: torch.device) -> bool:
@@ -66,6 +153,9 @@ def use_pdl(device: torch.device) -> bool:
     """
     if not use_ptx(device):
         return False
-    if os.environ.get("DECODE_BOUNDARY_DISABLE_PDL", "0") not in ("", "0"):
+    if env_flag("DECODE_BOUNDARY_DISABLE_PDL"):
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+disable_multicast()  # at import: before any process group this process may create later

@@ -8,8 +8,10 @@ processes of a ``torchrun`` world.
   CUDA may already be initialised here), rendezvous over TCP on 127.0.0.1 with
   a free port, and send their result or their traceback back through a queue.
 
-Every process runs with NVLink multicast off (:func:`decode_boundary.env.disable_multicast`
-is applied before ``torch.distributed`` is touched and inherited by children).
+Every process runs with NVLink multicast off: :func:`decode_boundary.env.disable_multicast`
+is applied in the parent before anything is spawned or joined (children inherit
+the environment) and again in every rank process before ``init_process_group``,
+so each group's NCCL communicator is created with ``NCCL_NVLS_ENABLE=0``.
 
 Nothing can hang: the parent waits at most ``timeout_s`` for all ranks; the
 first rank that fails (exception or non-zero exit) ends the run, its peers are
@@ -80,6 +82,7 @@ def free_port() -> int:
 
 def _join_group(rank: int, world_size: int, device: torch.device, init_method: str,
                 timeout_s: float) -> RankContext:
+    disable_multicast()  # before the process group (and any communicator) exists
     if device.type == "cuda":
         torch.cuda.set_device(device)
     # NCCL refuses two ranks on one GPU; gloo carries the group when ranks
@@ -97,7 +100,7 @@ def _join_group(rank: int, world_size: int, device: torch.device, init_method: s
 
 def _child(rank: int, world_size: int, port: int, timeout_s: float, fn: Callable, args: tuple,
            results: mp.Queue) -> None:
-    disable_multicast()
+    disable_multicast()  # first: inherited from the parent, forced again here
     try:
         ctx = _join_group(rank, world_size, device_for(rank), f"tcp://127.0.0.1:{port}",
                           timeout_s)
@@ -116,7 +119,7 @@ def launch(fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 6
     process's own result. Raises :class:`RankError` when a rank fails or the run
     exceeds ``timeout_s``.
     """
-    disable_multicast()
+    disable_multicast()  # first: before torchrun's group is joined or children are spawned
     if in_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if world != world_size:

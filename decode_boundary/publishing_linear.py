@@ -83,19 +83,29 @@ class PublishingMxfp8Linear:
         2-D activation of BF16 origin publishes: the all-reduce reduces [M,
         hidden] tensors, and a published output it then rejected would leave
         the peers waiting."""
-        quantized = isinstance(x, QuantizedActivation)
-        shape, dtype = (x.orig_shape, x.orig_dtype) if quantized else (x.shape, x.dtype)
-        rows = x.rows if quantized else x.reshape(-1, x.shape[-1]).shape[0]
-        if len(shape) != 2 or dtype != torch.bfloat16 or not self.supports(linear, rows):
-            return linear(x)
-        k, n = linear.weight.shape
-        if quantized:
-            check_quantized(x, "x")
-        width = x.data.shape[1] if quantized else x.shape[1]
-        if width != k:
-            raise ValueError(f"x has K={width}, linear expects K={k}")
         ar = self.all_reduce
-        if torch.compiler.is_compiling():
+        eager = not torch.compiler.is_compiling()
+        quantized = isinstance(x, QuantizedActivation)
+        try:
+            shape, dtype = (x.orig_shape, x.orig_dtype) if quantized else (x.shape, x.dtype)
+            rows = x.rows if quantized else x.reshape(-1, x.shape[-1]).shape[0]
+            publishes = len(shape) == 2 and dtype == torch.bfloat16 and \
+                self.supports(linear, rows)
+            if not publishes:
+                return linear(x)  # the all-reduce publishes this step itself
+            k, n = linear.weight.shape
+            if quantized:
+                check_quantized(x, "x")
+            width = x.data.shape[1] if quantized else x.shape[1]
+            if width != k:
+                raise ValueError(f"x has K={width}, linear expects K={k}")
+        except Exception as error:
+            # This rank's producer of the step failed: abort the step on every rank
+            # at once (docs/FAILURES.md) rather than let the peers wait out their bound.
+            if eager and ar._box is not None and ar._failed is None:
+                ar._abort(error, None, published=ar._published is not None)
+            raise
+        if not eager:
             # A second publish raises in mark_published while tracing: nothing runs.
             data, scale = (x.data, x.scale) if quantized else (x, None)
             out = torch.ops.decode_boundary.publishing_mxfp8_mm(
@@ -107,21 +117,26 @@ class PublishingMxfp8Linear:
         # Marked before the launch: a second publish before the reduce must fail
         # before it overwrites the pending one's slots in every peer's mailbox.
         ar.mark_published(out)
-        try:
-            self._launch(linear, x, out)
-        except Exception:
-            ar.reset()  # nothing was launched: drop the mark
-            raise
+        self._launch(linear, x, out)
         return out
 
     def _launch(self, linear, x, out: torch.Tensor) -> None:
-        """The publishing launch (eager, or inside the custom op)."""
-        target = self.all_reduce.publish_target()
-        bf16 = isinstance(x, torch.Tensor)
-        if bf16 and (not x.is_contiguous() or x.data_ptr() % 16):
-            x = x.clone()
-        tactic = self._compiled_tactic(linear, out.shape[0], target, bf16_input=bf16)
-        launch_low_latency(linear, x, out, tactic, publish=target)
+        """The publishing launch (eager, or inside the custom op). The launcher
+        checks every operand before the kernel; a failure aborts the step
+        (``BoundaryAllReduce._abort``: the poison goes where the epilogue would
+        have published) and re-raises."""
+        ar = self.all_reduce
+        try:
+            target = ar.publish_target()
+            bf16 = isinstance(x, torch.Tensor)
+            if bf16 and (not x.is_contiguous() or x.data_ptr() % 16):
+                x = x.clone()
+            tactic = self._compiled_tactic(linear, out.shape[0], target, bf16_input=bf16)
+            launch_low_latency(linear, x, out, tactic, publish=target)
+        except Exception as error:
+            if ar._box is not None and ar._failed is None:
+                ar._abort(error, out, published=True)
+            raise
 
     def precompile(self, linear: torch.nn.Module, num_tokens: int) -> None:
         """Compile the kernels ``num_tokens`` rows select (BF16 and MXFP8

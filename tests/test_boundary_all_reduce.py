@@ -3,14 +3,17 @@ process (their mailboxes are separate CPU buffers reached by address).
 
 Exactness promised and checked: reduced / residual_out bit for bit against the
 reference, layer_input within 1 BF16 ulp (length-H sum and rsqrt), the MXFP8
-bytes equal to quantize_mxfp8_ref of the kernel's own layer_input, and all
-ranks bit-identical.
+bytes (scale padding included) equal to the independent FP64/integer MXFP8
+(tests/independent_ref.py) of the kernel's own layer_input, and all ranks
+bit-identical. An eps that matters, zero rows and the cooperative path over
+several chunks: tests/test_consumer_numerics.py.
 """
 
 import pytest
 import torch
 import triton
 import triton.language as tl
+from independent_ref import assert_mxfp8_equal
 
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
 from decode_boundary.boundary.consumer import ConsumerTactic, consume, sumsq_columns
@@ -22,12 +25,7 @@ from decode_boundary.boundary.consumer_kernel import (
 )
 from decode_boundary.boundary.reference import consumer_ref, moe_finalize_ref, reduce_ref
 from decode_boundary.gemm.reference import bf16_ulp
-from decode_boundary.mxfp8.format import (
-    mxfp8_scale_bytes,
-    quantize_mxfp8_ref,
-    unswizzle_scales,
-)
-from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
+from decode_boundary.mxfp8.format import mxfp8_scale_bytes
 
 H, HC, CAP, TOP_K, EPS = 128, 4, 4, 2, 1e-6
 
@@ -91,12 +89,9 @@ def test_variants_match_reference(tp, variant):
         check_layer_input(layer, ref_layer)
         assert torch.equal(bits(layer), bits(outs[0][1]))
         if q is not None:
-            want = quantize_mxfp8_ref(layer)
-            assert torch.equal(bits(q[0]), bits(want.data))
-            # The whole buffer, padding included (the caller's 0xAB must be gone),
-            # equals what quantize_mxfp8 writes.
-            assert torch.equal(q[1], want.scale)
-            assert torch.equal(q[1], quantize_mxfp8(layer).scale)
+            # Bytes and the whole scale buffer, padding included (the caller's 0xAB
+            # must be gone), against the independent FP64/integer MXFP8.
+            assert_mxfp8_equal(q[0], q[1], layer)
     for ar in ars:
         assert ar._box.buffer.view(torch.int16).eq(-32768).all(), "slots not re-armed"
 
@@ -147,7 +142,7 @@ def test_finalize_matches_reference(tp):
                                          d["pre"], d["gamma"], EPS)
     assert torch.equal(bits(res_out), bits(ref_res))
     check_layer_input(layer, ref_layer)
-    assert torch.equal(bits(q[0]), bits(quantize_mxfp8_ref(layer).data))
+    assert_mxfp8_equal(q[0], q[1], layer)
 
 
 def test_missing_peer_is_named_then_reset_recovers():
@@ -214,10 +209,7 @@ def test_every_tactic_matches_reference(tactic):
                                          d["gamma"], EPS)
     assert torch.equal(bits(res_out), bits(ref_res))
     check_layer_input(layer, ref_layer)
-    want = quantize_mxfp8_ref(layer)
-    assert torch.equal(bits(q[0]), bits(want.data))
-    assert torch.equal(unswizzle_scales(q[1], m, h), unswizzle_scales(want.scale, m, h))
-    assert torch.equal(q[1], want.scale), "padding of the scale buffer not as quantize_mxfp8's"
+    assert_mxfp8_equal(q[0], q[1], layer)  # scale padding included
     assert s["generation"][:m].eq(1).all() and s["generation"][m:].eq(0).all()
     tags = s["sumsq"] >> 32
     assert tags[:m].eq(1).all() and tags[m:].eq(0).all(), "each launch rewrites its rows"
@@ -247,9 +239,9 @@ def test_scratch_reused_across_tactics_and_ragged_chunks(h):
                                              d["pre"], d["gamma"], EPS)
         assert torch.equal(bits(res_out), bits(ref_res)), tactic
         check_layer_input(layer, ref_layer)
-        # Every tactic's scale buffer, padding included (3 groups of 96: a padding
-        # group per row), as quantize_mxfp8 writes it.
-        assert torch.equal(q[1], quantize_mxfp8(layer).scale), tactic
+        # Every tactic's bytes and scale buffer, padding included (3 groups of 96: a
+        # padding group per row), against the independent FP64/integer MXFP8.
+        assert_mxfp8_equal(q[0], q[1], layer, str(tactic))
         assert s["generation"][:m].eq(step).all() and s["generation"][m:].eq(0).all()
         assert (s["sumsq"][:m] >> 32).eq(step).all(), tactic
         assert s["status"].item() == 0
@@ -386,3 +378,36 @@ def test_norm_handoff_waits_for_this_generation_of_every_unit():
     assert torch.equal(values, torch.stack([partials[0], torch.tensor(0.0),
                                             partials[1], torch.tensor(0.0)]))
     assert total[1].item() == (partials[0] + partials[1]).item()
+
+
+def test_capture_refuses_a_variant_not_compiled_then_precompile_covers_it(monkeypatch):
+    """Under CUDA-graph capture (stood in for: ``_capturing`` answers True) a kernel
+    variant that was not compiled raises, naming it and precompile, before
+    anything is launched or marked published; after precompile(rows) the same
+    calls run under capture (with the right answer), and a variant precompile
+    does not cover (a finalize with int64 indices) still raises, naming it."""
+    ar = BoundaryAllReduce.simulated(1, H, HC, CAP, TOP_K, quantize_layer_input=True)[0]
+    d = step_inputs(2, 1, seed=5)
+    x = d["xs"][0]
+    capturing = [True]
+    monkeypatch.setattr(ar, "_capturing", lambda: capturing[0])
+    with pytest.raises(RuntimeError, match=r"\('publish',\).* not compiled and a CUDA graph "
+                                           r"is being captured; call precompile"):
+        ar.publish(x)
+    assert ar._published is None and ar._compiled == set()
+    assert ar._box.buffer.view(torch.int16).eq(-32768).all(), "nothing was published"
+    capturing[0] = False
+    ar.precompile([2])
+    capturing[0] = True
+    q = mxfp8_buffers(2)
+    ar.publish(x)
+    res_out, layer = ar(x, d["residual"], d["post"], d["comb"], d["pre"], d["gamma"], EPS, q)
+    ref_res, ref_layer, _ = consumer_ref(d["xs"], d["residual"], d["post"], d["comb"], d["pre"],
+                                         d["gamma"], EPS)
+    assert torch.equal(bits(res_out), bits(ref_res))
+    check_layer_input(layer, ref_layer)
+    idx = torch.zeros(2, TOP_K, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match=r"\('finalize', torch.float32, torch.int64\)\] are "
+                                           "not compiled"):
+        ar.publish_finalize(torch.zeros(1, H).bfloat16(), torch.ones(2, TOP_K), idx, x)
+    assert ar._published is None

@@ -1,9 +1,25 @@
 """The README's decode-step example, transcribed for one CPU rank in the
 interpreter (no process group, no CUDA graph; shapes scaled down): the calls it
 documents, imported from the top-level package as it does, work together and
-give the reference's answer, step after step."""
+give the right answer, step after step.
+
+Nothing on the reference side runs the code under test: each GEMM output is
+checked against the independent FP64 product of its (independently quantized)
+operands, rounded once to BF16 (tests/independent_ref.py; 1 ulp only where FP32
+accumulation in the tactic's order may cross a rounding boundary); the
+consumer's outputs against ``consumer_ref`` of the partial so checked
+(residual_out bit for bit, layer_input within 1 ulp); the next layer's MXFP8
+input against the independent quantization of layer_input, byte for byte."""
 
 import torch
+from independent_ref import (
+    assert_mxfp8_equal,
+    check_gemm,
+    decode_mxfp8,
+    layer_values,
+    mxfp8_bytes,
+    summation_depth,
+)
 
 from decode_boundary import (
     BoundaryAllReduce,
@@ -13,7 +29,8 @@ from decode_boundary import (
     mxfp8_scale_bytes,
 )
 from decode_boundary.boundary.reference import consumer_ref
-from decode_boundary.mxfp8.format import quantize_mxfp8_ref, unswizzle_scales
+from decode_boundary.gemm import selected_tactic
+from decode_boundary.gemm.reference import bf16_ulp
 
 
 def test_readme_decode_step_on_one_cpu_rank():
@@ -32,24 +49,30 @@ def test_readme_decode_step_on_one_cpu_rank():
     next_in = (torch.empty(M, H, dtype=torch.float8_e4m3fn),
                torch.empty(mxfp8_scale_bytes(M, H), dtype=torch.uint8))
 
-    def boundary():
+    def boundary():  # the README's, also returning the GEMM outputs it checks here
         o = mxfp8_mm(wo_a, attn)
         partial = publish_wo_b(wo_b, o)
-        return all_reduce(partial, residual, post, comb, pre, gamma, 1e-20, mxfp8_out=next_in)
+        return o, partial, all_reduce(partial, residual, post, comb, pre, gamma, 1e-20,
+                                      mxfp8_out=next_in)
 
     publish_wo_b.precompile(wo_b, M)
     all_reduce.precompile([M])
-    partial = mxfp8_mm(wo_b, mxfp8_mm(wo_a, attn))
-    want_res, want_layer, _ = consumer_ref([partial], residual, post, comb, pre, gamma, 1e-20,
-                                           quantize=True)
+    first = None
     for _ in range(4):  # crosses every mailbox stage
-        residual_out, layer_input = boundary()
+        o, partial, (residual_out, layer_input) = boundary()
+        check_gemm(o, decode_mxfp8(*mxfp8_bytes(attn)), layer_values(wo_a), groups=2,
+                   depth=summation_depth(K_A, selected_tactic(wo_a, M)), what="wo_a",
+                   min_strict=0.8)
+        check_gemm(partial, decode_mxfp8(*mxfp8_bytes(o)), layer_values(wo_b),
+                   depth=summation_depth(2 * N_A, selected_tactic(wo_b, M)), what="wo_b",
+                   min_strict=0.8)
+        want_res, want_layer, _ = consumer_ref([partial], residual, post, comb, pre, gamma,
+                                               1e-20)
         assert torch.equal(residual_out.view(torch.int16), want_res.view(torch.int16))
-        assert (layer_input.float() - want_layer.float()).abs().le(
-            want_layer.float().abs() * 2**-7).all()
-        want_next = quantize_mxfp8_ref(layer_input)  # the next layer's MXFP8 input
-        assert torch.equal(next_in[0].view(torch.uint8), want_next.data.view(torch.uint8))
-        assert torch.equal(unswizzle_scales(next_in[1], M, H),
-                           unswizzle_scales(want_next.scale, M, H))
-        assert torch.equal(next_in[1], want_next.scale)  # padding too
+        diff = (layer_input.double() - want_layer.double()).abs()
+        assert bool((diff <= bf16_ulp(want_layer.double())).all())
+        assert_mxfp8_equal(next_in[0], next_in[1], layer_input)  # the next layer's input
+        step = [t.view(torch.int16) for t in (o, partial, residual_out, layer_input)]
+        first = first or step
+        assert all(torch.equal(a, b) for a, b in zip(step, first, strict=True))
     all_reduce.check()

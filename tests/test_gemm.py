@@ -1,12 +1,20 @@
 """MXFP8 GEMM in the interpreter: reference vs FP64, kernel vs the bar for
 every tactic family (split-K, wide tiles, multi-tile rows), public API paths."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
-from gemm_helpers import make_input, make_layer, poisoned
+from gemm_helpers import CASES, exact_activation, exact_layer, make_input, make_layer, poisoned
 from gemm_row_ranges import low_latency_mm, pinned_mm, projection_mm, wide_mm, wide_or_pinned_mm
+from independent_ref import (
+    assert_mxfp8_equal,
+    bf16_rne,
+    check_gemm,
+    decode_mxfp8,
+    gemm_fp64,
+    layer_values,
+    mxfp8_bytes,
+    summation_depth,
+)
 
 from decode_boundary.gemm import (
     Tactic,
@@ -18,12 +26,16 @@ from decode_boundary.gemm import (
 )
 from decode_boundary.gemm.launcher import launch_low_latency
 from decode_boundary.gemm.linear import Mxfp8Linear
-from decode_boundary.gemm.reference import check_mxfp8_mm, dequantize_weight, mxfp8_mm_ref
+from decode_boundary.gemm.reference import (
+    REL_SUM_TOLERANCE,
+    bf16_ulp,
+    check_mxfp8_mm,
+    mxfp8_mm_exact,
+    mxfp8_mm_ref,
+)
 from decode_boundary.mxfp8.format import (
     QuantizedActivation,
-    dequantize_mxfp8,
     quantize_mxfp8_ref,
-    swizzle_scales,
 )
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
@@ -34,54 +46,34 @@ def gen(seed):
 
 @pytest.mark.parametrize("rows,n,k", [(1, 64, 96), (5, 192, 320), (12, 128, 1024)])
 def test_reference_meets_bar_and_bar_can_fail(rows, n, k):
+    """mxfp8_mm_ref against the independent FP64 product rounded once (exact but
+    where its FP32 sums, 32 per group then the K/32 groups, may cross a BF16
+    rounding boundary: 1 ulp there), and the package's checker rejects an
+    element moved past its bound."""
     g = gen(rows * 7 + n)
     layer, qa = make_layer(n, k, generator=g), make_input(rows, k, generator=g)
     ref = mxfp8_mm_ref(qa, layer.weight, layer.weight_scale)
     assert ref.dtype == torch.bfloat16 and ref.shape == (rows, n)
     check_mxfp8_mm(ref, qa, layer.weight, layer.weight_scale)
-    # The FP64 product of the dequantized operands, computed independently.
-    exact = dequantize_mxfp8(qa, torch.float64) @ dequantize_weight(
-        layer.weight, layer.weight_scale).t()
-    assert torch.allclose(ref.double(), exact, rtol=2**-7, atol=1e-30)
-    # Off by 3 BF16 ulps in one element: the checker must notice.
+    check_gemm(ref, decode_mxfp8(qa.data, qa.scale), layer_values(layer), depth=32 + k // 32,
+               min_strict=0.8)
+    # One element moved to twice its bound away from the FP64 value (rounded to
+    # BF16 away from it): the checker must notice, always.
+    exact, abs_sum = mxfp8_mm_exact(qa, layer.weight, layer.weight_scale)
+    i, j = rows // 2, n // 3
+    bound = bf16_ulp(exact[i, j]) + REL_SUM_TOLERANCE * abs_sum[i, j]
     bad = ref.clone()
-    bad[rows // 2, n // 3] = (ref[rows // 2, n // 3].float() * (1 + 3 * 2**-7)).bfloat16()
-    if bad[rows // 2, n // 3] != ref[rows // 2, n // 3]:
-        with pytest.raises(AssertionError, match="out of bound"):
-            check_mxfp8_mm(bad, qa, layer.weight, layer.weight_scale)
-
-
-# (rows, N, K, tactic): every family the tables use, plus the edges the kernel masks.
-# Tactic(block_n, rows_tile, split_k, num_warps, chunk_k).
-CASES = [
-    (1, 128, 256, Tactic(8, 1, 1, 4, 256)),  # CUDA cores, one piece
-    (1, 64, 1280, Tactic(4, 1, 1, 2, 512)),  # three pieces, the last one half masked
-    (2, 96, 640, Tactic(16, 2, 3, 4, 128)),  # 20 groups over 3 splits: last one short
-    (4, 64, 160, Tactic(8, 4, 1, 4, 64)),  # K % 64 != 0: a masked group
-    (8, 48, 512, Tactic(16, 8, 2, 2, 128)),  # N not a multiple of 32
-    (3, 128, 512, Tactic(64, 16, 2, 4, 128)),  # tensor cores at few rows
-    (13, 128, 352, Tactic(32, 16, 1, 4, 128)),  # wide 16, K = 11 groups
-    (29, 64, 256, Tactic(16, 32, 1, 4, 64)),  # wide 32
-    (41, 64, 384, Tactic(64, 64, 3, 4, 64)),  # wide 48 as a masked 64, split-K
-    (70, 64, 256, Tactic(32, 32, 2, 4, 128)),  # 3 row tiles, split-K per tile
-]
-
-
-@pytest.mark.parametrize("rows,n,k,tactic", CASES)
-def test_kernel_meets_bar_and_repeats_bits(rows, n, k, tactic):
-    g = gen(rows + n + k)
-    layer, qa = make_layer(n, k, generator=g), make_input(rows, k, generator=g)
-    out = launch_low_latency(layer, qa, poisoned(rows, n), tactic)
-    check_mxfp8_mm(out, qa, layer.weight, layer.weight_scale)
-    again = launch_low_latency(layer, qa, poisoned(rows, n), tactic)
-    assert torch.equal(out.view(torch.int16), again.view(torch.int16))
-    if tactic.split_k > 1:  # the last program re-armed every counter it used
-        assert all(int(c.abs().sum()) == 0 for c in launcher._COUNTERS.values())
+    moved = bf16_rne(exact[i, j] + 2 * bound)
+    assert moved.double() - exact[i, j] > bound
+    bad[i, j] = moved
+    with pytest.raises(AssertionError, match=rf"out\[{i}, {j}\].*1 elements out of bound"):
+        check_mxfp8_mm(bad, qa, layer.weight, layer.weight_scale)
 
 
 @pytest.mark.parametrize("rows,n,k,tactic", [CASES[0], CASES[2], CASES[5], CASES[8]])
 def test_bf16_input_is_quantized_in_the_prologue_bit_for_bit(rows, n, k, tactic):
-    """BF16 in == quantize_mxfp8 then the GEMM, same bits (same kernel arithmetic)."""
+    """BF16 in == quantize_mxfp8 then the GEMM, same bits (same kernel
+    arithmetic), and both against the independent reference."""
     g = gen(31 * rows + k)
     layer = make_layer(n, k, generator=g)
     x = (torch.randn(rows, k, generator=g) * torch.exp2(torch.randint(-6, 7, (rows, 1),
@@ -92,12 +84,19 @@ def test_bf16_input_is_quantized_in_the_prologue_bit_for_bit(rows, n, k, tactic)
     qa = quantize_mxfp8(x)
     two_step = launch_low_latency(layer, qa, poisoned(rows, n), tactic)
     assert torch.equal(fused.view(torch.int16), two_step.view(torch.int16))
-    check_mxfp8_mm(fused, quantize_mxfp8_ref(x), layer.weight, layer.weight_scale)
+    # Both sides share the kernel's arithmetic; the independent side: the
+    # quantizer's bytes are the spec's, the product is the FP64 one rounded once
+    # (1 ulp only where FP32 accumulation may cross a rounding boundary).
+    assert_mxfp8_equal(qa.data, qa.scale, x)
+    check_gemm(fused, decode_mxfp8(qa.data, qa.scale), layer_values(layer),
+               depth=summation_depth(k, tactic), min_strict=0.8)
 
 
 def test_grouped_gemm_equals_per_group_gemms():
     """wo_a: one launch over G groups == torch.cat of the groups' own GEMMs,
-    bit for bit with the same tactic, and within the bar of the grouped reference."""
+    bit for bit with the same tactic; mxfp8_mm of the grouped layer against the
+    independent FP64 product (rounded once; 1 ulp only where FP32 accumulation
+    may cross a rounding boundary); the grouped reference == per-group ones."""
     g = gen(17)
     groups, n, k, rows = 3, 64, 192, 5
     linears = [Mxfp8Linear(lay.weight.t().contiguous(), lay.weight_scale)
@@ -111,7 +110,8 @@ def test_grouped_gemm_equals_per_group_gemms():
                                     poisoned(rows, n), tactic) for i, lin in enumerate(linears)]
         assert torch.equal(out.view(torch.int16), torch.cat(parts, 1).view(torch.int16))
     qx = quantize_mxfp8_ref(x)
-    check_mxfp8_mm(mxfp8_mm(grouped, x), qx, grouped.weight, grouped.weight_scale, groups)
+    check_gemm(mxfp8_mm(grouped, x), decode_mxfp8(*mxfp8_bytes(x)), layer_values(grouped),
+               groups, depth=summation_depth(k, selected_tactic(grouped, rows)), min_strict=0.8)
     ref = mxfp8_mm_ref(qx, grouped.weight, grouped.weight_scale, groups)
     per_group = torch.cat([mxfp8_mm_ref(quantize_mxfp8_ref(x[:, i * k:(i + 1) * k]), lin.weight,
                                         lin.weight_scale) for i, lin in enumerate(linears)], 1)
@@ -137,45 +137,20 @@ SCALED_SHAPES = [(80, 128, 1), (128, 160, 1), (32, 320, 1), (16, 256, 2), (112, 
 @pytest.mark.parametrize("seed", range(3))
 def test_random_rows_on_scaled_down_shapes(seed):
     """Random M in 1..64, the selected tactic, BF16 and MXFP8 inputs, against
-    the FP64 bar and the reference."""
+    the independent FP64 product rounded once (1 ulp only where FP32
+    accumulation in the tactic's order may cross a rounding boundary)."""
     g = gen(100 + seed)
     for n, k, groups in SCALED_SHAPES:
         rows = int(torch.randint(1, 65, (1,), generator=g))
         layer = grouped_layer(groups, n, k, g)
         x = torch.randn(rows, groups * k, generator=g).bfloat16()
         qx = quantize_mxfp8_ref(x)
+        values, weights = decode_mxfp8(*mxfp8_bytes(x)), layer_values(layer)
+        depth = summation_depth(k, selected_tactic(layer, rows))
         for a in (x, qx):
             out = mxfp8_mm(layer, a)
-            check_mxfp8_mm(out, qx, layer.weight, layer.weight_scale, groups)
-
-
-def test_split_k_sums_partials_in_split_order():
-    """Split-K output == BF16 of the FP32 partials added in split order 0..S-1.
-
-    Integer elements and one scale per K-block make each split's partial exact
-    (p_s = 2^E_s x an integer below 2^13); block 2 is block 0 negated, so
-    ((p0 + p1) + p2) + p3 loses p1's low bits while any order adding p0 and
-    p2 first would keep them: the bits tell the order apart.
-    """
-    g = gen(5)
-    rows, n, k, exps = 4, 64, 512, (24, 0, 24, -3)
-    w = torch.randint(-6, 7, (n, k), generator=g).float()
-    a = torch.randint(-6, 7, (rows, k), generator=g).float()
-    w[:, 256:384], a[:, 256:384] = -w[:, 0:128], a[:, 0:128]
-    w_scale = torch.tensor([127 + e for e in exps for _ in range(4)], dtype=torch.uint8)
-    layer = SimpleNamespace(weight=w.to(torch.float8_e4m3fn).t(),
-                            weight_scale=swizzle_scales(w_scale.expand(n, 16).contiguous()),
-                            bias=None)
-    qa = QuantizedActivation(a.to(torch.float8_e4m3fn),
-                             swizzle_scales(torch.full((rows, 16), 127, dtype=torch.uint8)),
-                             torch.bfloat16, a.shape)
-    out = launch_low_latency(layer, qa, poisoned(rows, n), Tactic(64, 4, 4, 4, 128))
-    partials = [(a[:, 128 * s:128 * (s + 1)].double() @ w[:, 128 * s:128 * (s + 1)].double().t()
-                 * 2.0 ** exps[s]).float() for s in range(4)]
-    in_order = ((partials[0] + partials[1]) + partials[2]) + partials[3]
-    other_order = ((partials[0] + partials[2]) + partials[1]) + partials[3]
-    assert not torch.equal(in_order.bfloat16(), other_order.bfloat16())
-    assert torch.equal(out.view(torch.int16), in_order.bfloat16().view(torch.int16))
+            check_gemm(out, values, weights, groups, depth=depth, min_strict=0.8,
+                       what=f"{(n, k, groups)} M={rows}")
 
 
 def test_public_paths_by_row_range():
@@ -202,14 +177,20 @@ def test_public_paths_by_row_range():
 
 
 def test_ineligible_layer_falls_back_and_bias_is_added():
+    """N % 16 != 0: no kernel takes the layer, the reference computation runs.
+    Exact bar: integer operands whose FP32 sums are exact, so the output is the
+    FP64 product rounded once; the bias (BF16, magnitudes within 2^16 of the
+    product's, so their FP32 sum is exact) is added after it, rounded once."""
     g = gen(3)
-    layer = make_layer(40, 64, generator=g)  # N % 16 != 0: no kernel takes it
-    qa = make_input(3, 64, generator=g)
+    layer = exact_layer(40, 64, g, base=(120, 130))
+    qa = exact_activation(3, 64, g, base=(124, 130))
     assert low_latency_mm(layer, qa) is None
     out = mxfp8_mm(layer, qa)
-    assert torch.equal(out, mxfp8_mm_ref(qa, layer.weight, layer.weight_scale))
+    exact, _ = gemm_fp64(decode_mxfp8(qa.data, qa.scale), layer_values(layer))
+    check_gemm(out, decode_mxfp8(qa.data, qa.scale), layer_values(layer), exact_sums=True)
     layer.bias = torch.randn(40, generator=g).bfloat16()
-    assert torch.equal(mxfp8_mm(layer, qa), out + layer.bias)
+    want = bf16_rne(bf16_rne(exact).double() + layer.bias.double())
+    assert torch.equal(mxfp8_mm(layer, qa).view(torch.int16), want.view(torch.int16))
 
 
 def test_bad_arguments_raise_clear_errors():
@@ -245,21 +226,61 @@ def test_bad_arguments_raise_clear_errors():
                              groups=3), qa)
 
 
-def test_shape_representatives_and_precompile():
+def test_shape_representatives_and_precompile(monkeypatch):
     g = gen(8)
     layers = [make_layer(128, 64, generator=g), make_layer(64, 128, generator=g),
               make_layer(128, 64, generator=g), make_layer(40, 64, generator=g)]
     reps = shape_representatives(layers)
     assert [tuple(r.weight.shape) for r in reps] == [(128, 64), (64, 128)]
     assert reps[1] is layers[0]  # sorted by (N, K, groups)
-    before = dict(launcher._WORKSPACES)
+    # Fresh caches: what precompile allocates is exactly what the split-K
+    # tactics of these row counts need (nothing left by earlier tests counts).
+    monkeypatch.setattr(launcher, "_WORKSPACES", {})
+    monkeypatch.setattr(launcher, "_COUNTERS", {})
     big = make_layer(128, 2048, generator=g)
-    precompile(big, [1, 8, 40])  # launches nothing; allocates what split-K needs
-    assert selected_tactic(big, 8).split_k > 1
-    assert len(launcher._WORKSPACES) >= len(before)
-    assert any(buf.numel() * 4 >= 128 * 16 * selected_tactic(big, 8).split_k
-               for buf in launcher._WORKSPACES.values())
-    assert selected_tactic(big, 8).rows_tile == 16  # for BF16 and MXFP8 input alike
+    rows_list = [1, 8, 40]
+    precompile(big, rows_list)  # launches nothing; allocates what split-K needs
+    tactics = {rows: selected_tactic(big, rows) for rows in rows_list}
+    assert tactics[8].split_k > 1 and tactics[1].split_k == 1
+    assert tactics[8].rows_tile == 16  # for BF16 and MXFP8 input alike
+    want_ws, want_counters = set(), set()
+    for rows, t in tactics.items():
+        if t.split_k > 1:
+            m_tiles = -(-rows // t.rows_tile)
+            want_ws.add(pow2_bytes(m_tiles * 128 * t.rows_tile * t.split_k * 4))
+            want_counters.add(pow2_bytes(m_tiles * (128 // t.block_n) * 4))
+    cpu = torch.device("cpu")
+    host = launcher.HOST_STREAM  # the one stream of a CPU launch
+    assert set(launcher._WORKSPACES) == {(cpu, host, size) for size in want_ws}
+    assert set(launcher._COUNTERS) == {(cpu, host, size) for size in want_counters}
+    for (_, _, size), buf in launcher._WORKSPACES.items():
+        assert buf.numel() * 4 == size
+    # A launch after precompile finds its buffers: nothing new is allocated, and
+    # the counters it used are re-armed (zero) for the next launch.
+    ws = dict(launcher._WORKSPACES)
+    qa = make_input(8, 2048, generator=g)
+    out = launch_low_latency(big, qa, poisoned(8, 128), tactics[8])
+    assert ws == launcher._WORKSPACES and all(launcher._WORKSPACES[key] is ws[key] for key in ws)
+    assert all(int(c.abs().sum()) == 0 for c in launcher._COUNTERS.values())
+    check_mxfp8_mm(out, qa, big.weight, big.weight_scale)
+
+
+class FakeStream:
+    """A stand-in for a torch.cuda.Stream (id, device, wait_stream) on a CPU-only host."""
+
+    def __init__(self, stream_id, device):
+        self.stream_id, self.device, self.waited = stream_id, device, []
+
+    def wait_stream(self, other):
+        self.waited.append(other)
+
+    def __repr__(self):
+        return f"<FakeStream {self.stream_id}>"
+
+
+def pow2_bytes(nbytes):
+    """The size launcher._cached rounds a request to: a power of two, >= 4096."""
+    return max(4096, 1 << (nbytes - 1).bit_length())
 
 
 def test_custom_op_matches_api_and_has_a_fake():

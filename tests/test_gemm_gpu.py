@@ -13,8 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from gemm_helpers import make_input, make_layer, poisoned
+from gemm_helpers import exact_activation, exact_layer, make_input, make_layer, poisoned
 from gemm_row_ranges import projection_mm
+from independent_ref import assert_mxfp8_equal, check_gemm, decode_mxfp8, layer_values
 
 from decode_boundary.gemm import (
     Tactic,
@@ -33,7 +34,11 @@ from decode_boundary.gemm.tactics import (
     k_pieces,
     sweep_tactics,
 )
-from decode_boundary.mxfp8.format import mxfp8_scale_bytes, quantize_mxfp8_ref
+from decode_boundary.mxfp8.format import (
+    QuantizedActivation,
+    mxfp8_scale_bytes,
+    quantize_mxfp8_ref,
+)
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
 pytestmark = pytest.mark.gpu
@@ -121,7 +126,9 @@ def test_random_shapes_selected_and_sweep_tactics(rows, n, k):
 @pytest.mark.parametrize("n,k,groups", sorted(TABLE))
 def test_bf16_prologue_equals_quantize_then_gemm_bits(n, k, groups):
     """The prologue rounds with the GPU's e4m3 cvt; quantize_mxfp8 with the
-    integer rounding: same e4m3 values, so the same output bits."""
+    integer rounding: same e4m3 values, so the same output bits; the
+    quantizer's bytes are the independent FP64/integer MXFP8's and the output
+    meets the FP64 bar."""
     layer = grouped_layer(groups, n // groups, k)
     for bucket, tactic in TABLE[(n, k, groups)].items():
         if bucket > PROLOGUE_MAX_ROWS:
@@ -131,8 +138,12 @@ def test_bf16_prologue_equals_quantize_then_gemm_bits(n, k, groups):
         x[0, :64] = 0.0
         x[-1, 7] = 6.0e4
         fused = launch_low_latency(layer, x, poisoned(bucket, n, DEV), tactic)
-        two_step = launch_low_latency(layer, quantize_mxfp8(x), poisoned(bucket, n, DEV), tactic)
+        qx = quantize_mxfp8(x)
+        two_step = launch_low_latency(layer, qx, poisoned(bucket, n, DEV), tactic)
         assert torch.equal(fused.view(torch.int16), two_step.view(torch.int16)), (bucket, tactic)
+        # Both sides are the kernel: pin them to what does not share its code.
+        assert_mxfp8_equal(qx.data, qx.scale, x)
+        check_mxfp8_mm(fused, qx, layer.weight, layer.weight_scale, groups)
 
 
 # The tabled shapes whose tactics once followed the input kind (wo_b-type, V4-Pro
@@ -144,7 +155,8 @@ EQUAL_BITS_SHAPES = [(7168, 4096, 1), (5120, 2048, 1), (2048, 4096, 2), (4096, 2
 @pytest.mark.parametrize("n,k,groups", EQUAL_BITS_SHAPES)
 def test_mxfp8_mm_bf16_input_equals_its_quantization_bits(n, k, groups):
     """mxfp8_mm(layer, x) == mxfp8_mm(layer, quantize_mxfp8(x)) bit for bit at
-    every prologue row count: the tactic does not depend on the input kind."""
+    every prologue row count: the tactic does not depend on the input kind;
+    and both meet the FP64 bar."""
     g = torch.Generator().manual_seed(n + k + groups)
     layer = grouped_layer(groups, n // groups, k, g)
     for rows in range(1, PROLOGUE_MAX_ROWS + 1):
@@ -153,8 +165,10 @@ def test_mxfp8_mm_bf16_input_equals_its_quantization_bits(n, k, groups):
         x[0, :64] = 0.0
         x[-1, 7] = 6.0e4
         fused = mxfp8_mm(layer, x)
-        two_step = mxfp8_mm(layer, quantize_mxfp8(x))
+        qx = quantize_mxfp8(x)
+        two_step = mxfp8_mm(layer, qx)
         assert torch.equal(fused.view(torch.int16), two_step.view(torch.int16)), rows
+        check_mxfp8_mm(fused, qx, layer.weight, layer.weight_scale, groups)
 
 
 @pytest.mark.parametrize("rows", [1, 6, 8, 16, 33, 64])
@@ -182,6 +196,7 @@ def test_pdl_off_gives_the_same_bits(monkeypatch):
     monkeypatch.setenv("DECODE_BOUNDARY_DISABLE_PDL", "1")
     without = launch_low_latency(layer, qa, poisoned(8, 5120, DEV), tactic)
     assert torch.equal(with_pdl.view(torch.int16), without.view(torch.int16))
+    check_mxfp8_mm(with_pdl, qa, layer.weight, layer.weight_scale)
 
 
 def _compiled_count():
@@ -206,6 +221,8 @@ def test_precompile_then_graph_capture_does_not_compile(rows):
     assert _compiled_count() == compiled
     eager = launch_low_latency(layer, qa, poisoned(rows, 8192, DEV), selected_tactic(layer, rows))
     eager_bf16 = mxfp8_mm(layer, x)
+    check_mxfp8_mm(eager, qa, layer.weight, layer.weight_scale)
+    check_mxfp8_mm(eager_bf16, qa, layer.weight, layer.weight_scale)
     for _ in range(3):
         out.fill_(float("nan"))
         out_bf16.fill_(float("nan"))
@@ -232,6 +249,7 @@ def test_publish_on_gpu(rows, bf16):
     a = x if bf16 else quantize_mxfp8(x)
     tactic = selected_tactic(layer, rows)
     plain = launch_low_latency(layer, a, poisoned(rows, n, DEV), tactic)
+    check_mxfp8_mm(plain, quantize_mxfp8(x), layer.weight, layer.weight_scale)
     boxes, target = publish_target(2, 1, 32, n)
     out = launch_low_latency(layer, a, poisoned(rows, n, DEV), tactic, target)
     assert torch.equal(out.view(torch.int16), plain.view(torch.int16))
@@ -270,15 +288,59 @@ def test_publish_stores_are_16_byte_vectors(rows, bf16):
 
 
 def test_autotuner_times_on_gpu():
-    from decode_boundary.gemm import Autotuner, pinned_tactics
+    """The tuner times every candidate it offers with the real GPU timer and
+    keeps the fastest (the earliest on a tie), checked against the times it
+    recorded, in buckets offering several candidates; one entry per bucket
+    serves both input kinds. (Under pinned_tactics a pinned bucket is offered
+    its pinned tactic only: test_gemm_tactics.py.)"""
+    from decode_boundary.gemm import Autotuner
+    from decode_boundary.gemm.autotune import default_timer
 
-    layer = make_layer(1792, 5120, DEV)
+    n, k = 1792, 5120
+    layer = make_layer(n, k, DEV)
     tuner = Autotuner()
-    with pinned_tactics():
-        assert tuner.tune(layer, 8) == selected_tactic(layer, 8)
-        assert tuner.tune(layer, 8, bf16_input=True) == selected_tactic(layer, 8)
-    assert isinstance(tuner.tune(layer, 2), Tactic)
-    # Timed on BF16 input, stored for both kinds: one entry per bucket.
-    best = tuner.tune(layer, 2, bf16_input=True)
-    assert tuner.lookup(1792, 5120, 2) == best and list(tuner.cache) == [(1792, 5120, 1, 8),
-                                                                        (1792, 5120, 1, 2)]
+    for rows, bf16 in ((2, False), (2, True), (8, False)):
+        timed = []
+
+        def timer(lay, bucket, tactic, bf16_input, timed=timed):
+            us = default_timer(lay, bucket, tactic, bf16_input)
+            timed.append((us, tactic))
+            return us
+
+        best = tuner.tune(layer, rows, timer=timer, bf16_input=bf16)
+        offered = tuner.candidates(n, k, rows)
+        assert len(offered) > 1 and [t for _, t in timed] == offered
+        assert all(0 < us < 1e6 for us, _ in timed)
+        fastest = min(range(len(timed)), key=lambda i: (timed[i][0], i))
+        assert best == timed[fastest][1], timed
+        assert tuner.lookup(n, k, rows) == best
+    assert sorted(tuner.cache) == [(n, k, 1, 2), (n, k, 1, 8)]
+
+
+EXACT_GPU_SHAPES = [(5120, 2048, 1), (2048, 4096, 2), (8192, 1280, 1)]
+
+
+@pytest.mark.parametrize("n,k,groups", EXACT_GPU_SHAPES)
+def test_tabled_tactics_give_exact_bits_on_exact_operands(n, k, groups):
+    """Exact bar on the GPU: integer operands times per-group powers of two
+    whose FP32 partial sums are exact (asserted; every partial sum is an integer
+    multiple of the smallest product below 2^24 of it, so neither FP32 order nor
+    the tensor cores' accumulation loses a bit), every tabled tactic of the
+    shape, MXFP8 and (prologue row counts) BF16 input: out == bf16_rne(FP64)."""
+    g = torch.Generator().manual_seed(n + k)
+    base = exact_layer(n, k, g, groups=groups, spread=0)
+    layer = SimpleNamespace(weight=base.weight.to(DEV), weight_scale=base.weight_scale.to(DEV),
+                            bias=None, groups=groups)
+    weights = layer_values(base)
+    for bucket, tactic in TABLE[(n, k, groups)].items():
+        rows = min(bucket, 64)
+        qa = exact_activation(rows, groups * k, g, spread=0)
+        x = exact_activation(rows, groups * k, g, spread=0, bf16=True)
+        inputs = [(QuantizedActivation(qa.data.to(DEV), qa.scale.to(DEV), qa.orig_dtype,
+                                       qa.orig_shape), decode_mxfp8(qa.data, qa.scale))]
+        if bucket <= PROLOGUE_MAX_ROWS:
+            inputs.append((x.to(DEV), x.double()))
+        for a, values in inputs:
+            out = launch_low_latency(layer, a, poisoned(rows, n, DEV), tactic)
+            check_gemm(out, values, weights, groups, exact_sums=True,
+                       what=f"{(n, k, groups)} {tactic}")

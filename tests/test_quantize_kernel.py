@@ -1,5 +1,8 @@
-"""Triton MXFP8 quantization (interpreter on CPU): identical bytes to the reference,
-hand-computed vectors, caller-given buffers, errors."""
+"""Triton MXFP8 quantization (interpreter on CPU): identical bytes to the
+package's reference and to the independent FP64/integer quantization
+(tests/independent_ref.py, which shares no code with the kernel's
+``common.rounding.quantize_groups`` nor with ``mxfp8.format``), hand-computed
+vectors, caller-given buffers, errors."""
 
 import math
 
@@ -7,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from independent_ref import assert_mxfp8_equal
 from mxfp8_vectors import HAND_VECTORS
 
 from decode_boundary.mxfp8.format import (
@@ -27,11 +31,14 @@ SPECIALS = (0.0, -0.0, math.nan, -math.nan, math.inf, -math.inf, 2.0**-149, -(2.
             448.0, -440.0, 2.0**-9, 1.5 * 2.0**-9, 1.0625, -1.9375)
 
 
-def assert_same_bytes(got, want):
+def assert_same_bytes(got, want, x):
+    """``got`` (the kernel's) equals ``want`` (quantize_mxfp8_ref) and the
+    independent quantization of ``x``, scale padding included."""
     assert got.data.dtype == torch.float8_e4m3fn
     assert got.data.view(torch.uint8).equal(want.data.view(torch.uint8))
     assert got.scale.equal(want.scale)
     assert got.orig_shape == want.orig_shape and got.orig_dtype == want.orig_dtype
+    assert_mxfp8_equal(got.data, got.scale, x)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -79,7 +86,7 @@ def test_kernel_bytes_equal_reference(rows, groups, dtype, specials, seed):
         # The Triton 3.6 interpreter converts bf16 subnormals to FP32 wrongly (2^-127
         # loads as 0); the compiled kernel does not: test_device_bytes covers them.
         x = torch.where(x.abs() < 2.0**-126, torch.zeros_like(x), x)
-    assert_same_bytes(quantize_mxfp8(x), quantize_mxfp8_ref(x))
+    assert_same_bytes(quantize_mxfp8(x), quantize_mxfp8_ref(x), x)
 
 
 @pytest.mark.gpu
@@ -94,20 +101,20 @@ def test_device_bytes(dtype):
     spots = x.view(-1)[::97]
     spots.copy_(torch.tensor(SPECIALS, dtype=torch.float64).repeat(spots.numel())[: spots.numel()])
     x = x.view(rows, groups * 32).to(dtype).cuda()
-    assert_same_bytes(quantize_mxfp8(x), quantize_mxfp8_ref(x))
+    assert_same_bytes(quantize_mxfp8(x), quantize_mxfp8_ref(x), x)
 
 
 def test_row_and_k_tiles_beyond_one():
     # 130 rows and 5 groups: a second 128-row tile and a second 4-group tile.
     x = torch.randn(130, 160, dtype=torch.bfloat16) * 3
-    assert_same_bytes(quantize_mxfp8(x), quantize_mxfp8_ref(x))
+    assert_same_bytes(quantize_mxfp8(x), quantize_mxfp8_ref(x), x)
 
 
 def test_leading_dims_and_non_contiguous_input():
     x = torch.randn(64, 2, 3, dtype=torch.float32).permute(1, 2, 0)  # [2, 3, 64], strided
     qa = quantize_mxfp8(x)
     assert qa.data.shape == (6, 64) and qa.orig_shape == (2, 3, 64)
-    assert_same_bytes(qa, quantize_mxfp8_ref(x))
+    assert_same_bytes(qa, quantize_mxfp8_ref(x), x)
 
 
 def test_zero_rows():
@@ -129,7 +136,7 @@ def test_caller_given_buffers_written_in_place_padding_defined():
     layout = mxfp8_scale_bytes(rows, k)
     assert scale[:layout].equal(want.scale), "real scales and zero padding, as a fresh buffer"
     assert bool((scale[layout:] == 0xAB).all()), "nothing past the layout is written"
-    assert scale[:layout].equal(quantize_mxfp8(x).scale)
+    assert_mxfp8_equal(data, scale[:layout], x)  # the independent bytes, padding zero
 
 
 def test_errors():

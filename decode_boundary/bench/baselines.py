@@ -118,6 +118,7 @@ class StrongBaseline:
     capture (the bench's timer runs every step once eagerly first)."""
 
     def __init__(self, ab: AttentionBoundary, backend: str = "inductor") -> None:
+        disable_multicast(ab.group)  # first: before symmetric memory or the group is touched
         self.wo_a, self.wo_b, self.fused_wqa_wkv = bf16_weights(ab)
         self.norm_weight, self.eps = ab.norm_weight, ab.config.eps
         self.group = group = ab.group
@@ -130,7 +131,6 @@ class StrongBaseline:
             try:
                 import torch.distributed._symmetric_memory as symm_mem
 
-                disable_multicast()
                 hidden = self.wo_b.shape[0]
                 self.symm = symm_mem.empty(ab.all_reduce.capacity * hidden,
                                            dtype=torch.bfloat16, device=self.wo_b.device)
@@ -175,6 +175,7 @@ class EagerBaseline:
     group), an NCCL all-reduce and the consumer's math as eager torch ops."""
 
     def __init__(self, ab: AttentionBoundary) -> None:
+        disable_multicast(ab.group)  # first: its NCCL all-reduce runs over ab's group
         self.wo_a = [RowwiseFp8Linear(ab.wo_a.group(g)) for g in range(ab.wo_a.groups)]
         self.wo_b = RowwiseFp8Linear(ab.wo_b)
         self.fused_wqa_wkv = RowwiseFp8Linear(ab.fused_wqa_wkv)
@@ -221,6 +222,7 @@ class CompiledStep:
 
     def __init__(self, ab: AttentionBoundary, backend: str = "inductor",
                  mode: str | None = "max-autotune-no-cudagraphs") -> None:
+        disable_multicast(ab.group)  # first: the functional collective runs over ab's group
         self.weights = bf16_weights(ab)
         self.norm_weight, self.eps = ab.norm_weight, ab.config.eps
         group = ab.group

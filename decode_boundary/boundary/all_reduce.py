@@ -16,6 +16,14 @@ and raises ``RuntimeError`` naming the ranks; under capture nothing is read
 (no host sync may happen), so graph users call :meth:`check` after replays.
 After such an error, every rank calls ``reset(collective=True)``.
 
+Failures (docs/FAILURES.md): every input of a step is checked before anything
+of it reaches a peer or the stage words; a rejected one *aborts* the step
+(:meth:`_abort`: the abort poison goes where this rank's partial would have
+gone, so the peers' outputs are NaN and their status names this rank), then
+raises ``ValueError``. A rank whose step failed refuses further steps until
+``reset(collective=True)``. Blocking host waits are bounded by
+``host_timeout_s`` (:mod:`.host_wait`).
+
 torch.compile: under tracing, ``publish``, ``publish_finalize`` and the
 reduction go through the custom ops of :mod:`.ops` (which declare the device
 words they mutate); the host rules (mark_published, one publish per reduce)
@@ -34,25 +42,57 @@ raises and asks for :meth:`precompile` (or an eager warm-up call) first.
 
 from __future__ import annotations
 
+import math
+from numbers import Real
+
 import torch
 import torch.distributed as dist
 
 from .. import env
-from ..common.contract import PublishTarget
-from . import ops
+from ..common.contract import (
+    ABORT_BITS,
+    SENTINEL,
+    STAGE_ACTIVE,
+    STAGE_NEXT,
+    STAGES,
+    PublishTarget,
+)
+from . import host_wait, ops
 from .consumer import (
     ConsumerTactic,
+    WaitTimeout,
     compile_inputs,
     consume,
     consumer_tactic,
     status_error,
-    wait_bound,
 )
-from .consumer_kernel import FULL, PLAIN, RESIDUAL_ONLY
+from .consumer_kernel import ABORT_BIT, FULL, NORM_TIMEOUT_BIT, PLAIN, RESIDUAL_ONLY
 from .finalize_kernel import check_finalize_inputs, finalize_publish
 from .mailbox import Mailbox, simulated_mailboxes
 from .publish_kernel import publish
-from .transport import TRANSPORTS, gather_partials, open_transport
+from .transport import TRANSPORTS, exchange, open_transport
+
+# The int32 status word gives rank p bit p and NORM_TIMEOUT_BIT (bit 30) to the
+# norm hand-off: ranks 0..29 have a bit of their own, so 30 ranks at most.
+MAX_TP = NORM_TIMEOUT_BIT.bit_length() - 1
+_TP_ERROR = ("BoundaryAllReduce supports at most {max} ranks, got tp = {tp}: the int32 status "
+             "word gives rank p bit p, and bit {max} reports a norm hand-off timeout")
+# What every rank of a group must construct with the same value (compared at
+# construction; the mailbox dtype is fixed, compared against version skew).
+MAILBOX_DTYPE = torch.bfloat16
+# Mailboxes of peer-reachable transports closed without a barrier: a peer may
+# still store into them, so their memory is kept until the process exits.
+_RETIRED: list[Mailbox] = []
+# Host waits (docs/FAILURES.md): the floor of the default host_timeout_s, and the
+# bound of compile barriers (ranks JIT-compile at different speeds).
+HOST_TIMEOUT_MIN_S = 60.0
+COMPILE_TIMEOUT_S = 900.0
+
+
+def _all_gather(out: torch.Tensor, x: torch.Tensor, group, async_op: bool = False):
+    """``all_gather_single`` where torch has it, else ``all_gather_into_tensor``."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, x, group=group, async_op=async_op)
 
 
 class BoundaryAllReduce:
@@ -66,18 +106,58 @@ class BoundaryAllReduce:
     pin the consumer tactic for every M (benchmark sweeps; default: the table).
     """
 
+    #: Seconds every blocking host call of this instance waits for its peers at
+    #: most (reset's barriers and device syncs, the gather transport's all-gather
+    #: over gloo, an aborted step's all-gather) before it raises RuntimeError
+    #: naming the ranks that did not arrive (docs/FAILURES.md). None:
+    #: max(HOST_TIMEOUT_MIN_S, 10 * wait_timeout_s). Settable per instance.
+    host_timeout_s: float | None = None
+    _failed: str | None = None  # why a step of this rank failed; cleared by reset(True)
+    _abort_work: tuple | None = None  # gather transport: an abort's pending all-gather
+    _last_rows: int = 1  # M of the last accepted step (an abort's guess in the gather transport)
+
     def __init__(self, hidden_size: int, hc_mult: int, capacity: int, top_k: int,
                  group: dist.ProcessGroup | None = None, quantize_layer_input: bool = False,
                  residual_only: bool = True, device: torch.device | str | None = None,
                  wait_timeout_s: float = 1.0, transport: str = "auto",
                  tactic: ConsumerTactic | None = None, _mailbox: Mailbox | None = None) -> None:
+        """Collective over ``group`` (every rank constructs with the same arguments).
+
+        First, before any collective, NVLink multicast is switched off in the
+        environment (``env.disable_multicast(group)``), which raises
+        ``RuntimeError`` for an NCCL group whose communicator may predate that
+        (see its docstring for what cannot be detected). Then ``tp`` > ``MAX_TP``
+        (30) raises ``ValueError``. Then one ``all_gather_object`` (the first
+        collective, :func:`.transport.exchange`) compares the geometry of every
+        rank (capacity, hidden, hc, tp, top_k, the quantize / residual-only
+        flags, the mailbox dtype, the transport asked for) and carries any
+        refusal of a rank's own arguments: a mismatch or a refusal raises the
+        same ``ValueError`` on every rank, naming the ranks and their values,
+        before anything is allocated."""
+        env.disable_multicast(group)  # before anything may touch the group
+        tp = _mailbox.tp if _mailbox is not None else \
+            dist.get_world_size(group) if group is not None else 1
+        if tp > MAX_TP:
+            raise ValueError(_TP_ERROR.format(max=MAX_TP, tp=tp))
+        # Refusals of this rank's own arguments travel with the geometry, so that
+        # a rank refusing alone does not leave its peers waiting in the exchange.
+        problems = []
         if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+            problems.append(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if hc_mult < 1 or top_k < 1:
-            raise ValueError(f"hc_mult and top_k must be positive, got {hc_mult}, {top_k}")
+            problems.append(f"hc_mult and top_k must be positive, got {hc_mult}, {top_k}")
         if wait_timeout_s <= 0:
-            raise ValueError(f"wait_timeout_s must be positive, got {wait_timeout_s}")
+            problems.append(f"wait_timeout_s must be positive, got {wait_timeout_s}")
         self.device = env.resolve_device(device)
+        placements = None
+        if _mailbox is None and group is not None and tp > 1:
+            geometry = dict(capacity=capacity, hidden_size=hidden_size, hc_mult=hc_mult, tp=tp,
+                            top_k=top_k, quantize_layer_input=bool(quantize_layer_input),
+                            residual_only=bool(residual_only), dtype=str(MAILBOX_DTYPE),
+                            transport=transport)
+            placements = exchange(group, self.device, geometry, "; ".join(problems) or None)
+        elif problems:
+            raise ValueError(problems[0])
         self.hidden_size, self.hc_mult, self.capacity, self.top_k = (
             hidden_size, hc_mult, capacity, top_k)
         self.quantize_layer_input = quantize_layer_input
@@ -86,7 +166,7 @@ class BoundaryAllReduce:
         self.group = group
         if _mailbox is None:
             _mailbox, transport = open_transport(group, capacity, hidden_size, self.device,
-                                                 transport)
+                                                 transport, placements)
         elif transport == "auto":
             transport = "mailbox"
         self.transport = transport
@@ -96,13 +176,17 @@ class BoundaryAllReduce:
         self.handle = ops.register(self)  # what the custom ops name this instance by
         self.tactic = tactic
         self._compiled: set[tuple] = set()
-        self._wait_bound = wait_bound(wait_timeout_s, self.device)
+        # Converted to the kernel's unit at each launch, from the same PTX decision
+        # as the kernel variant (consumer.WaitTimeout).
+        self._wait_bound = WaitTimeout(wait_timeout_s)
 
     @classmethod
     def simulated(cls, tp: int, hidden_size: int, hc_mult: int, capacity: int, top_k: int,
                   device: torch.device | str = "cpu", **kwargs) -> list[BoundaryAllReduce]:
         """tp instances in this process sharing simulated mailboxes: publish from
         every instance first (:meth:`publish`), then call each one."""
+        if tp > MAX_TP:
+            raise ValueError(_TP_ERROR.format(max=MAX_TP, tp=tp))
         boxes = simulated_mailboxes(tp, capacity, hidden_size, device)
         return [cls(hidden_size, hc_mult, capacity, top_k, device=device, _mailbox=box, **kwargs)
                 for box in boxes]
@@ -120,36 +204,46 @@ class BoundaryAllReduce:
     def mark_published(self, x: torch.Tensor) -> None:
         """Record that ``x``'s kernel published it; the next ``__call__`` must be
         with ``x`` and then launches only the consumer."""
-        self._open()
+        self._ready()
         if self._published is not None:
             raise RuntimeError("a published contribution is still unreduced")
         self._published = x
 
     def publish(self, x: torch.Tensor) -> None:
-        """Launch the publish kernel for ``x`` and mark it published."""
-        self._check_x(x)
+        """Launch the publish kernel for ``x`` and mark it published. A rejected
+        ``x`` aborts the step (docs/FAILURES.md) and raises ``ValueError``."""
+        self._ready()
         if self._published is not None:
             raise RuntimeError("a published contribution is still unreduced")
         if torch.compiler.is_compiling():
+            self._check_x(x)  # at trace time: nothing runs
             torch.ops.decode_boundary.boundary_publish(self.handle, x, self._box.stage_state)
         else:
             self._publish_launch(x)
         self._published = x
 
     def _publish_launch(self, x: torch.Tensor) -> None:
-        self.compile_variants({("publish",): lambda: self._launch_publish(x, compile_only=True)})
+        self._ready()
+        try:
+            self._check_x(x)
+            self.compile_variants({("publish",):
+                                   lambda: self._launch_publish(x, compile_only=True)})
+        except Exception as error:
+            self._abort(error, x, published=False)
+            raise
         self._launch_publish(x)
 
     def publish_finalize(self, gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx,
                          shared_output) -> torch.Tensor:
-        """MoE finalize fused with the publish; returns (and marks published) the partial."""
-        box = self._open()
+        """MoE finalize fused with the publish; returns (and marks published) the
+        partial. A rejected input aborts the step and raises ``ValueError``."""
+        box = self._ready()
         if self._published is not None:
             raise RuntimeError("a published contribution is still unreduced")
         idx = expanded_idx_to_permuted_idx
-        check_finalize_inputs(gemm2_permuted, expert_weights, idx, shared_output,
-                              self.hidden_size, self.top_k, self.device, self.capacity)
         if torch.compiler.is_compiling():
+            check_finalize_inputs(gemm2_permuted, expert_weights, idx, shared_output,
+                                  self.hidden_size, self.top_k, self.device, self.capacity)
             partial = torch.ops.decode_boundary.boundary_publish_finalize(
                 self.handle, gemm2_permuted, expert_weights, idx, shared_output, box.stage_state)
         else:
@@ -159,13 +253,24 @@ class BoundaryAllReduce:
         return partial
 
     def _publish_finalize_launch(self, gemm2_permuted, expert_weights, idx, shared_output):
-        # A host read of the index table: only outside capture (it would sync).
-        if not self._capturing() and idx.numel() and int(idx.max()) >= gemm2_permuted.shape[0]:
-            raise ValueError(f"expanded_idx_to_permuted_idx holds {int(idx.max())}, but "
-                             f"gemm2_permuted has {gemm2_permuted.shape[0]} rows")
         args = (gemm2_permuted, expert_weights, idx, shared_output)
-        self.compile_variants({("finalize", expert_weights.dtype, idx.dtype):
-                               lambda: self._launch_finalize(*args, compile_only=True)})
+        self._ready()
+        try:
+            check_finalize_inputs(*args, self.hidden_size, self.top_k, self.device,
+                                  self.capacity)
+            # A host read of the index table: only outside capture (it would sync).
+            if not self._capturing() and idx.numel():
+                low, high = torch.stack(torch.aminmax(idx)).tolist()  # one sync
+                if low < -1 or high >= gemm2_permuted.shape[0]:
+                    raise ValueError(
+                        f"expanded_idx_to_permuted_idx holds values in [{low}, {high}], but "
+                        f"must lie in [-1, {gemm2_permuted.shape[0]}) (rows of gemm2_permuted; "
+                        "-1: expert on another rank)")
+            self.compile_variants({("finalize", expert_weights.dtype, idx.dtype):
+                                   lambda: self._launch_finalize(*args, compile_only=True)})
+        except Exception as error:
+            self._abort(error, shared_output, published=False)
+            raise
         return self._launch_finalize(*args)
 
     # -- reducing --------------------------------------------------------------------------
@@ -176,14 +281,12 @@ class BoundaryAllReduce:
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Reduce ``x`` over the group and apply docs/DESIGN.md §5. Returns
         (residual_out [M, hc, H], layer_input [M, H] or None when ``pre`` is None);
-        the MXFP8 layer input goes into ``mxfp8_out`` = (data, swizzled scales)."""
-        if pre is None and not self.residual_only:
-            raise ValueError("pre is None (residual-only call) but residual_only=False")
-        if mxfp8_out is not None and not self.quantize_layer_input:
-            raise ValueError("mxfp8_out given but quantize_layer_input=False")
-        if residual is None or residual.ndim != 3 or residual.shape[1] != self.hc_mult:
-            raise ValueError(f"residual must be bf16 [M, {self.hc_mult}, {self.hidden_size}], got "
-                             f"{None if residual is None else list(residual.shape)}")
+        the MXFP8 layer input goes into ``mxfp8_out`` = (data, swizzled scales).
+
+        Every argument is checked before anything of this step is written to a
+        peer or to the stage words; a rejected one aborts the step on every rank
+        (this one raises ``ValueError``, its peers ``RuntimeError`` naming it;
+        docs/FAILURES.md)."""
         return self._reduce(x, FULL if pre is not None else RESIDUAL_ONLY, residual=residual,
                             post=post, comb=comb, pre=pre, norm_weight=norm_weight,
                             eps=norm_eps, mxfp8_out=mxfp8_out)
@@ -230,39 +333,75 @@ class BoundaryAllReduce:
         self.compile_variants(compilers, force_barrier=True)
 
     def check(self) -> None:
-        """Raise RuntimeError if a wait of this rank gave up (device sync).
+        """Raise RuntimeError if a wait of this rank gave up or met a peer's
+        abort (device sync), naming the ranks; the outputs of that step are NaN.
 
         After a timeout the mailbox is out of step: the waiting rank re-armed
         slots that a slow (not absent) peer may still fill, and that peer learns
         nothing. Every rank must then ``reset(collective=True)`` before the next
-        step; graph users who check only every few replays may have consumed
-        wrong sums since the timeout."""
+        step (until then this rank's calls raise); graph users who check only
+        every few replays have had NaN outputs since the failure
+        (docs/FAILURES.md)."""
         error = status_error(int(self._open().status.item()), self.tp, self.wait_timeout_s)
         if error is not None:
+            if self._failed is None:
+                self._failed = error  # later steps refuse until reset(collective=True)
             raise RuntimeError(f"BoundaryAllReduce rank {self.rank}: {error}")
 
     def reset(self, collective: bool = False) -> None:
         """Drop an unreduced publish. ``collective=True`` (every rank must call
         it): also re-arm the mailbox (sentinel fill), the stage words, the norm
-        scratch and status."""
+        scratch and status, and allow steps again after a failure. Its waits
+        (an aborted step's all-gather, the device, two barriers) are bounded by
+        ``host_timeout_s`` each: a rank that does not arrive is named in a
+        ``RuntimeError`` (a dead peer: recreate the group)."""
         box = self._open()
         self._published = None
         if not collective:
             return
-        self._barrier()
+        work, self._abort_work = self._abort_work, None
+        if work is not None:
+            host_wait.wait_work(work[0], self.group, self._host_timeout(),
+                                "the aborted step's all-gather")
+        self._barrier("reset-a")
         box.rearm()
-        self._barrier()
+        self._barrier("reset-b")
+        self._failed = None
+        if self._multi_process():
+            host_wait.next_epoch(self.group)
 
-    def close(self) -> None:
-        """Free the mailbox (its buffers go when the last reference does)."""
-        self._box = None
-        self._published = None
+    def close(self, collective: bool = False) -> None:
+        """Stop using the mailbox; later calls raise ``RuntimeError``.
+
+        Local by default (any rank, any time, also on an error path: it never
+        waits for a peer). It finishes this rank's own kernels (device sync; not
+        during a CUDA-graph capture) and drops the mailbox. A mailbox that peers
+        store into (transport "mailbox" over a group of several ranks) may still
+        receive a slower peer's stores, and no barrier says they have stopped,
+        so its memory is kept (``_RETIRED``) until the process exits instead of
+        being freed. Closing twice does nothing more.
+
+        ``collective=True``: every rank of the group must call it (the same
+        number of times, closed or not): it barriers the group (every rank's
+        kernels done), then frees the mailbox at once. Not for error paths: a
+        rank that never arrives holds the others in the barrier until the
+        group's timeout. ``with`` blocks close locally."""
+        if self._capturing():
+            raise RuntimeError("BoundaryAllReduce.close() during a CUDA graph capture")
+        box, self._box, self._published = self._box, None, None
+        if collective:
+            self._barrier()
+        elif box is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if box is not None and not collective and self.group is not None and \
+                self.transport == "mailbox" and self.tp > 1:
+            _RETIRED.append(box)
 
     def __enter__(self) -> BoundaryAllReduce:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        self.close()  # local: a peer's with-block may have raised and never close
 
     # -- internals -------------------------------------------------------------------------
 
@@ -274,11 +413,123 @@ class BoundaryAllReduce:
     def _capturing(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
-    def _barrier(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        if self.group is not None and dist.get_world_size(self.group) > 1:
-            dist.barrier(group=self.group)
+    def _host_timeout(self) -> float:
+        if self.host_timeout_s is not None:
+            return float(self.host_timeout_s)
+        return max(HOST_TIMEOUT_MIN_S, 10 * self.wait_timeout_s)
+
+    def _multi_process(self) -> bool:
+        return self.group is not None and dist.get_world_size(self.group) > 1
+
+    def _barrier(self, tag: str | None = None, timeout_s: float | None = None,
+                 aborts_arrive: bool = False) -> None:
+        """This rank's device work done, then every rank of the group here. With
+        a ``tag`` (compile, reset): both bounded (``host_timeout_s``, or
+        ``timeout_s``), a rank missing named in a ``RuntimeError``, over tagged
+        store barriers (:mod:`.host_wait`: barriers of different purposes never
+        pair). Without (``close(collective=True)``): a device sync and the
+        group's own ``dist.barrier``, bounded by the group's timeout."""
+        if tag is None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            if self._multi_process():
+                dist.barrier(group=self.group)
+            return
+        timeout_s = self._host_timeout() if timeout_s is None else timeout_s
+        what = f"the {tag} barrier of BoundaryAllReduce"
+        host_wait.sync_device(self.device, timeout_s, what)
+        if self._multi_process():
+            host_wait.barrier(self.group, timeout_s, tag, what, aborts_arrive)
+
+    def _ready(self) -> Mailbox:
+        """The mailbox, unless closed or a step failed since the last reset."""
+        box = self._open()
+        if self._failed is not None:
+            raise RuntimeError(
+                f"BoundaryAllReduce rank {self.rank}: a step failed ({self._failed}); call "
+                "reset(collective=True) on every rank before the next step")
+        return box
+
+    def _abort(self, error: Exception, like: object, published: bool) -> None:
+        """Abort this step after ``error`` rejected it (docs/FAILURES.md), before
+        ``error`` is raised. tp = 1: nothing waits for us; a publish of this step
+        is wiped (sentinel fill) and the instance stays usable. tp > 1: the abort
+        poison (``ABORT_BITS``) goes where this step's partial would have gone:
+        into this rank's slot of every peer's mailbox for all ``capacity`` rows
+        (any M a peer uses), at stage NEXT and NEXT + 1 (a peer that already
+        consumed this step with a partial published earlier meets it at its next
+        one), the stage words advance as a consume would; or, in the gather
+        transport, this rank takes part in the step's all-gather with a poison
+        of ``like``'s rows (else the last accepted M) without waiting for it.
+        Then this rank's status word names it, compile barriers of this epoch
+        count it as arrived, and its steps refuse until ``reset(collective=True)``.
+        Nothing runs while tracing or capturing (nothing of the step executes)."""
+        self._published = None
+        box = self._box
+        if box is None or self._capturing() or torch.compiler.is_compiling():
+            return
+        if self.tp == 1:
+            if published and box.buffer is not None:
+                box.buffer.fill_(SENTINEL)
+            return
+        why = f"{type(error).__name__}: {error}"
+        self._failed = f"this rank aborted it: {why}"
+        hidden = self.hidden_size
+        if self.transport == "mailbox":
+            poison = torch.full((self.capacity, hidden), ABORT_BITS, dtype=torch.int16,
+                                device=self.device).view(torch.bfloat16)
+            words = box.stage_state
+            stage = words[STAGE_NEXT].clone()
+            publish(poison, box.peer_ptrs, words, self.rank, self.capacity)  # stage s
+            words[STAGE_NEXT] = (stage + 1) % STAGES
+            publish(poison, box.peer_ptrs, words, self.rank, self.capacity)  # stage s + 1
+            words[STAGE_ACTIVE] = stage  # as after consuming step s: NEXT = s + 1, ACTIVE = s
+        else:
+            rows = getattr(like, "shape", (0,))[0] if getattr(like, "ndim", 0) == 2 else 0
+            rows = rows if 0 < rows <= self.capacity else self._last_rows
+            poison = torch.full((rows, hidden), ABORT_BITS, dtype=torch.int16,
+                                device=self.device).view(torch.bfloat16)
+            gathered = torch.empty(self.tp * rows, hidden, dtype=torch.bfloat16,
+                                   device=self.device)
+            work = _all_gather(gathered, poison, self.group, async_op=True)
+            self._abort_work = (work, poison, gathered)  # kept alive until reset waits for it
+        box.status.bitwise_or_(ABORT_BIT | 1 << self.rank)
+        if self._multi_process():
+            host_wait.signal_abort(self.group, why)
+        error.add_note(f"BoundaryAllReduce rank {self.rank} aborted this step: its peers raise "
+                       "RuntimeError naming it; call reset(collective=True) on every rank")
+
+    def _check_reduce(self, x: torch.Tensor, mode: int, inputs: dict) -> None:
+        """The all-reduce's own checks of a reduce call (``consume`` checks the
+        tensors in detail): x, the mode against the construction flags, the
+        structure of residual / mxfp8_out, the tensors' types, eps."""
+        self._check_x(x)
+        if mode == PLAIN:
+            return
+        if mode == RESIDUAL_ONLY and not self.residual_only:
+            raise ValueError("pre is None (residual-only call) but residual_only=False")
+        mxfp8_out = inputs.get("mxfp8_out")
+        if mxfp8_out is not None:
+            if not self.quantize_layer_input:
+                raise ValueError("mxfp8_out given but quantize_layer_input=False")
+            if not isinstance(mxfp8_out, (tuple, list)) or len(mxfp8_out) != 2 or \
+                    not all(isinstance(t, torch.Tensor) for t in mxfp8_out):
+                raise ValueError("mxfp8_out must be a pair of tensors (data, swizzled scales)")
+        residual = inputs.get("residual")
+        if not isinstance(residual, torch.Tensor) or residual.ndim != 3 or \
+                residual.shape[1] != self.hc_mult:
+            got = list(residual.shape) if isinstance(residual, torch.Tensor) else type(residual)
+            raise ValueError(f"residual must be bf16 [M, {self.hc_mult}, {self.hidden_size}], "
+                             f"got {got}")
+        for name in ("post", "comb", "pre", "norm_weight"):
+            t = inputs.get(name)
+            if t is not None and not isinstance(t, torch.Tensor):
+                raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+        if mode == FULL:
+            eps = inputs.get("eps")
+            if isinstance(eps, bool) or not isinstance(eps, Real) or not math.isfinite(eps) \
+                    or eps < 0:
+                raise ValueError(f"norm_eps must be a finite real number >= 0, got {eps!r}")
 
     def _check_x(self, x: torch.Tensor) -> None:
         self._open()
@@ -325,9 +576,16 @@ class BoundaryAllReduce:
                 compilers[key]()
             self._compiled.add(key)
         if new or force_barrier:
-            self._barrier()
+            # Ranks compile at different speeds: a longer bound than host_timeout_s. A
+            # rank that aborted this step compiles nothing: it counts as arrived.
+            self._barrier("compile", max(self._host_timeout(), COMPILE_TIMEOUT_S),
+                          aborts_arrive=True)
 
-    def _consume(self, x: torch.Tensor, mode: int, compile_only: bool = False, **inputs):
+    def _consume(self, x: torch.Tensor, mode: int, compile_only: bool = False,
+                 before_launch=None, **inputs):
+        """The consumer; ``before_launch`` (the step's publish) runs once
+        ``consume`` has checked every input, and in the gather transport is
+        followed by the all-gather (bounded over gloo: ``host_timeout_s``)."""
         box = self._box
         m = x.shape[0]
         # The status word and bound serve the norm hand-off in both transports.
@@ -336,19 +594,36 @@ class BoundaryAllReduce:
                        status=box.status, wait_bound=self._wait_bound)
         if self.transport == "mailbox":
             return consume(box.buffer, self.tp, m, mode=mode, stage_state=box.stage_state,
-                           **scratch, **inputs)
-        gathered = gather_partials(x, self.tp, self.group, compile_only)
-        return consume(gathered, self.tp, m, mode=mode, lamport=False, **scratch, **inputs)
+                           before_launch=before_launch, **scratch, **inputs)
+        gathered = torch.empty(self.tp, *x.shape, dtype=x.dtype, device=x.device)
+
+        def gather() -> None:
+            if before_launch is not None:
+                before_launch()
+            flat = gathered.view(-1, x.shape[1])
+            if x.device.type == "cuda" and "nccl" in str(dist.get_backend(self.group)).lower():
+                # Stream-ordered, no host wait: bounded by the group's own timeout.
+                _all_gather(flat, x, self.group)
+            else:
+                work = _all_gather(flat, x, self.group, async_op=True)
+                host_wait.wait_work(work, self.group, self._host_timeout(),
+                                    "the gather transport's all-gather")
+
+        return consume(gathered, self.tp, m, mode=mode, lamport=False, before_launch=gather,
+                       **scratch, **inputs)
 
     def _reduce(self, x: torch.Tensor, mode: int, **inputs):
         """The host rules (one publish per reduce, of this tensor), then the
         launches: directly, or through ``boundary_reduce`` under torch.compile."""
-        self._check_x(x)
+        self._ready()
         published, self._published = self._published, None
         if published is not None and published is not x:
-            raise RuntimeError("reducing a tensor other than the published one")
+            error = RuntimeError("reducing a tensor other than the published one")
+            self._abort(error, x, published=True)  # (nothing runs while tracing)
+            raise error
         if not torch.compiler.is_compiling():
             return self._reduce_launch(x, mode, published is None, **inputs)
+        self._check_reduce(x, mode, inputs)  # at trace time: nothing runs
         box = self._box
         data, scale = inputs.get("mxfp8_out") or (None, None)
         first, second = torch.ops.decode_boundary.boundary_reduce(
@@ -359,17 +634,34 @@ class BoundaryAllReduce:
         return first, (second if mode == FULL else None)
 
     def _reduce_launch(self, x: torch.Tensor, mode: int, publish: bool, **inputs):
-        """(Compile and) launch the publish kernel when ``publish``, then the
-        consumer; outside capture, check the status word."""
-        quant = inputs.get("mxfp8_out") is not None
-        compilers = {self._consumer_key(x.shape[0], mode, quant):
-                     lambda: self._consume(x, mode, compile_only=True, **inputs)}
-        if publish:
-            compilers[("publish",)] = lambda: self._launch_publish(x, compile_only=True)
-        self.compile_variants(compilers)
-        if publish:
-            self._launch_publish(x)
-        out = self._consume(x, mode, **inputs)
+        """Check every input, (compile and) launch the publish kernel when
+        ``publish``, then the consumer; outside capture, check the status word.
+        An input rejected before the publish (or, after an earlier publish, before
+        the consumer) aborts the step (:meth:`_abort`)."""
+        started = []
+
+        def publish_now() -> None:  # consume calls it once every input passed
+            started.append(True)
+            if publish:
+                self._launch_publish(x)
+
+        self._ready()
+        try:
+            self._check_reduce(x, mode, inputs)
+            quant = inputs.get("mxfp8_out") is not None
+            compilers = {self._consumer_key(x.shape[0], mode, quant):
+                         lambda: self._consume(x, mode, compile_only=True, **inputs)}
+            if publish:
+                compilers[("publish",)] = lambda: self._launch_publish(x, compile_only=True)
+            self.compile_variants(compilers)
+            out = self._consume(x, mode, before_launch=publish_now, **inputs)
+        except Exception as error:
+            if not started:
+                self._abort(error, x, published=not publish)
+            elif self._failed is None:  # the step went out half done: reset first
+                self._failed = f"{type(error).__name__}: {error}"
+            raise
+        self._last_rows = x.shape[0]
         if not self._capturing():
             self.check()
         return out

@@ -14,17 +14,41 @@ and cannot wait for each other).
 
 **What the caller guarantees** (nothing here can check it): every rank
 publishes exactly once per consume into stage NEXT (publish kernel, finalize
-kernel or a publishing GEMM) and consumes once; residual, post, comb, pre and
-gamma are not written by the kernel that immediately precedes the consumer,
-and that kernel triggers its dependents only after its own grid wait (they
-are loaded before the grid dependency wait); output and scratch buffers are
-not in use by another kernel; ``generation`` and ``sumsq`` are zeroed
-together, at allocation and after any timeout; the kernel variant is compiled
-before the peers wait on this rank (``compile_only``, see
+kernel or a publishing GEMM) and consumes once; the early inputs are complete
+when the consumer may start (below); output and scratch buffers are not in
+use by another kernel; ``generation`` and ``sumsq`` are zeroed together, at
+allocation and after any timeout; the kernel variant is compiled before the
+peers wait on this rank (``compile_only``, see
 ``BoundaryAllReduce.precompile``).
+
+**Early inputs: read before the grid-dependency wait.** ``residual``,
+``post``, ``comb``, ``pre`` and ``norm_weight`` (gamma) are loaded *before*
+the consumer's ``gdc_wait`` (cooperative tactics, the GPU default), so that
+their loads overlap the publisher; the mailbox (or the gathered partials),
+the stage word, the scratch and every store come after the wait. With PDL the
+consumer may start as soon as the kernel before it on the stream, its
+*publisher* (publish kernel, finalize kernel or publishing GEMM; in the NCCL
+transport the all-gather, which has no PDL: no overlap), releases its
+dependents, i.e. while the publisher still runs. So the early inputs must
+be complete before the publisher can start: produced by a kernel earlier in
+stream order than the publisher, never by the publisher itself. Precisely,
+they must not be written by any kernel of the window that may still run when
+the consumer starts: the publish and finalize kernels release their
+dependents only after their own grid wait (every earlier kernel is complete
+by then), so there the window is the publisher alone; a GEMM of this package
+releases them at its start, before its wait, so behind a publishing GEMM the
+window also holds the kernel before it, and, while that is another GEMM of
+this package (``wo_a`` before ``wo_b``), the one before that, and so on, up
+to and including the first kernel that is not. A kernel launched without PDL
+(any PyTorch op) is complete before its successor starts: it and everything
+before it are outside. ``consume`` refuses (``ValueError``) what it can check
+cheaply: an early input whose memory overlaps the partial (``partial=``), the
+mailbox or gathered buffer, an MXFP8 output buffer, or the stage, status,
+generation, sumsq or prenorm words (:func:`check_early_inputs`).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -34,7 +58,14 @@ from .. import env
 from ..common.contract import STAGES
 from ..common.timeline import launch_args
 from ..mxfp8.format import check_scale_buffer, mxfp8_scale_bytes
-from .consumer_kernel import FULL, NORM_TIMEOUT_BIT, PLAIN, RESIDUAL_ONLY, consumer_kernel
+from .consumer_kernel import (
+    ABORT_BIT,
+    FULL,
+    NORM_TIMEOUT_BIT,
+    PLAIN,
+    RESIDUAL_ONLY,
+    consumer_kernel,
+)
 from .publish_kernel import load_module
 
 QUANT_GROUP = 32  # MXFP8 group: a chunk holds whole groups, so it is >= 32 columns
@@ -83,19 +114,37 @@ def sumsq_columns(hidden: int) -> int:
     return triton.cdiv(hidden, QUANT_GROUP)
 
 
+class WaitTimeout(NamedTuple):
+    """A wait bound given as a timeout: ``consume`` converts it to the kernel's
+    unit (:func:`wait_bound`) from the same ``env.use_ptx`` answer that picks
+    its ``USE_PTX`` variant, at launch, so the two cannot disagree."""
+
+    seconds: float
+
+
 def wait_bound(timeout_s: float, device: torch.device) -> int:
     """``consume``'s ``wait_bound`` for a timeout: %globaltimer nanoseconds with
-    PTX, spins without."""
-    if env.use_ptx(device):
+    PTX, spins without (decided now; a launch converts a :class:`WaitTimeout`
+    itself, with the decision its kernel variant is chosen with)."""
+    return _bound_units(timeout_s, env.use_ptx(device))
+
+
+def _bound_units(timeout_s: float, ptx: bool) -> int:
+    if ptx:
         return int(timeout_s * 1e9)
     rate = INTERPRETER_SPINS_PER_SECOND if env.interpret_mode() else SPINS_PER_SECOND
     return max(1, int(timeout_s * rate))
 
 
 def status_error(status: int, tp: int, timeout_s: float) -> str | None:
-    """What the status word reports (bit p: rank p never arrived;
-    ``NORM_TIMEOUT_BIT``: the norm hand-off timed out), or None when clear."""
+    """What the status word reports (bit p: rank p never arrived, or with
+    ``ABORT_BIT``: aborted the step; ``NORM_TIMEOUT_BIT``: the norm hand-off
+    timed out), or None when clear."""
     missing = [p for p in range(tp) if status >> p & 1]
+    if status & ABORT_BIT:
+        return (f"rank(s) {missing} aborted this step (an input failed its checks there; a "
+                "rank listed next to one may only have been slower than its abort); the "
+                "outputs of this step are NaN; call reset(collective=True) on every rank")
     if missing:
         # A norm timeout next to a missing rank is its consequence (a program still
         # waiting for that rank published its partial late): name the rank.
@@ -150,6 +199,45 @@ def _check_tactic(tactic: ConsumerTactic, hidden: int, mode: int) -> None:
                          "the interpreter (programs run one by one) cannot do")
 
 
+EARLY_INPUTS = ("residual", "post", "comb", "pre", "norm_weight")  # read before the wait
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int] | None:
+    """[first, last + 1) byte addresses ``t`` may touch; None when it is empty."""
+    if t.numel() == 0:
+        return None
+    start = t.data_ptr()
+    if t.is_contiguous():
+        return start, start + t.numel() * t.element_size()
+    extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
+    return start, start + extent * t.element_size()
+
+
+def check_early_inputs(early: dict, later: dict) -> None:
+    """Raise ValueError when a tensor of ``early`` (name -> tensor or None: what
+    the consumer reads before its grid-dependency wait, ``EARLY_INPUTS``)
+    shares memory with one of ``later`` (name -> tensor or None: the partial,
+    the mailbox, buffers the consumer writes), on one device. An early input is
+    read while the publisher may still run (module docstring), so it must not
+    be memory that the publisher, this consumer or its peers write."""
+    spans = []
+    for name, t in later.items():
+        span = None if t is None else _byte_span(t)
+        if span is not None:
+            spans.append((name, t.device, span))
+    for name, t in early.items():
+        span = None if t is None else _byte_span(t)
+        if span is None:
+            continue
+        for other, device, (lo, hi) in spans:
+            if device == t.device and span[0] < hi and lo < span[1]:
+                raise ValueError(
+                    f"{name} overlaps {other} in memory: the consumer reads {name} before its "
+                    "grid-dependency wait, while the publisher may still run, so it must be a "
+                    f"buffer of its own, complete before the publisher starts, not {other} "
+                    "(decode_boundary.boundary.consumer module docstring)")
+
+
 def consume(
     mailbox: torch.Tensor,
     tp: int,
@@ -168,10 +256,12 @@ def consume(
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
     mxfp8_out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    wait_bound: int = 0,
+    wait_bound: int | WaitTimeout = 0,
     lamport: bool = True,
     tactic: ConsumerTactic | None = None,
     compile_only: bool = False,
+    partial: torch.Tensor | None = None,
+    before_launch: Callable[[], object] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the consumer for ``m`` tokens. Returns (``reduced`` [M, H] in plain
     mode / ``residual_out`` [M, hc, H], ``layer_input`` [M, H] or None).
@@ -183,15 +273,33 @@ def consume(
     per-token scratch, rows >= M. ``status`` int32 [1]: the mailbox's status
     word, also required in full mode with ``lamport=False`` (the norm hand-off
     records its timeout there). ``wait_bound``: nanoseconds with PTX
-    (``%globaltimer``), spins without; > 0 whenever something may wait. ``tactic``: default from
-    ``CONSUMER_TACTICS``. ``compile_only``: compile this variant, launch nothing
-    (the outputs are then unwritten).
+    (``%globaltimer``), spins without; > 0 whenever something may wait; a
+    :class:`WaitTimeout` is converted here, with the kernel variant's own PTX
+    decision. ``tactic``: default from ``CONSUMER_TACTICS``. ``compile_only``:
+    compile this variant, launch nothing (the outputs are then unwritten).
+
+    Early inputs (module docstring): ``residual``, ``post``, ``comb``, ``pre``
+    and ``norm_weight`` are read before the kernel's grid-dependency wait, i.e.
+    possibly while the publisher (the kernel before this one on the stream)
+    still runs; they must be complete before the publisher can start, written
+    by a kernel earlier in stream order than it, never by it. The mailbox (or
+    gathered buffer) is read only after the wait. ``partial``: the tensor this
+    rank published (``BoundaryAllReduce``'s ``x``), never read here, only
+    checked: an early input that overlaps it, the mailbox, ``mxfp8_out`` or
+    the stage, status and scratch words raises ``ValueError``.
+    ``before_launch``: called once every check has passed, just before the
+    consumer launches (not with ``compile_only``): ``BoundaryAllReduce`` runs
+    the step's publish (or all-gather) there, so that an input this rank
+    rejects has written nothing to a peer (docs/FAILURES.md).
     """
     device = mailbox.device
     hidden = mailbox.shape[-1]
     if mailbox.dtype != torch.bfloat16 or not mailbox.is_contiguous():
         raise ValueError(f"mailbox must be contiguous bf16, got {mailbox.dtype}")
     capacity = mailbox.shape[-2]
+    ptx = env.use_ptx(device)  # one decision: the kernel variant and the wait bound's unit
+    if isinstance(wait_bound, WaitTimeout):
+        wait_bound = _bound_units(wait_bound.seconds, ptx)
     if lamport:
         _need(mailbox, "mailbox", torch.bfloat16, (STAGES, tp, capacity, hidden), device)
         _need(stage_state, "stage_state", torch.int32, (2,), device)
@@ -236,14 +344,25 @@ def consume(
             check_scale_buffer(scale, m, hidden, "mxfp8_out scale", device=device)
     elif quant:
         raise ValueError("mxfp8_out needs the layer input: pass pre and norm_weight")
+    if mode != PLAIN:
+        check_early_inputs(
+            dict(residual=residual, post=post, comb=comb, pre=pre, norm_weight=norm_weight),
+            dict(partial=partial, mailbox=mailbox, stage_state=stage_state, status=status,
+                 generation=generation, sumsq=sumsq, prenorm=prenorm,
+                 mxfp8_out_data=mxfp8_out[0] if quant else None,
+                 mxfp8_out_scale=mxfp8_out[1] if quant else None))
     serial = mode == FULL and not tactic.cooperative
     grid = (1 if serial else triton.cdiv(hidden, tactic.block_h), m)
     dummy = out  # stands in for pointers a mode does not touch
-    pdl = env.use_pdl(device)
+    pdl = ptx and env.use_pdl(device)
     kernel = consumer_kernel.warmup if compile_only else consumer_kernel[grid]
     kwargs = dict(grid=grid) if compile_only else {}
     stamps, first_slot, timeline = (dummy, 0, False) if compile_only else \
         launch_args("consumer_kernel", grid[0] * grid[1], device, dummy)
+    if status is None:  # gathered plain / residual-only: the kernel's abort report needs a word
+        status = torch.zeros(1, dtype=torch.int32, device=device)
+    if before_launch is not None and not compile_only:
+        before_launch()
     compiled = kernel(
         mailbox, _or(stage_state, dummy), _or(status, dummy), _or(generation, dummy),
         _or(sumsq, dummy), _or(prenorm, dummy), _or(residual, dummy),
@@ -253,7 +372,7 @@ def consume(
         int(wait_bound),
         TP=tp, HC=hc, HIDDEN=hidden, BLOCK_H=tactic.block_h,
         UNITS_P2=triton.next_power_of_2(sumsq_columns(hidden)), MODE=mode, QUANT=quant,
-        LAMPORT=lamport, COOPERATIVE=tactic.cooperative, USE_PTX=env.use_ptx(device),
+        LAMPORT=lamport, COOPERATIVE=tactic.cooperative, USE_PTX=ptx,
         USE_PDL=pdl, TIMELINE=timeline, num_warps=tactic.warps, enable_fp_fusion=False,
         launch_pdl=pdl, **kwargs,
     )

@@ -94,6 +94,15 @@ kernel uses the outputs or the scratch (``sumsq``, ``generation``,
 together; a peer never stores into the stage being read (one publish per
 consume on every rank, see above).
 
+**Failures** (docs/FAILURES.md). A slot element holding the abort poison
+(``ABORT_BITS``, a rank that rejected its step) counts as written and is
+flagged in the same per-column word as the sentinel test (bit 2), so a step
+without one pays no extra reduction; a wait that met it sets ``ABORT_BIT``
+and the rank's bit, one that gave up sets the missing ranks' bits, and either
+makes the program's sums NaN (never finite with a rank's share missing). The
+gathered path (NCCL) reports a gathered poison the same way; a norm hand-off
+that times out yields a NaN total.
+
 **Why it is CUDA-graph safe.** The stage is read and advanced on the device,
 the generation words only ever move forward (on the device), the timeout and
 status live in device memory; no host value changes between replays, and the
@@ -104,7 +113,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..common.contract import SENTINEL_BITS, STAGE_ACTIVE, STAGE_NEXT, STAGES
+from ..common.contract import ABORT_BITS, SENTINEL_BITS, STAGE_ACTIVE, STAGE_NEXT, STAGES
 from ..common.rounding import quantize_groups, swizzled_offset, to_bf16_rne, zero_scale_padding
 from ..common.timeline import END, START, WAITED, stamp
 
@@ -116,6 +125,13 @@ _NEXT, _ACTIVE = tl.constexpr(STAGE_NEXT), tl.constexpr(STAGE_ACTIVE)  # stage_s
 # Status bit of a norm hand-off that timed out (bits 0..tp-1 name missing ranks).
 NORM_TIMEOUT_BIT = 1 << 30
 _NORM_TIMEOUT_BIT = tl.constexpr(NORM_TIMEOUT_BIT)
+# Status bit of an aborted step (the sign bit): set with bit p of every rank p
+# whose slot held the abort poison (ABORT_BITS). A wait that gives up or meets
+# the poison yields NaN sums.
+ABORT_BIT = -(1 << 31)
+_ABORT_BIT = tl.constexpr(ABORT_BIT)
+_ABORT = tl.constexpr(ABORT_BITS)
+_NAN = tl.constexpr(0x7FC0)  # BF16 quiet NaN bits
 
 
 @triton.jit
@@ -146,18 +162,30 @@ def _poll_verdict(unwritten, start, spins, wait_bound, status_ptr, CHECK_STATUS:
     stop = (_now(spins, unwritten, USE_PTX) - start) > wait_bound
     if CHECK_STATUS:
         stop = stop | (tl.load(status_ptr + unwritten * 0, volatile=True) != 0)
-    return tl.reduce(unwritten | tl.where(stop, 2, 0), 0, _bit_or)
+    return tl.reduce(unwritten | tl.where(stop, 2, 0), 0, _bit_or)  # bit 2: the probe's poison
 
 
 @triton.jit
 def _unwritten(slots, cmask, TP: tl.constexpr):
-    """Per column: 1 where some rank's element is still the sentinel (one tuple
-    entry per rank)."""
+    """Per column: bit 0 where some rank's element is still the sentinel, bit 2
+    where one is the abort poison (one tuple entry per rank)."""
     hole = tl.zeros(cmask.shape, dtype=tl.int32)
     for r in tl.static_range(TP):
         bits = slots[r].to(tl.int16, bitcast=True)
-        hole = hole | tl.where(cmask & (bits == SENTINEL), 1, 0)
+        hole = hole | tl.where(cmask & (bits == SENTINEL), 1, 0) | \
+            tl.where(cmask & (bits == _ABORT), 4, 0)
     return hole
+
+
+@triton.jit
+def _aborted_ranks(slots, cmask, TP: tl.constexpr):
+    """Bit r of every rank r whose slot holds the abort poison in some column
+    (one OR-reduction)."""
+    code = tl.zeros(cmask.shape, dtype=tl.int32)
+    for r in tl.static_range(TP):
+        bits = slots[r].to(tl.int16, bitcast=True)
+        code = code | (tl.where(cmask & (bits == _ABORT), 1, 0) << r)
+    return tl.reduce(code, 0, _bit_or)
 
 
 @triton.jit
@@ -189,24 +217,24 @@ def _probe_partials(row, live, tag, UNUSED: tl.constexpr):
 @triton.jit
 def _spin(probe, ptr, mask, arg, status_ptr, wait_bound, N: tl.constexpr,
           CHECK_STATUS: tl.constexpr, USE_PTX: tl.constexpr):
-    """Poll with ``probe(ptr, mask, arg, N)`` -> (value, pending per element)
-    until nothing is pending or the bound passes (with ``CHECK_STATUS``: or
-    another program already reported a failure). Returns (the last value,
-    whether something is still pending)."""
+    """Poll with ``probe(ptr, mask, arg, N)`` -> (value, flags per element: bit
+    0 pending, bit 2 poison) until nothing is pending or the bound passes (with
+    ``CHECK_STATUS``: or another program already reported a failure). Returns
+    (the last value, the OR of the last poll's flags: bit 0 = something is
+    still pending, bit 2 = poison seen)."""
     value, hole = probe(ptr, mask, arg, N)
-    pending = tl.max(hole) > 0
-    if pending:
+    flags = tl.reduce(hole, 0, _bit_or)
+    if (flags & 1) != 0:
         spins = 0
         start = _now(spins, hole, USE_PTX)
-        go = pending
+        go = (flags & 1) != 0
         while go:
             value, hole = probe(ptr, mask, arg, N)
             spins += 1
-            verdict = _poll_verdict(hole, start, spins, wait_bound, status_ptr, CHECK_STATUS,
-                                    USE_PTX)
-            pending = (verdict & 1) != 0
-            go = verdict == 1
-    return value, pending
+            flags = _poll_verdict(hole, start, spins, wait_bound, status_ptr, CHECK_STATUS,
+                                  USE_PTX)
+            go = (flags & 3) == 1
+    return value, flags
 
 
 @triton.jit
@@ -214,18 +242,25 @@ def _wait_slots(slot, cmask, row_stride, status_ptr, wait_bound,
                 TP: tl.constexpr, USE_PTX: tl.constexpr):
     """Volatile loads of every rank's slot until no element is the sentinel or
     the bound passes (or another program already reported a failure); a rank
-    still missing then sets its bit in the status word. Returns the slots
-    (tuple of BF16)."""
-    slots, pending = _spin(_probe_slots, slot, cmask, row_stride, status_ptr, wait_bound, TP,
-                           True, USE_PTX)
-    if pending:
+    still missing then sets its bit in the status word, a rank whose slot holds
+    the abort poison its abort bit. Returns the slots (tuple of BF16), the
+    first one NaN after either (so the sums are NaN, never finite and wrong)."""
+    slots, flags = _spin(_probe_slots, slot, cmask, row_stride, status_ptr, wait_bound, TP,
+                         True, USE_PTX)
+    if (flags & 1) != 0:
         missing = 0
         for r in tl.static_range(TP):
             bits = slots[r].to(tl.int16, bitcast=True)
             gone = tl.max(tl.where(cmask & (bits == SENTINEL), 1, 0))
             missing = missing | (gone << r)
         tl.atomic_or(status_ptr, missing)
-    return slots
+    if (flags & 4) != 0:
+        tl.atomic_or(status_ptr, _aborted_ranks(slots, cmask, TP) | _ABORT_BIT)
+    nan = tl.full(cmask.shape, _NAN, tl.int16).to(tl.bfloat16, bitcast=True)
+    out = (tl.where((flags & 5) != 0, nan, slots[0]),)
+    for r in tl.static_range(1, TP):
+        out = out + (slots[r],)
+    return out
 @triton.jit
 def _load_inputs(residual_ptr, post_ptr, comb_ptr, pre_ptr, gamma_ptr, m, cols, cmask,
                  HC: tl.constexpr, HIDDEN: tl.constexpr, MODE: tl.constexpr):
@@ -295,15 +330,17 @@ def _publish_partial(sumsq_ptr, m, chunk, partial, tag, UNITS: tl.constexpr,
 def _wait_partials(sumsq_ptr, status_ptr, m, tag, wait_bound, UNITS: tl.constexpr,
                    UNITS_P2: tl.constexpr, USE_PTX: tl.constexpr):
     """Poll token m's row (volatile) until every unit carries ``tag`` or the
-    bound passes (then ``NORM_TIMEOUT_BIT``); returns the row's sum of squares,
-    one fixed tree over the units."""
+    bound passes (then ``NORM_TIMEOUT_BIT`` and a NaN total); returns the row's
+    sum of squares, one fixed tree over the units."""
     units = tl.arange(0, UNITS_P2)
-    words, stale = _spin(_probe_partials, sumsq_ptr + m * UNITS + units, units < UNITS, tag,
+    words, flags = _spin(_probe_partials, sumsq_ptr + m * UNITS + units, units < UNITS, tag,
                          status_ptr, wait_bound, 0, False, USE_PTX)
+    stale = (flags & 1) != 0
     if stale:
         tl.atomic_or(status_ptr, _NORM_TIMEOUT_BIT)
     partials = (words & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
-    return tl.sum(partials, axis=0)
+    nan = tl.full((), 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+    return tl.where(stale, nan, tl.sum(partials, axis=0))
 
 
 @triton.jit
@@ -344,6 +381,9 @@ def _consume_chunk(mailbox_ptr, status_ptr, out_ptr, slot_row, row_stride, wait_
                      mask=cmask)
     else:
         slots = _load_slots(slot, cmask, row_stride, TP, False)
+        aborted = _aborted_ranks(slots, cmask, TP)  # a gathered abort poison (NCCL path)
+        if aborted != 0:
+            tl.atomic_or(status_ptr, aborted | _ABORT_BIT)
     return _reduce_mix(slots, res, post, comb, pre, out_ptr, m, cols, cmask, TP, HC, HIDDEN, MODE)
 
 

@@ -12,7 +12,9 @@ peer addresses, so a functional copy of it (what an eager backend makes of a
 mutated argument) would be copied back stale over a peer's later stores. The
 host rules (``mark_published``, one publish per reduce) stay Python in the
 class and are traced with the step. Open the mailbox (construct,
-``precompile``) before compiling.
+``precompile``) before compiling. Each op's implementation checks every input
+before its first launch, as the eager path does (a rejected input aborts the
+step: docs/FAILURES.md), so a direct call cannot write a peer with bad input.
 
 An op names its instance by an int ``handle`` (:func:`register`, at
 construction; :func:`instance`); the registry holds weak references, so an

@@ -14,7 +14,11 @@ partials, and the mailbox (:mod:`.mailbox`) opened for it.
 
 A single rank (no group, or a group of one) always gets a local mailbox.
 :func:`open_transport` is collective: every rank of the group calls it with
-the same arguments, and all ranks get the same transport.
+the same arguments, and all ranks get the same transport. A construction
+starts with :func:`exchange` (one ``all_gather_object``: each rank's GPU
+placement, its geometry and any refusal of its own arguments): a refusal or a
+mismatch raises the same ``ValueError`` on every rank before anything is
+allocated, so no rank goes on to wait for peers that stopped.
 """
 
 from __future__ import annotations
@@ -31,10 +35,59 @@ TRANSPORTS = ("auto", "mailbox", "nccl")
 
 def gpu_placements(group: dist.ProcessGroup, device: torch.device) -> list[tuple[str, int]]:
     """(host name, device index) of every rank of ``group``, in rank order. Collective."""
-    me = (socket.gethostname(), device.index if device.index is not None else 0)
     everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, me, group=group)
+    dist.all_gather_object(everyone, _placement(device), group=group)
     return everyone
+
+
+def _placement(device: torch.device) -> tuple[str, int]:
+    return socket.gethostname(), device.index if device.index is not None else 0
+
+
+def exchange(group: dist.ProcessGroup, device: torch.device, geometry: dict,
+             problem: str | None = None) -> list[tuple[str, int]]:
+    """The first collective of a construction: one ``all_gather_object`` of
+    every rank's placement (as :func:`gpu_placements`, which it returns), its
+    ``geometry`` (what all ranks must agree on) and ``problem`` (why this rank
+    refused its own arguments, or None). Every rank sees the same gathered
+    list, so either every rank raises the same ``ValueError`` (a rank's
+    problem, or geometries that differ: :func:`check_same_geometry`) or none
+    does, and no rank goes on to wait for peers that stopped here."""
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (_placement(device), geometry, problem), group=group)
+    refused = [f"rank {rank}: {why}" for rank, (_, _, why) in enumerate(everyone) if why]
+    if refused:
+        raise ValueError("BoundaryAllReduce: construction refused by "
+                         + "; ".join(refused) + " (every rank stops here)")
+    check_same_geometry([g for _, g, _ in everyone])
+    return [tuple(p) for p, _, _ in everyone]
+
+
+def check_same_geometry(geometries: list[dict]) -> None:
+    """Raise ``ValueError`` unless every rank's geometry (``geometries[r]``:
+    rank r's dict) is the same, naming each differing key with the ranks that
+    hold each value ("hidden_size: 64 on rank 0, 128 on rank 1")."""
+    missing = object()
+    differences = []
+    for key in dict.fromkeys(k for g in geometries for k in g):
+        holders: list[tuple[object, list[int]]] = []  # (value, ranks holding it), by ==
+        for rank, g in enumerate(geometries):
+            value = g.get(key, missing)
+            match = next((ranks for v, ranks in holders if v is value or
+                          (v is not missing and value is not missing and v == value)), None)
+            if match is None:
+                holders.append((value, [rank]))
+            else:
+                match.append(rank)
+        if len(holders) > 1:
+            differences.append(f"{key}: " + ", ".join(
+                ("<missing>" if value is missing else repr(value)) + " on "
+                + (f"ranks {ranks}" if len(ranks) > 1 else f"rank {ranks[0]}")
+                for value, ranks in holders))
+    if differences:
+        raise ValueError("BoundaryAllReduce: the ranks of the group were constructed with "
+                         "different geometries (every rank must pass the same arguments): "
+                         + "; ".join(differences))
 
 
 def peers_reachable(group: dist.ProcessGroup, device: torch.device,
@@ -58,12 +111,16 @@ def ranks_share_a_gpu(placements: list[tuple[str, int]]) -> bool:
 
 
 def open_transport(group: dist.ProcessGroup | None, capacity: int, hidden: int,
-                   device: torch.device, transport: str) -> tuple[Mailbox, str]:
+                   device: torch.device, transport: str,
+                   placements: list[tuple[str, int]] | None = None) -> tuple[Mailbox, str]:
     """This rank's mailbox (or, for NCCL, its device words alone) and the
-    transport chosen for ``transport`` (one of :data:`TRANSPORTS`). Collective."""
+    transport chosen for ``transport`` (one of :data:`TRANSPORTS`). Collective;
+    ``placements``: the ranks' :func:`gpu_placements` when already gathered
+    (:func:`exchange`), else gathered here."""
     if group is None or dist.get_world_size(group) == 1:
         return simulated_mailboxes(1, capacity, hidden, device)[0], "mailbox"
-    placements = gpu_placements(group, device)
+    if placements is None:
+        placements = gpu_placements(group, device)
     shared_gpu = ranks_share_a_gpu(placements)
     if transport == "auto":
         reachable = not shared_gpu and peers_reachable(group, device, placements)

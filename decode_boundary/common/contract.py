@@ -19,6 +19,7 @@ consumer's MXFP8 output.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Integral
 
 import torch
 
@@ -26,6 +27,11 @@ STAGES = 3  # a peer may be one boundary ahead: stage s+1 is being written while
 STAGE_NEXT, STAGE_ACTIVE = 0, 1  # indices into stage_state
 SENTINEL = -0.0  # the fill value of an unwritten mailbox slot
 SENTINEL_BITS = -32768  # the same as int16 bits (0x8000), what kernels compare against
+# The abort poison (docs/FAILURES.md): a rank that rejects a step stores these
+# BF16 bits (0xFFAB, a signalling NaN: no kernel of ours produces one, every
+# rounding here yields a quiet NaN) into its slot of every peer's mailbox; the
+# consumer sums it as NaN and names the rank in the status word.
+ABORT_BITS = -85  # 0xFFAB as int16
 
 
 @dataclass(frozen=True)
@@ -49,10 +55,31 @@ class PublishTarget:
 NO_PUBLISH = PublishTarget(peer_ptrs=None, stage_state=None, rank=0, tp=1, capacity=1, hidden=1)
 
 
+def check_stage(stage: int, name: str = "stage") -> int:
+    """``stage`` if it is a mailbox stage index (``0 <= stage < STAGES``), else
+    ``ValueError``: what every host entry that takes a stage index from a
+    caller checks before it can reach a kernel's address arithmetic."""
+    if isinstance(stage, bool) or not isinstance(stage, Integral) or not 0 <= stage < STAGES:
+        raise ValueError(f"{name} must be an int in [0, {STAGES}), got {stage!r}")
+    return stage
+
+
 def check_publish_target(target: PublishTarget, hidden: int, rows: int,
                          device: torch.device) -> None:
     """Raise ``ValueError`` unless ``target`` can take ``rows`` tokens of
-    ``hidden`` BF16 values published from ``device``."""
+    ``hidden`` BF16 values published from ``device``: its geometry in range
+    (``tp >= 1``, ``0 <= rank < tp``, ``capacity >= 1``, ``hidden > 0``, a
+    multiple of 8, equal to the producer's width, ``rows <= capacity``), the
+    peer table and stage words of the right dtype, shape and device, and, where
+    reading them costs no device sync (CPU tensors), both stage words in
+    ``[0, STAGES)``: a producer's store address is ``stage * tp + rank`` slots in."""
+    for field, low in (("tp", 1), ("capacity", 1), ("hidden", 1)):
+        value = getattr(target, field)
+        if isinstance(value, bool) or not isinstance(value, Integral) or value < low:
+            raise ValueError(f"publish.{field} must be an int >= {low}, got {value!r}")
+    if isinstance(target.rank, bool) or not isinstance(target.rank, Integral) or \
+            not 0 <= target.rank < target.tp:
+        raise ValueError(f"publish.rank {target.rank!r} outside [0, {target.tp})")
     ptrs, words = target.peer_ptrs, target.stage_state
     if ptrs is None or ptrs.dtype != torch.int64 or tuple(ptrs.shape) != (target.tp,) or \
             ptrs.device != device:
@@ -62,10 +89,11 @@ def check_publish_target(target: PublishTarget, hidden: int, rows: int,
             words.device != device:
         got = "None" if words is None else f"{words.dtype} {tuple(words.shape)} on {words.device}"
         raise ValueError(f"publish.stage_state must be int32 [2] on {device}, got {got}")
-    if not 0 <= target.rank < target.tp:
-        raise ValueError(f"publish.rank {target.rank} outside [0, {target.tp})")
     if target.hidden != hidden or hidden % 8:
         raise ValueError(f"publish.hidden ({target.hidden}) must equal the producer's width "
                          f"({hidden}), a multiple of 8 (16-byte mailbox stores)")
     if rows > target.capacity:
         raise ValueError(f"{rows} rows exceed the mailbox capacity {target.capacity}")
+    if words.device.type == "cpu" and not torch.compiler.is_compiling():
+        for index, label in ((STAGE_NEXT, "NEXT"), (STAGE_ACTIVE, "ACTIVE")):
+            check_stage(int(words[index]), f"publish.stage_state[{label}]")

@@ -174,11 +174,16 @@ def run_zeros(layer, rows: int) -> torch.Tensor:
     return mxfp8_mm(layer, zeros_input(layer, rows))
 
 
-def precompile(layer, rows_list: Iterable[int], publish=None, bf16_input: bool | None = None):
+def precompile(layer, rows_list: Iterable[int], publish=None, bf16_input: bool | None = None,
+               stream: torch.cuda.Stream | None = None):
     """Compile the kernels ``mxfp8_mm`` (or, with ``publish``, the publishing
-    launch) uses for each row count and allocate their workspaces, launching
-    nothing (but the quantizer, once, where a BF16 input of that many rows is
-    quantized first), so CUDA-graph capture never compiles or allocates.
+    launch) uses for each row count and allocate their split-K scratch,
+    launching nothing (but the quantizer, once, where a BF16 input of that many
+    rows is quantized first), so CUDA-graph capture never compiles or allocates.
+    Scratch belongs to a stream (``launcher`` module docstring): it is
+    allocated for ``stream`` (default: the current stream) and for the stream
+    ``torch.cuda.graph`` captures on by default; precompile with the stream you
+    capture on (``torch.cuda.graph(g, stream=s)``: pass ``stream=s``).
     ``bf16_input``: the BF16-in (prologue-quantized) kernel variant, the
     MXFP8-in one, or both (None); the tactic is the same for both.
     Call it again after the autotuner changes a choice."""
@@ -194,7 +199,8 @@ def precompile(layer, rows_list: Iterable[int], publish=None, bf16_input: bool |
                 quantize_mxfp8(torch.zeros(rows, groups * k, dtype=torch.bfloat16,
                                            device=layer.weight.device))
                 bf16 = False
-            warmup_low_latency(layer, rows, selected_tactic(layer, rows), publish, bf16)
+            warmup_low_latency(layer, rows, selected_tactic(layer, rows), publish, bf16,
+                               stream)
 
 
 def compile_pinned(layer) -> None:

@@ -21,12 +21,35 @@ which ``PublishingMxfp8Linear.precompile`` runs, goes through it.
 alignment, without checking anything; M >= 1 (a launch of 0 rows launches
 nothing); split-K counters that are zero at launch (allocated zeroed, re-armed
 by the kernel) in a workspace that no launch on another stream uses at the same
-time (one cache per device and size, shared by every layer; launches on one
-stream are ordered).
+time (launches on one stream are ordered).
 
-Workspaces are allocated outside CUDA-graph capture only (:func:`precompile
-<decode_boundary.gemm.api.precompile>` or an eager call first) and kept for
-the process's lifetime, since a captured graph may hold them.
+**Split-K scratch belongs to the stream that launches.** The workspace and
+arrival counters of a split-K tactic (a tactic of ``split_k`` 1 needs none) are
+cached per (device, stream, size): the stream is
+``torch.cuda.current_stream(device)`` at the launch (its ``stream_id``; a CPU
+or interpreter launch has one stream), the size the request rounded up to a
+power of two. Two GEMMs of one size on two streams (prefill and decode
+overlapping, two models in one process, two threads) therefore never share
+partials or counters; launches on one stream share them in stream order,
+which, with the kernel's re-arming, keeps every counter zero at every launch.
+Scratch is kept for the process's lifetime, since a captured graph may hold it.
+
+**CUDA graphs.** Scratch is never allocated during capture: a capture finds
+the scratch of the stream it captures on, or raises ``RuntimeError`` naming
+that stream and :func:`precompile <decode_boundary.gemm.api.precompile>`. So
+*precompile (or run once eagerly) on the stream you capture on*, or name it:
+``precompile(layer, rows, stream=s)`` before ``torch.cuda.graph(g,
+stream=s)``. Every allocation outside capture also allocates for the stream
+``torch.cuda.graph`` captures on when given none (its process-wide
+``default_capture_stream``, created here as ``torch.cuda.graph`` would create
+it, on the current device), so the usual pattern needs nothing more: warm up
+on the current or a side stream, then ``with torch.cuda.graph(g):`` (as
+``decode_boundary.common.timing.graph_time_us`` and the autotuner do). A graph
+holds the scratch of the stream it was captured on: graphs captured on one
+stream share it, so they must not replay concurrently with each other or with
+eager launches on that stream; graphs that are to replay concurrently are
+captured on distinct streams (``torch.cuda.graph(g, stream=s_i)`` after
+``precompile(..., stream=s_i)``).
 """
 
 from __future__ import annotations
@@ -43,9 +66,11 @@ from .tactics import Tactic, fits, k_pieces
 
 # ``publish`` arguments below: a ``decode_boundary.common.contract.PublishTarget``
 # (or any object with its attributes); ``NO_PUBLISH`` when the GEMM does not publish.
-_WORKSPACES: dict[tuple[torch.device, int], torch.Tensor] = {}
-_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+# Split-K scratch, keyed (device, stream id, size in bytes): module docstring.
+_WORKSPACES: dict[tuple[torch.device, int, int], torch.Tensor] = {}
+_COUNTERS: dict[tuple[torch.device, int, int], torch.Tensor] = {}
 _DUMMIES: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+HOST_STREAM = 0  # the one stream of a CPU (interpreter) launch
 
 
 def weight_operands(layer) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
@@ -74,17 +99,52 @@ def _aligned(*tensors: torch.Tensor) -> None:
                              f"{tuple(t.shape)} at {t.data_ptr():#x}")
 
 
+def _launch_stream(device: torch.device):
+    """(key, stream) of the stream a launch on ``device`` runs on now: the current
+    CUDA stream and its ``stream_id``; (``HOST_STREAM``, None) off CUDA."""
+    if device.type != "cuda":
+        return HOST_STREAM, None
+    stream = torch.cuda.current_stream(device)
+    return stream.stream_id, stream
+
+
+def _default_capture_stream(device: torch.device):
+    """The stream ``torch.cuda.graph`` captures on when given none, if it is on
+    ``device``; created here as ``torch.cuda.graph`` creates it on first use (a
+    pool stream of the current device), so an allocation before the first
+    capture can serve it. None where this torch has no such stream or it is on
+    another device."""
+    graph = torch.cuda.graph
+    if not hasattr(graph, "default_capture_stream"):
+        return None
+    stream = graph.default_capture_stream
+    if stream is None and device.index == torch.cuda.current_device():
+        stream = graph.default_capture_stream = torch.cuda.Stream(device)
+    return stream if stream is not None and stream.device == device else None
+
+
 def _cached(cache: dict, device: torch.device, nbytes: int, make) -> torch.Tensor:
-    """A buffer of >= nbytes for ``device``, sized to a power of two and kept
-    forever (a captured graph may hold it); never allocated during capture."""
+    """The launching stream's buffer of >= nbytes on ``device`` (module
+    docstring), sized to a power of two and kept forever (a captured graph may
+    hold it); never allocated during capture. An allocation (outside capture)
+    also allocates for ``torch.cuda.graph``'s default capture stream."""
     size = max(4096, 1 << (nbytes - 1).bit_length())
-    key = (device, size)
-    buf = cache.get(key)
-    if buf is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("MXFP8 GEMM workspace missing during CUDA graph capture: call "
-                               "decode_boundary.gemm.precompile(layer, rows) before capturing")
-        buf = cache[key] = make(size, device)
+    key, stream = _launch_stream(device)
+    buf = cache.get((device, key, size))
+    if buf is not None:
+        return buf
+    if stream is not None and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"MXFP8 GEMM split-K workspace missing during CUDA graph capture on stream "
+            f"{stream} (stream_id {key}, {device}): scratch belongs to the stream that launches; "
+            "call decode_boundary.gemm.precompile(layer, rows, stream=<capture stream>) (or "
+            "precompile / one eager call with that stream current) before capturing")
+    buf = cache.setdefault((device, key, size), make(size, device))
+    if stream is not None:
+        capture = _default_capture_stream(device)
+        if capture is not None and (device, capture.stream_id, size) not in cache:
+            cache[(device, capture.stream_id, size)] = make(size, device)
+            capture.wait_stream(stream)  # its zero fill (on this stream) precedes its uses
     return buf
 
 
@@ -173,13 +233,20 @@ def launch_low_latency(layer, a, out: torch.Tensor, tactic: Tactic, publish=None
     return out
 
 
-def warmup_low_latency(layer, rows: int, tactic: Tactic, publish=None, bf16_input: bool = False):
+def warmup_low_latency(layer, rows: int, tactic: Tactic, publish=None, bf16_input: bool = False,
+                       stream: torch.cuda.Stream | None = None):
     """Compile (launch nothing) the kernel ``launch_low_latency`` runs for
-    ``rows`` rows, ``tactic`` and the input kind, and allocate its workspace;
-    returns the compiled kernel (None in the interpreter). Peer addresses are
-    checked here, outside any capture: a host read of the table would synchronize."""
+    ``rows`` rows, ``tactic`` and the input kind, and allocate its split-K
+    scratch for the current stream, or for ``stream`` (the one later launches or
+    a capture run on: module docstring), and for ``torch.cuda.graph``'s default
+    capture stream; returns the compiled kernel (None in the interpreter). Peer
+    addresses are checked here, outside any capture: a host read of the table
+    would synchronize."""
     storage, _, n, k, groups = weight_operands(layer)
     device = storage.device
+    if stream is not None and device.type == "cuda":
+        with torch.cuda.stream(stream):
+            return warmup_low_latency(layer, rows, tactic, publish, bf16_input)
     a_k = groups * k
     if bf16_input:
         a = torch.empty(rows, a_k, dtype=torch.bfloat16, device=device)

@@ -1,0 +1,199 @@
+"""Bounded host waits of ``BoundaryAllReduce`` (docs/FAILURES.md): every call
+that blocks the host on a peer gives up after a timeout and raises
+``RuntimeError`` naming the ranks that did not arrive.
+
+* :func:`barrier`: a barrier over the rendezvous store of ``torch.distributed``
+  (the default store: a ``TCPStore`` under torchrun or ``tcp://``), not over
+  the group's communicator. Each rank sets its key, then polls for everyone's
+  until the timeout, so the ranks still missing can be named. Keys are tagged
+  by purpose (``compile``, ``reset-a``, ``reset-b``) and numbered per tag
+  within an *epoch* (advanced by every completed collective reset,
+  :func:`next_epoch`): barriers of different purposes never pair with each
+  other (a rank in ``reset()`` is never taken for one in a compile barrier),
+  and a rank that left a barrier out because it aborted its step is back in
+  step after the reset. A rank that signalled an abort (:func:`signal_abort`)
+  counts as arrived where the caller allows it (compile barriers: an aborting
+  rank compiles nothing and publishes its poison instead).
+* :func:`wait_work`: a collective's ``Work`` waited with a timeout (the
+  gather transport on CPU / gloo); after a failure (gloo reports a dead peer
+  at once: "Connection closed by peer") or a timeout, a presence check over
+  the store names the ranks that are gone.
+* :func:`sync_device`: a device synchronize that gives up after the timeout
+  (in a helper thread: a GPU stuck in a collective cannot be interrupted).
+
+Group state (epoch, per-tag sequence numbers) is per process group name and
+shared by every all-reduce on that group: collective calls happen in the same
+order on every rank, which is what keeps the numbers equal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..env import logger
+
+POLL_MIN_S, POLL_MAX_S = 0.0005, 0.02  # store polling: back off from 0.5 ms to 20 ms
+
+
+@dataclass
+class _GroupState:
+    epoch: int = 0
+    seq: dict = field(default_factory=dict)
+    last_key: str | None = None  # this rank's key of its last passed barrier
+    abort_key: str | None = None  # this rank's abort key in the current epoch
+
+
+_STATE: dict[str, _GroupState] = {}
+
+
+def _state(group) -> _GroupState:
+    return _STATE.setdefault(group.group_name, _GroupState())
+
+
+def _prefix(group, epoch: int) -> str:
+    return f"decode_boundary/{group.group_name}/e{epoch}"
+
+
+def _store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception as error:  # noqa: BLE001 - say what is missing
+        raise RuntimeError("decode_boundary: bounded host waits need the rendezvous store of "
+                           "torch.distributed (init_process_group first)") from error
+
+
+def _me(group) -> tuple[int, int]:
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _store_error(me: int, what: str, error: Exception) -> RuntimeError:
+    return RuntimeError(
+        f"decode_boundary rank {me}: {what}: the rendezvous store is unreachable ({error}); "
+        "the process hosting it (usually global rank 0, or torchrun's agent) has died")
+
+
+def _arrivals(group, tag: str, timeout_s: float, what: str, aborts_arrive: bool) -> list[int]:
+    """Set this rank's key of the next ``tag`` barrier, poll for the others'
+    until ``timeout_s``; returns the ranks still missing (empty: all arrived)."""
+    me, ranks = _me(group)
+    state = _state(group)
+    seq = state.seq.get(tag, 0)
+    state.seq[tag] = seq + 1
+    base = f"{_prefix(group, state.epoch)}/{tag}{seq}/"
+    abort_base = f"{_prefix(group, state.epoch)}/abort/"
+    store = _store()
+    try:
+        store.set(base + str(me), "1")
+        pending = [r for r in range(ranks) if r != me]
+        deadline = time.monotonic() + timeout_s
+        delay = POLL_MIN_S
+        while True:
+            pending = [r for r in pending if not store.check([base + str(r)])]
+            if pending and aborts_arrive:
+                pending = [r for r in pending if not store.check([abort_base + str(r)])]
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(delay)
+            delay = min(2 * delay, POLL_MAX_S)
+        if not pending:
+            # Everyone has passed this barrier, hence my previous one: its key can go.
+            if state.last_key is not None:
+                store.delete_key(state.last_key)
+            state.last_key = base + str(me)
+    except RuntimeError as error:
+        raise _store_error(me, what, error) from error
+    return pending
+
+
+def barrier(group, timeout_s: float, tag: str, what: str, aborts_arrive: bool = False) -> None:
+    """Every rank of ``group`` reaches this ``tag`` barrier within ``timeout_s``
+    seconds, or ``RuntimeError`` naming the ranks that did not (module
+    docstring). ``aborts_arrive``: a rank that signalled an abort in this
+    epoch counts as arrived."""
+    missing = _arrivals(group, tag, timeout_s, what, aborts_arrive)
+    if missing:
+        me, _ = _me(group)
+        raise RuntimeError(
+            f"decode_boundary rank {me}: rank(s) {missing} did not reach {what} within "
+            f"{timeout_s:g} s (dead, hung, or still busy in an earlier call); nothing was "
+            "changed on this rank. If they are dead, the group cannot continue: recreate it")
+
+
+def signal_abort(group, why: str) -> None:
+    """Record in the store that this rank aborted its step (compile barriers of
+    this epoch then count it as arrived). Best effort: the device poison is
+    the abort's real channel."""
+    me, _ = _me(group)
+    state = _state(group)
+    key = f"{_prefix(group, state.epoch)}/abort/{me}"
+    try:
+        _store().set(key, why[:200])
+        state.abort_key = key
+    except Exception as error:  # noqa: BLE001 - the poison still tells the peers
+        logger.warning("rank %d: could not record the abort in the store: %s", me, error)
+
+
+def next_epoch(group) -> None:
+    """After a completed collective reset (every rank calls it there): a new
+    epoch, every tag's sequence back to 0, this rank's abort key gone."""
+    state = _state(group)
+    if state.abort_key is not None:
+        with contextlib.suppress(Exception):  # a stale key of an old epoch is never read
+            _store().delete_key(state.abort_key)
+    state.epoch += 1
+    state.seq.clear()
+    state.abort_key = None
+
+
+def wait_work(work, group, timeout_s: float, what: str) -> None:
+    """Wait for a collective's ``work`` at most ``timeout_s`` seconds; on a
+    failure or timeout, name the ranks that do not reach a presence check
+    within ``timeout_s`` either (the survivors all get there), and raise
+    ``RuntimeError``. The group is then unusable (its collective sequence is
+    broken): recreate it."""
+    try:
+        work.wait(timeout=timedelta(seconds=timeout_s))
+        return
+    except Exception as error:  # noqa: BLE001 - gloo raises RuntimeError, others may differ
+        failure = error
+    me, _ = _me(group)
+    try:
+        gone = _arrivals(group, "presence", timeout_s, what, aborts_arrive=False)
+    except RuntimeError as error:
+        gone, failure = None, f"{failure}; {error}"
+    who = f"rank(s) {gone}" if gone else "a peer"
+    raise RuntimeError(
+        f"decode_boundary rank {me}: {what} failed or timed out (bound {timeout_s:g} s): "
+        f"{who} dead or hung ({failure}). The group cannot continue: recreate it") from None
+
+
+def sync_device(device: torch.device, timeout_s: float, what: str) -> None:
+    """``torch.cuda.synchronize(device)`` that raises ``RuntimeError`` after
+    ``timeout_s`` seconds instead of blocking (the helper thread it runs in
+    stays blocked behind the stuck work). Nothing to do off CUDA."""
+    if device.type != "cuda":
+        return
+    done, errors = threading.Event(), []
+
+    def run() -> None:
+        try:
+            torch.cuda.synchronize(device)
+        except BaseException as error:  # noqa: BLE001 - re-raised in the caller
+            errors.append(error)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="decode_boundary-sync", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise RuntimeError(
+            f"decode_boundary: {what}: this rank's GPU work did not finish within {timeout_s:g} s "
+            "(a collective waiting for a dead peer?)")
+    if errors:
+        raise errors[0]

@@ -78,15 +78,21 @@ def mxfp8_buffers(m, h=H, device="cpu"):
     return data, torch.full((mxfp8_scale_bytes(m, h),), 0xAB, dtype=torch.uint8, device=device)
 
 
-def check_step(d, res_out, layer, q=None, eps=EPS):
+def check_step(d, res_out, layer, q=None, eps=EPS, rounded_once=True):
     """residual_out, layer_input (and MXFP8) against consumer_fp64 and consumer_ref
-    (module docstring's bars)."""
+    (module docstring's bars). ``rounded_once=False``: layer_input may be one BF16
+    step from the FP64 value everywhere (a path that does not fix the norm's
+    rounding points, e.g. inductor's fused reduction and approximate rsqrt); eps
+    still moves these inputs by many steps, so a missing eps is still caught."""
     want_res, prenorm, y, y_eps = consumer_fp64(d["xs"], d["residual"], d["post"], d["comb"],
                                                 d["pre"], d["gamma"], eps)
     assert torch.equal(res_out.cpu().view(torch.int16), want_res.view(torch.int16))
     for r in ZERO_ROWS:
         assert bool((prenorm[r] == 0).all()) and bool((layer[r].cpu() == 0).all()), r
-    check_rounded_once(layer, y, y_eps, "layer_input", min_strict=0.95)
+    if rounded_once:
+        check_rounded_once(layer, y, y_eps, "layer_input", min_strict=0.95)
+    else:
+        assert bool(((layer.cpu().double() - y).abs() <= bf16_ulp(y)).all())
     ref_res, ref_layer, _ = consumer_ref([x.cpu() for x in d["xs"]], d["residual"].cpu(),
                                          d["post"].cpu(), d["comb"].cpu(), d["pre"].cpu(),
                                          d["gamma"].cpu(), eps)
@@ -332,4 +338,7 @@ def test_gpu_strong_baseline_mhc_rmsnorm_at_an_eps_that_matters():
     reduced, args, d = strong_inputs(seed=8)
     args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
     res_out, layer = fn(reduced.cuda(), *args)
-    check_step(d, res_out, layer)
+    # Inductor fuses the mean square in its own order and uses the hardware rsqrt:
+    # measured on the H200, 147 of 1280 elements one BF16 step from the once-rounded
+    # FP64 value. A speed baseline (BASELINE_RTOL), so one step is its bar.
+    check_step(d, res_out, layer, rounded_once=False)

@@ -7,7 +7,8 @@ partials, and the mailbox (:mod:`.mailbox`) opened for it.
   GPU memory (same host and ``can_device_access_peer``) and one rank per GPU
   (symmetric memory cannot map two mailboxes of one GPU).
 * ``"nccl"``: the fallback. Each rank's partial is all-gathered over the group
-  into a ``[tp, M, H]`` buffer (:func:`gather_partials`) that the same
+  into a ``[tp, M, H]`` buffer (``BoundaryAllReduce``, bounded by its host
+  timeout over gloo) that the same
   consumer reads (``lamport=False``), with identical results; only the device
   words and norm scratch are allocated, no mailbox buffer.
 * ``"auto"``: the mailbox where every rank reaches every other, else NCCL.
@@ -132,13 +133,3 @@ def open_transport(group: dist.ProcessGroup | None, capacity: int, hidden: int,
     if transport == "mailbox":
         return symmetric_mailbox(group, capacity, hidden, device), transport
     return local_words(group, capacity, hidden, device), transport
-
-
-def gather_partials(x: torch.Tensor, tp: int, group: dist.ProcessGroup | None,
-                    compile_only: bool = False) -> torch.Tensor:
-    """The NCCL transport's ``[tp, M, H]`` buffer of every rank's ``x`` [M, H],
-    all-gathered over ``group`` (``compile_only``: allocated, not filled)."""
-    gathered = torch.empty(tp, *x.shape, dtype=x.dtype, device=x.device)
-    if not compile_only:
-        dist.all_gather_into_tensor(gathered.view(-1, x.shape[1]), x, group=group)
-    return gathered

@@ -9,10 +9,13 @@ bit-identical. An eps that matters, zero rows and the cooperative path over
 several chunks: tests/test_consumer_numerics.py.
 """
 
+import functools
+
 import pytest
 import torch
 import triton
 import triton.language as tl
+from boundary_inputs import random_step
 from independent_ref import assert_mxfp8_equal
 
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
@@ -34,18 +37,7 @@ def bits(t):
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.uint8)
 
 
-def step_inputs(m, tp, seed, hc=HC, h=H):
-    g = torch.Generator().manual_seed(seed)
-    xs = [torch.randn(m, h, generator=g).bfloat16() for _ in range(tp)]
-    xs[0][0, :3] = -0.0  # a published -0 must read as +0, never as "unwritten"
-    return dict(
-        xs=xs,
-        residual=torch.randn(m, hc, h, generator=g).bfloat16(),
-        post=torch.rand(m, hc, generator=g) * 2,
-        comb=torch.rand(m, hc, hc, generator=g),
-        pre=torch.rand(m, hc, generator=g),
-        gamma=(1 + 0.1 * torch.randn(h, generator=g)).bfloat16(),
-    )
+step_inputs = functools.partial(random_step, hc=HC, h=H)
 
 
 def mxfp8_buffers(m, h=H):

@@ -9,6 +9,7 @@ are bit-identical to a fresh group's. The randomized test runs many such steps.
 """
 
 import contextlib
+import functools
 import math
 import os
 import random
@@ -16,6 +17,7 @@ import time
 
 import pytest
 import torch
+from boundary_inputs import random_step
 
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
 from decode_boundary.boundary.consumer import consume, status_error, sumsq_columns
@@ -39,16 +41,7 @@ def bits(t):
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.uint8)
 
 
-def step_inputs(m, tp, seed, h=H):
-    g = torch.Generator().manual_seed(seed)
-    return dict(
-        xs=[torch.randn(m, h, generator=g).bfloat16() for _ in range(tp)],
-        residual=torch.randn(m, HC, h, generator=g).bfloat16(),
-        post=torch.rand(m, HC, generator=g) * 2,
-        comb=torch.rand(m, HC, HC, generator=g),
-        pre=torch.rand(m, HC, generator=g),
-        gamma=(1 + 0.1 * torch.randn(h, generator=g)).bfloat16(),
-    )
+step_inputs = functools.partial(random_step, hc=HC, h=H)
 
 
 def mxfp8_buffers(m, h=H):

@@ -1,8 +1,10 @@
 """Where the time of one rank's fused boundary goes, per kernel, inside the chain.
 
 Every program of the GEMMs and the consumer stamps ``%globaltimer`` when it
-starts, when it has passed its grid-dependency wait and when it ends
-(``decode_boundary.common.timeline``). The fused boundary (grouped wo_a ->
+starts, when it has passed its grid-dependency wait and when it ends, and
+marks inside (``decode_boundary.common.timeline``: the GEMM's products done;
+the consumer's slots in and residual_out stored, then its token's RMSNorm
+partials met). The fused boundary (grouped wo_a ->
 publishing wo_b -> consumer -> fused_wqa_wkv) runs as a CUDA graph of many
 back-to-back steps on rotated weight copies (cold L2), with PDL, like the
 bench; per kernel the table gives, relative to the step's first program start
@@ -27,15 +29,21 @@ from decode_boundary.common.timing import graph_time_us
 from decode_boundary.model.chain import AttentionBoundary
 
 STEPS = 24  # steps in the graph; the first and last few are left out of the medians
-FIELDS = ("first_start", "last_start", "median_waited", "last_waited", "median_end",
-          "last_end")
+FIELDS = ("first_start", "last_start", "median_waited", "last_waited", "median_mark1",
+          "median_mark2", "median_end", "last_end")
 
 
 def _kernel_times(stamps: torch.Tensor, first: int, programs: int, t0: int) -> dict:
     s = stamps[first:first + programs].double()
-    start, waited, end = ((s[:, i] - t0) / 1e3 for i in range(3))  # µs
+    start, waited, mark1, mark2, end = ((s[:, i] - t0) / 1e3 for i in range(timeline.STAMPS))
+
+    def median(x):  # a mark a kernel does not set reads 0: reported as NaN
+        return x.median().item() if bool((s[:, 0] > 0).all()) and x.min() > -t0 / 1e3 \
+            else float("nan")
+
     return {"first_start": start.min().item(), "last_start": start.max().item(),
             "median_waited": waited.median().item(), "last_waited": waited.max().item(),
+            "median_mark1": median(mark1), "median_mark2": median(mark2),
             "median_end": end.median().item(), "last_end": end.max().item(),
             "programs": programs}
 

@@ -9,7 +9,7 @@ from decode_boundary.common import timeline
 
 
 def test_slots_in_launch_order_and_a_full_buffer_is_an_error():
-    rec = timeline.Recording(torch.zeros(10, 3, dtype=torch.int64))
+    rec = timeline.Recording(torch.zeros(10, timeline.STAMPS, dtype=torch.int64))
     assert rec.reserve("a", 4) == 0 and rec.reserve("b", 5) == 4
     assert rec.launches == [("a", 0, 4), ("b", 4, 5)]
     with pytest.raises(RuntimeError, match="full"):

@@ -115,7 +115,7 @@ import triton.language as tl
 
 from ..common.contract import ABORT_BITS, SENTINEL_BITS, STAGE_ACTIVE, STAGE_NEXT, STAGES
 from ..common.rounding import quantize_groups, swizzled_offset, to_bf16_rne, zero_scale_padding
-from ..common.timeline import END, START, WAITED, stamp
+from ..common.timeline import END, MARK1, MARK2, START, WAITED, stamp
 
 PLAIN, RESIDUAL_ONLY, FULL = 0, 1, 2  # MODE values (host side)
 _PLAIN, _FULL = tl.constexpr(PLAIN), tl.constexpr(FULL)
@@ -460,11 +460,13 @@ def consumer_kernel(
         prenorm = _consume_chunk(mailbox_ptr, status_ptr, out_ptr, slot_row, row_stride,
                                  wait_bound, res, post, comb, pre, m, cols, cmask,
                                  TP, HC, HIDDEN, MODE, LAMPORT, USE_PTX)
+        stamp(stamp_ptr, slot, MARK1, TIMELINE)  # slots in, residual_out stored
         if MODE == _FULL:
             _publish_partial(sumsq_ptr, m, chunk, tl.sum(prenorm * prenorm, axis=0), tag, UNITS,
                              BLOCK_H)
             total = _wait_partials(sumsq_ptr, status_ptr, m, tag, wait_bound, UNITS, UNITS_P2,
                                    USE_PTX)
+            stamp(stamp_ptr, slot, MARK2, TIMELINE)  # the token's partials met
             if chunk == 0:  # every program has read the old generation: it tagged with it
                 tl.store(generation_ptr + m, tag)
             _norm_chunk(prenorm, gamma, total, eps, layer_ptr, qdata_ptr, qscale_ptr, m, chunk,

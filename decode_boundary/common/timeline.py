@@ -3,8 +3,10 @@
 variant; the default variant's code is unchanged).
 
 Each program of an instrumented kernel (the MXFP8 GEMM, the consumer) writes
-three ``%globaltimer`` readings (ns) to its slot of the recording's buffer:
-when it starts, when it has passed its grid-dependency wait, when it ends.
+``%globaltimer`` readings (ns) to its slot of the recording's buffer: when it
+starts, when it has passed its grid-dependency wait, when it ends, and up to
+two marks inside its body (``MARK1``, ``MARK2``: each kernel's docstring or
+stamp call says where; 0 where a kernel sets none).
 Launchers reserve the slots on the host at launch (or capture) time, in
 launch order, so a CUDA graph captured inside the block records every replay
 into the same slots. ``benchmarks/timeline.py`` turns them into the
@@ -23,8 +25,10 @@ import triton.language as tl
 
 from decode_boundary.env import interpret_mode
 
-# The three stamps of a program (constexpr: kernels read them).
-START, WAITED, END = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+# The stamps of a program (constexpr: kernels read them), STAMPS per slot.
+START, WAITED, MARK1, MARK2, END = (tl.constexpr(i) for i in range(5))
+STAMPS = 5
+_STAMPS = tl.constexpr(STAMPS)
 
 
 @dataclass
@@ -32,7 +36,7 @@ class Recording:
     """Slots of every instrumented launch made inside the block: ``launches``
     holds (kernel name, first slot, programs) in launch order."""
 
-    stamps: torch.Tensor  # int64 [slots, 3] on the device
+    stamps: torch.Tensor  # int64 [slots, STAMPS] on the device
     launches: list[tuple[str, int, int]] = field(default_factory=list)
     used: int = 0
 
@@ -55,7 +59,7 @@ def recording(device: torch.device | str, slots: int = 1 << 16) -> Iterator[Reco
     if interpret_mode() or torch.device(device).type != "cuda":
         raise RuntimeError("a timeline reads %globaltimer: it needs a CUDA device and compiled "
                            "kernels (not the Triton interpreter)")
-    previous, _active = _active, Recording(torch.zeros(slots, 3, dtype=torch.int64,
+    previous, _active = _active, Recording(torch.zeros(slots, STAMPS, dtype=torch.int64,
                                                        device=device))
     try:
         yield _active
@@ -81,4 +85,4 @@ def stamp(stamp_ptr, slot, which: tl.constexpr, TIMELINE: tl.constexpr):
         now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r",
                                         [tl.zeros((1,), tl.int32)], dtype=tl.int64,
                                         is_pure=False, pack=1)
-        tl.store(stamp_ptr + slot.to(tl.int64) * 3 + which + tl.arange(0, 1), now)
+        tl.store(stamp_ptr + slot.to(tl.int64) * _STAMPS + which + tl.arange(0, 1), now)

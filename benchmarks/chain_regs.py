@@ -1,0 +1,123 @@
+"""Register footprint against the chain: joint (warps, K-piece) choices of the
+three GEMMs of one rank's fused boundary, timed inside the chain.
+
+Why: inside the chain a GEMM's programs start (PDL) while the kernel before it
+still runs, and they can only start where that kernel has left registers free.
+A program's weight slice is held in registers from before its grid wait to its
+products; the compiler's temporaries for one K-piece (``chunk_k`` wide) come on
+top. With the tactics pinned from GEMMs timed alone, wo_a (3 programs per SM's
+registers) leaves room for about one wo_b program per SM, so most of wo_b's 640
+programs start only as wo_a's exit and issue their loads then (the "second
+wave" of benchmarks/NOTES.md). Narrower pieces and fewer warps hold the same
+bytes in fewer registers. This script prints each variant's registers per
+thread, and times the chain (the one timer, cold L2) for the cartesian product
+of the candidates below, each layer's block_n and split-K kept; optionally
+also wo_b's L2 prefetch for later programs (``Tactic.prefetch_ahead``). The
+best combination is checked (fused = unfused bits, both against the
+reference).
+
+    PYTHONPATH=. python benchmarks/chain_regs.py [--tp-shapes 4] [--rows 1]
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import torch
+
+from decode_boundary.bench.harness import one_gpu_boundary, one_gpu_parser, one_gpu_result
+from decode_boundary.bench.report import git_commit, write_json
+from decode_boundary.common.timing import graph_time_us
+from decode_boundary.gemm.autotune import AUTOTUNER
+from decode_boundary.gemm.launcher import warmup_low_latency
+from decode_boundary.gemm.tactics import default_tactic, is_valid, row_bucket
+from decode_boundary.model.chain import AttentionBoundary, check_outputs, outputs_identical
+
+LAYERS = ("wo_a", "wo_b", "fused_wqa_wkv")
+SHAPES = ((2, 256), (2, 512), (2, 1024), (4, 256), (4, 512), (4, 1024))  # (warps, chunk_k)
+PREFETCH = (132, 264, 320)
+
+
+def _key(layer, rows: int) -> tuple:
+    k, n = layer.weight.shape
+    return n, k, getattr(layer, "groups", 1), row_bucket(rows)
+
+
+def _candidates(layer, rows: int) -> list:
+    n, k, groups, _ = _key(layer, rows)
+    base = default_tactic(n, k, rows, groups)
+    out = [base]
+    for warps, chunk in SHAPES:
+        t = base._replace(num_warps=warps, chunk_k=chunk)
+        if t not in out and is_valid(t, n, k, rows, groups):
+            out.append(t)
+    return out
+
+
+def _registers(layer, rows: int, tactic, bf16: bool) -> int:
+    compiled = warmup_low_latency(layer, rows, tactic, bf16_input=bf16)
+    compiled.run  # noqa: B018 - loads the module, which sets n_regs
+    return compiled.n_regs
+
+
+def sweep(ab: AttentionBoundary, views: list, rows: int, device: torch.device,
+          prefetch: bool) -> dict:
+    inputs = ab.make_inputs(rows, seed=rows)
+    steps = [functools.partial(v, inputs, fused=True) for v in views]
+    layers = [getattr(ab, name) for name in LAYERS]
+    keys = [_key(layer, rows) for layer in layers]
+    cands = [_candidates(layer, rows) for layer in layers]
+    regs = {}
+    for name, layer, options in zip(LAYERS, layers, cands, strict=True):
+        for t in options:
+            regs[(name, tuple(t))] = _registers(layer, rows, t, name != "fused_wqa_wkv")
+            print(f"{name:14s} {tuple(t)}: {regs[(name, tuple(t))]} registers", flush=True)
+    trials = []
+    combos = list(itertools.product(*cands))
+    if prefetch:
+        table = tuple(c[0] for c in cands)
+        combos += [(table[0], table[1]._replace(prefetch_ahead=p), table[2]) for p in PREFETCH
+                   if is_valid(table[1]._replace(prefetch_ahead=p), *keys[1][:2], rows)]
+    for combo in combos:
+        for key, t in zip(keys, combo, strict=True):
+            AUTOTUNER.cache[key] = t
+        try:
+            us = graph_time_us(steps, device)
+        except Exception as e:  # a variant that does not run is a result, not the end
+            print(f"failed: {[tuple(t) for t in combo]}: {e}", flush=True)
+            continue
+        trials.append({"tactics": [t._asdict() for t in combo], "us": us})
+        print(f"M={rows} " + " | ".join(f"{t.num_warps}w {t.chunk_k} pf{t.prefetch_ahead}"
+                                        for t in combo) + f": {us:7.2f} µs", flush=True)
+    best = min(trials, key=lambda r: r["us"])
+    for key, t in zip(keys, best["tactics"], strict=True):
+        AUTOTUNER.cache[key] = type(cands[0][0])(**t)
+    out = ab(inputs, fused=True)
+    failures = [] if outputs_identical(out, ab(inputs, fused=False)) else ["fused != unfused"]
+    failures += check_outputs(out, ab.reference(inputs))
+    for key in keys:
+        AUTOTUNER.cache.pop(key, None)
+    return {"rows": rows, "table_us": trials[0]["us"], "best": best, "trials": trials,
+            "registers": [{"layer": n, "tactic": list(t), "registers": r}
+                          for (n, t), r in regs.items()], "failures": failures}
+
+
+def main() -> None:
+    parser = one_gpu_parser(__doc__.splitlines()[0])
+    parser.add_argument("--prefetch", action="store_true", help="also wo_b's L2 prefetch")
+    args = parser.parse_args()
+    ab, views = one_gpu_boundary(args, seed=5)
+    result = one_gpu_result("chain_regs", args)
+    result["sweeps"] = [sweep(ab, views, rows, ab.device, args.prefetch) for rows in args.rows]
+    ab.close()
+    for s in result["sweeps"]:
+        print(f"\nM = {s['rows']}: table {s['table_us']:.2f} µs, best {s['best']['us']:.2f} "
+              f"{[tuple(t.values()) for t in s['best']['tactics']]}; "
+              f"{'; '.join(s['failures']) or 'checks ok'}")
+    name = f"chain_regs-{args.model}-tp{args.tp_shapes}-shapes-{git_commit() or 'nocommit'}.json"
+    print("wrote", write_json(result, args.out / name))
+
+
+if __name__ == "__main__":
+    main()

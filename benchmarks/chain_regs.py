@@ -35,7 +35,9 @@ from decode_boundary.gemm.tactics import default_tactic, is_valid, row_bucket
 from decode_boundary.model.chain import AttentionBoundary, check_outputs, outputs_identical
 
 LAYERS = ("wo_a", "wo_b", "fused_wqa_wkv")
-SHAPES = ((2, 256), (2, 512), (2, 1024), (4, 256), (4, 512), (4, 1024))  # (warps, chunk_k)
+# (warps, chunk_k) candidates: CUDA-core tiles (1-2 rows), tensor-core tiles (more rows).
+SHAPES = ((2, 256), (2, 512), (2, 1024), (4, 256), (4, 512), (4, 1024))
+DOT_SHAPES = ((4, 64), (4, 128), (8, 64), (8, 128))
 PREFETCH = (132, 264, 320)
 
 
@@ -48,7 +50,7 @@ def _candidates(layer, rows: int) -> list:
     n, k, groups, _ = _key(layer, rows)
     base = default_tactic(n, k, rows, groups)
     out = [base]
-    for warps, chunk in SHAPES:
+    for warps, chunk in SHAPES if base.rows_tile <= 2 else DOT_SHAPES:
         t = base._replace(num_warps=warps, chunk_k=chunk)
         if t not in out and is_valid(t, n, k, rows, groups):
             out.append(t)

@@ -127,3 +127,27 @@ def test_plain_mode_reads_no_early_inputs():
     reduced, layer = consume(d["gathered"], TP, M, mode=PLAIN, lamport=False,
                              partial=d["gathered"][0])  # the partial is inside: nothing early
     assert layer is None and reduced.shape == (M, H)
+
+
+def test_the_all_reduce_checks_the_partial_it_publishes():
+    """BoundaryAllReduce passes its ``x`` as ``partial``: a residual aliasing the
+    partial being reduced is refused with the contract's error, and the next
+    step, with separate buffers, is the same as on a fresh all-reduce."""
+    from decode_boundary.boundary.all_reduce import BoundaryAllReduce
+
+    d = step()
+    inputs = {name: d[name] for name in EARLY_INPUTS}
+    buf = torch.zeros(M * HC * H, dtype=torch.bfloat16)
+    residual = buf.view(M, HC, H)
+    residual.copy_(d["residual"])
+    x = buf[:M * H].view(M, H)  # the partial lives inside the residual's memory
+    ar = BoundaryAllReduce(H, HC, CAP, 2, device="cpu")
+    with pytest.raises(ValueError, match="residual overlaps partial"):
+        ar(x, residual, d["post"], d["comb"], d["pre"], d["norm_weight"], 1e-6)
+    ar.reset()
+    fresh = BoundaryAllReduce(H, HC, CAP, 2, device="cpu")
+    args = (d["post"], d["comb"], d["pre"], d["norm_weight"], 1e-6)
+    got = ar(d["xs"][0], inputs["residual"], *args)
+    want = fresh(d["xs"][0], inputs["residual"], *args)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))

@@ -591,7 +591,8 @@ class BoundaryAllReduce:
         # The status word and bound serve the norm hand-off in both transports.
         scratch = dict(generation=box.generation, sumsq=box.sumsq,
                        prenorm=box.prenorm, tactic=self.tactic, compile_only=compile_only,
-                       status=box.status, wait_bound=self._wait_bound)
+                       status=box.status, wait_bound=self._wait_bound,
+                       partial=x)  # only checked: an early input must not alias it
         if self.transport == "mailbox":
             return consume(box.buffer, self.tp, m, mode=mode, stage_state=box.stage_state,
                            before_launch=before_launch, **scratch, **inputs)

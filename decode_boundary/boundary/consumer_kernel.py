@@ -398,7 +398,7 @@ def consumer_kernel(
     TP: tl.constexpr, HC: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr,
     UNITS_P2: tl.constexpr, MODE: tl.constexpr, QUANT: tl.constexpr, LAMPORT: tl.constexpr,
     COOPERATIVE: tl.constexpr, USE_PTX: tl.constexpr, USE_PDL: tl.constexpr,
-    TIMELINE: tl.constexpr = False,
+    EARLY_RELEASE: tl.constexpr = False, TIMELINE: tl.constexpr = False,
 ):
     CHUNKS: tl.constexpr = (HIDDEN + BLOCK_H - 1) // BLOCK_H
     UNITS: tl.constexpr = (HIDDEN + 31) // 32  # sumsq row: one word per 32 columns
@@ -415,8 +415,11 @@ def consumer_kernel(
         res, post, comb, pre, gamma = _load_inputs(residual_ptr, post_ptr, comb_ptr, pre_ptr,
                                                    gamma_ptr, m, cols, cmask, HC, HIDDEN, MODE)
     if USE_PDL:
+        if EARLY_RELEASE:
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if not EARLY_RELEASE:
+            tl.extra.cuda.gdc_launch_dependents()
     stamp(stamp_ptr, slot, WAITED, TIMELINE)
     stage = tl.full((), 0, tl.int32)  # a tensor in both modes (the NCCL path has no stage)
     if LAMPORT:

@@ -1,5 +1,5 @@
-"""When the consumer releases its PDL dependents: after its grid wait (today)
-or at its start, before the wait.
+"""When the consumer releases its PDL dependents: after its grid wait (today),
+at its start (before the wait), or after its RMSNorm hand-off.
 
 Why: the timeline's marks show the consumer's RMSNorm hand-off (its programs
 meeting through the tagged sum-of-squares words) taking ~2.8 µs inside the
@@ -31,6 +31,7 @@ from decode_boundary.common.timing import graph_time_us  # noqa: E402
 from decode_boundary.model.chain import check_outputs, outputs_identical  # noqa: E402
 
 ROUNDS = 4
+RELEASES = {0: "after_wait", 1: "at_start", 2: "after_handoff"}
 
 
 def main() -> None:
@@ -41,19 +42,19 @@ def main() -> None:
     for rows in args.rows:
         inputs = ab.make_inputs(rows, seed=rows)
         steps = [functools.partial(v, inputs, fused=True) for v in views]
-        times = {False: [], True: []}
+        times = {r: [] for r in RELEASES}
         for _ in range(ROUNDS):
-            for early in (False, True):
-                consumer.EARLY_RELEASE = early
+            for early in RELEASES:
+                consumer.RELEASE = early
                 times[early].append(graph_time_us(steps, ab.device))
         entry = {"rows": rows}
-        for early in (False, True):
-            consumer.EARLY_RELEASE = early
+        for early in RELEASES:
+            consumer.RELEASE = early
             out = ab(inputs, fused=True)
             same = outputs_identical(out, ab(inputs, fused=False))
             failures = [] if same else ["fused != unfused"]
             failures += check_outputs(out, ab.reference(inputs))
-            name = "at_start" if early else "after_wait"
+            name = RELEASES[early]
             entry[name] = {"us": times[early], "median_us": statistics.median(times[early]),
                            "failures": failures,
                            "timeline": profile(ab, views, rows, ab.device)}
@@ -65,7 +66,7 @@ def main() -> None:
                       f"mark1 {k['median_mark1']:6.2f} mark2 {k['median_mark2']:6.2f} "
                       f"end {k['median_end']:6.2f} / {k['last_end']:6.2f}", flush=True)
         result["rows"].append(entry)
-    consumer.EARLY_RELEASE = False
+    consumer.RELEASE = 0
     ab.close()
     commit = git_commit() or "nocommit"
     name = f"consumer_release-{args.model}-tp{args.tp_shapes}-shapes-{commit}.json"

@@ -11,10 +11,8 @@ programs start only as wo_a's exit and issue their loads then (the "second
 wave" of benchmarks/NOTES.md). Narrower pieces and fewer warps hold the same
 bytes in fewer registers. This script prints each variant's registers per
 thread, and times the chain (the one timer, cold L2) for the cartesian product
-of the candidates below, each layer's block_n and split-K kept; optionally
-also wo_b's L2 prefetch for later programs (``Tactic.prefetch_ahead``). The
-best combination is checked (fused = unfused bits, both against the
-reference).
+of the candidates below, each layer's block_n and split-K kept. The best
+combination is checked (fused = unfused bits, both against the reference).
 
     PYTHONPATH=. python benchmarks/chain_regs.py [--tp-shapes 4] [--rows 1]
 """
@@ -38,7 +36,6 @@ LAYERS = ("wo_a", "wo_b", "fused_wqa_wkv")
 # (warps, chunk_k) candidates: CUDA-core tiles (1-2 rows), tensor-core tiles (more rows).
 SHAPES = ((2, 256), (2, 512), (2, 1024), (4, 256), (4, 512), (4, 1024))
 DOT_SHAPES = ((4, 64), (4, 128), (8, 64), (8, 128))
-PREFETCH = (132, 264, 320)
 
 
 def _key(layer, rows: int) -> tuple:
@@ -63,8 +60,7 @@ def _registers(layer, rows: int, tactic, bf16: bool) -> int:
     return compiled.n_regs
 
 
-def sweep(ab: AttentionBoundary, views: list, rows: int, device: torch.device,
-          prefetch: bool) -> dict:
+def sweep(ab: AttentionBoundary, views: list, rows: int, device: torch.device) -> dict:
     inputs = ab.make_inputs(rows, seed=rows)
     steps = [functools.partial(v, inputs, fused=True) for v in views]
     layers = [getattr(ab, name) for name in LAYERS]
@@ -76,12 +72,7 @@ def sweep(ab: AttentionBoundary, views: list, rows: int, device: torch.device,
             regs[(name, tuple(t))] = _registers(layer, rows, t, name != "fused_wqa_wkv")
             print(f"{name:14s} {tuple(t)}: {regs[(name, tuple(t))]} registers", flush=True)
     trials = []
-    combos = list(itertools.product(*cands))
-    if prefetch:
-        table = tuple(c[0] for c in cands)
-        combos += [(table[0], table[1]._replace(prefetch_ahead=p), table[2]) for p in PREFETCH
-                   if is_valid(table[1]._replace(prefetch_ahead=p), *keys[1][:2], rows)]
-    for combo in combos:
+    for combo in itertools.product(*cands):
         for key, t in zip(keys, combo, strict=True):
             AUTOTUNER.cache[key] = t
         try:
@@ -90,7 +81,7 @@ def sweep(ab: AttentionBoundary, views: list, rows: int, device: torch.device,
             print(f"failed: {[tuple(t) for t in combo]}: {e}", flush=True)
             continue
         trials.append({"tactics": [t._asdict() for t in combo], "us": us})
-        print(f"M={rows} " + " | ".join(f"{t.num_warps}w {t.chunk_k} pf{t.prefetch_ahead}"
+        print(f"M={rows} " + " | ".join(f"{t.num_warps}w {t.chunk_k}"
                                         for t in combo) + f": {us:7.2f} µs", flush=True)
     best = min(trials, key=lambda r: r["us"])
     for key, t in zip(keys, best["tactics"], strict=True):
@@ -106,12 +97,10 @@ def sweep(ab: AttentionBoundary, views: list, rows: int, device: torch.device,
 
 
 def main() -> None:
-    parser = one_gpu_parser(__doc__.splitlines()[0])
-    parser.add_argument("--prefetch", action="store_true", help="also wo_b's L2 prefetch")
-    args = parser.parse_args()
+    args = one_gpu_parser(__doc__.splitlines()[0]).parse_args()
     ab, views = one_gpu_boundary(args, seed=5)
     result = one_gpu_result("chain_regs", args)
-    result["sweeps"] = [sweep(ab, views, rows, ab.device, args.prefetch) for rows in args.rows]
+    result["sweeps"] = [sweep(ab, views, rows, ab.device) for rows in args.rows]
     ab.close()
     for s in result["sweeps"]:
         print(f"\nM = {s['rows']}: table {s['table_us']:.2f} µs, best {s['best']['us']:.2f} "

@@ -68,9 +68,6 @@ from .consumer_kernel import (
 )
 from .publish_kernel import load_module
 
-# Experiment switch (benchmarks/consumer_release.py): when the PDL dependents are
-# released (0 after the grid wait, 1 before it, 2 after the norm hand-off).
-RELEASE = 0
 QUANT_GROUP = 32  # MXFP8 group: a chunk holds whole groups, so it is >= 32 columns
 # Wait bound without %globaltimer, as spins: one spin takes ~1 us on a GPU and
 # ~1 ms in the Triton interpreter.
@@ -376,8 +373,7 @@ def consume(
         TP=tp, HC=hc, HIDDEN=hidden, BLOCK_H=tactic.block_h,
         UNITS_P2=triton.next_power_of_2(sumsq_columns(hidden)), MODE=mode, QUANT=quant,
         LAMPORT=lamport, COOPERATIVE=tactic.cooperative, USE_PTX=ptx,
-        USE_PDL=pdl, RELEASE=RELEASE, TIMELINE=timeline, num_warps=tactic.warps,
-        enable_fp_fusion=False,
+        USE_PDL=pdl, TIMELINE=timeline, num_warps=tactic.warps, enable_fp_fusion=False,
         launch_pdl=pdl, **kwargs,
     )
     if compile_only:

@@ -398,7 +398,7 @@ def consumer_kernel(
     TP: tl.constexpr, HC: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr,
     UNITS_P2: tl.constexpr, MODE: tl.constexpr, QUANT: tl.constexpr, LAMPORT: tl.constexpr,
     COOPERATIVE: tl.constexpr, USE_PTX: tl.constexpr, USE_PDL: tl.constexpr,
-    RELEASE: tl.constexpr = 0, TIMELINE: tl.constexpr = False,
+    TIMELINE: tl.constexpr = False,
 ):
     CHUNKS: tl.constexpr = (HIDDEN + BLOCK_H - 1) // BLOCK_H
     UNITS: tl.constexpr = (HIDDEN + 31) // 32  # sumsq row: one word per 32 columns
@@ -414,15 +414,12 @@ def consumer_kernel(
         # Inputs that earlier kernels produced: load them while the publisher runs.
         res, post, comb, pre, gamma = _load_inputs(residual_ptr, post_ptr, comb_ptr, pre_ptr,
                                                    gamma_ptr, m, cols, cmask, HC, HIDDEN, MODE)
-    # When the PDL dependents are released: RELEASE 0 after the grid wait, 1 before
-    # it, 2 after the norm hand-off (cooperative full mode; else after the wait).
-    LATE: tl.constexpr = RELEASE == 2 and MODE == _FULL and not SERIAL
     if USE_PDL:
-        if RELEASE == 1:
-            tl.extra.cuda.gdc_launch_dependents()
+        # Released here, not earlier or later: the dependent GEMM's weight stream then
+        # overlaps this kernel's body; released before the wait or after the norm
+        # hand-off, the same bytes only moved the contention (benchmarks/NOTES.md).
         tl.extra.cuda.gdc_wait()
-        if RELEASE != 1 and not LATE:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
     stamp(stamp_ptr, slot, WAITED, TIMELINE)
     stage = tl.full((), 0, tl.int32)  # a tensor in both modes (the NCCL path has no stage)
     if LAMPORT:
@@ -473,8 +470,6 @@ def consumer_kernel(
             total = _wait_partials(sumsq_ptr, status_ptr, m, tag, wait_bound, UNITS, UNITS_P2,
                                    USE_PTX)
             stamp(stamp_ptr, slot, MARK2, TIMELINE)  # the token's partials met
-            if USE_PDL and LATE:
-                tl.extra.cuda.gdc_launch_dependents()
             if chunk == 0:  # every program has read the old generation: it tagged with it
                 tl.store(generation_ptr + m, tag)
             _norm_chunk(prenorm, gamma, total, eps, layer_ptr, qdata_ptr, qscale_ptr, m, chunk,

@@ -216,8 +216,7 @@ def _launch_config(layer, a, out, tactic: Tactic, publish):
         SPLIT_K=tactic.split_k, K_SLICE=k_slice, CHUNK=tactic.chunk_k, PIECES=pieces,
         A_BF16=a_bf16, USE_PDL=pdl, INTERPRETER=interpret_mode(), PUBLISH=publish is not None,
         TP=pub.tp, RANK=pub.rank, CAPACITY=pub.capacity, HIDDEN=pub.hidden,
-        PREFETCH_AHEAD=tactic.prefetch_ahead, TIMELINE=timeline, num_warps=tactic.num_warps,
-        num_stages=1, launch_pdl=pdl,
+        TIMELINE=timeline, num_warps=tactic.num_warps, num_stages=1, launch_pdl=pdl,
     )
     return grid, (storage, w_scale, a_data, a_scale, out, *buffers, stamps, first_slot, rows), \
         kwargs

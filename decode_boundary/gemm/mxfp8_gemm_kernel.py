@@ -8,7 +8,7 @@ checks the operands, owns the split-K workspace and launches it.
 ``BLOCK_N`` weight rows (output columns) and a contiguous K-slice of them
 (the whole K unless ``SPLIT_K`` > 1). Before the PDL grid wait it issues
 *every* load of that slice (e4m3 bytes and scale bytes) into registers, in
-16-byte vectors: the slice is cut into PIECES (<= 16, ``tactics.MAX_PIECES``)
+16-byte vectors: the slice is cut into PIECES (<= 8, ``tactics.MAX_PIECES``)
 pieces of CHUNK elements (a power of two: ``tl.arange`` needs one), the last
 one masked at the slice's end, each held in its own registers (the piece loop
 is unrolled at compile time; a run-time loop would serialize them). Nothing
@@ -129,33 +129,6 @@ def _load_weight(w_ptr, ws_ptr, cols, k0, k_end, CH: tl.constexpr, K: tl.constex
 
 
 @triton.jit
-def _prefetch_l2(addresses):
-    """``prefetch.global.L2`` of the 128-byte line holding each address (int64)."""
-    return tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                     [addresses], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_later_blocks(w_ptr, ws_ptr, pid_n, AHEAD: tl.constexpr, N: tl.constexpr,
-                           K: tl.constexpr, BLOCK_N: tl.constexpr, K_TILES: tl.constexpr):
-    """Prefetch into L2 the weight rows and scales of the blocks ``pid_n + j *
-    AHEAD`` (j >= 1): blocks whose programs start only when earlier ones exit
-    (a second wave) then find their bytes in L2. Whole-K blocks only
-    (``SPLIT_K`` = 1: a block's e4m3 rows are one contiguous range)."""
-    LINES: tl.constexpr = BLOCK_N * K // 128
-    lines = tl.arange(0, LINES)
-    rows = tl.arange(0, BLOCK_N)
-    tiles = tl.arange(0, K_TILES)
-    for target in range(pid_n + AHEAD, N // BLOCK_N, AHEAD):
-        base = (w_ptr + target.to(tl.int64) * BLOCK_N * K).to(tl.int64)
-        _prefetch_l2(base + lines.to(tl.int64) * 128)
-        # One line per (row, 4-group tile): a row's 4 scale bytes of a tile are adjacent.
-        scales = ws_ptr + swizzled_offset(target * BLOCK_N + rows[:, None], tiles[None, :] * 4,
-                                          K_TILES)
-        _prefetch_l2(scales.to(tl.int64))
-
-
-@triton.jit
 def _scaled(x, scale, R: tl.constexpr, CH: tl.constexpr):
     """FP32 [R, CH] of values ``x`` [R, CH] times their group scales [R, CH/32] (exact)."""
     v = tl.reshape(x.to(tl.float32), (R, CH // 32, 32)) * _exp2(scale)[:, :, None]
@@ -247,8 +220,7 @@ def mxfp8_gemm_kernel(
     K_SLICE: tl.constexpr, CHUNK: tl.constexpr, PIECES: tl.constexpr,
     A_BF16: tl.constexpr, USE_PDL: tl.constexpr, INTERPRETER: tl.constexpr,
     PUBLISH: tl.constexpr, TP: tl.constexpr, RANK: tl.constexpr,
-    CAPACITY: tl.constexpr, HIDDEN: tl.constexpr, PREFETCH_AHEAD: tl.constexpr = 0,
-    TIMELINE: tl.constexpr = False,
+    CAPACITY: tl.constexpr, HIDDEN: tl.constexpr, TIMELINE: tl.constexpr = False,
 ):
     W_K_TILES: tl.constexpr = (K // 32 + 3) // 4
     A_K: tl.constexpr = GROUPS * K
@@ -271,9 +243,6 @@ def mxfp8_gemm_kernel(
     for i in tl.static_range(PIECES):
         pieces += (_load_weight(w_ptr, w_scale_ptr, cols, k0 + i * CHUNK, k_end, CHUNK, K,
                                 W_K_TILES),)
-    if PREFETCH_AHEAD > 0 and not INTERPRETER:
-        _prefetch_later_blocks(w_ptr, w_scale_ptr, pid_n, PREFETCH_AHEAD, N, K, BLOCK_N,
-                               W_K_TILES)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()

@@ -35,10 +35,6 @@ class Tactic(NamedTuple):
     # pieces, all loaded before the grid wait; one tl.dot (tensor cores) or one
     # group-sum pass (CUDA cores) per piece. Part of the summation order.
     chunk_k: int = 256
-    # Speed only (no effect on bits): before its grid wait a program prefetches
-    # into L2 the weights of blocks pid + j * prefetch_ahead (j >= 1), for the
-    # programs that start only when earlier ones exit. 0 = none; split_k 1 only.
-    prefetch_ahead: int = 0
 
 
 LOW_BATCH_MAX_ROWS = 8
@@ -54,7 +50,7 @@ BLOCK_NS = (4, 8, 16, 32, 64, 128, 256)
 SPLIT_KS = tuple(range(1, 17))
 WARPS = (1, 2, 4, 8)
 CHUNKS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
-MAX_PIECES = 16
+MAX_PIECES = 8
 # Weight bytes a thread holds before the grid wait (its whole slice); above this
 # the upcast spills. Tensor-core tiles hold the BF16 upcast as well: half as much.
 MAX_FMA_BYTES_PER_THREAD = 512
@@ -69,17 +65,6 @@ def k_pieces(k: int, tactic: Tactic) -> tuple[int, int]:
     return k_slice, -(-k_slice // tactic.chunk_k)
 
 
-def _power_of_two(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
-
-
-def _prefetchable(t: Tactic, k: int) -> bool:
-    """The kernel's L2 prefetch covers whole-K blocks of power-of-two line and
-    scale-tile counts (the sizes of its ``tl.arange`` vectors)."""
-    return t.split_k == 1 and (t.block_n * k) % 128 == 0 and \
-        _power_of_two(t.block_n * k // 128) and _power_of_two(-(-(k // 32) // 4))
-
-
 def fits(tactic: Tactic, n: int, k: int, groups: int = 1) -> bool:
     """Whether the kernel can run ``tactic`` on an (N, K) weight of ``groups`` groups."""
     if k % 32 or k <= 0 or n <= 0 or groups < 1 or n % groups:
@@ -90,8 +75,6 @@ def fits(tactic: Tactic, n: int, k: int, groups: int = 1) -> bool:
     if t.rows_tile not in FMA_TILES + DOT_TILES or t.split_k not in SPLIT_KS:
         return False
     if t.chunk_k not in CHUNKS:
-        return False
-    if t.prefetch_ahead < 0 or (t.prefetch_ahead and not _prefetchable(t, k)):
         return False
     dot = t.rows_tile in DOT_TILES
     if dot and t.block_n < 16:

@@ -41,6 +41,7 @@ import torch
 
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
 from decode_boundary.boundary.ops import instance, sync_words
+from decode_boundary.boundary.rejection import abort_step
 from decode_boundary.common.contract import PublishTarget
 from decode_boundary.gemm import (
     LOW_BATCH_MAX_ROWS,
@@ -103,7 +104,7 @@ class PublishingMxfp8Linear:
             # This rank's producer of the step failed: abort the step on every rank
             # at once (docs/FAILURES.md) rather than let the peers wait out their bound.
             if eager and ar._box is not None and ar._failed is None:
-                ar._abort(error, None, published=ar._published is not None)
+                abort_step(ar, error, None, published=ar._published is not None)
             raise
         if not eager:
             # A second publish raises in mark_published while tracing: nothing runs.
@@ -123,7 +124,7 @@ class PublishingMxfp8Linear:
     def _launch(self, linear, x, out: torch.Tensor) -> None:
         """The publishing launch (eager, or inside the custom op). The launcher
         checks every operand before the kernel; a failure aborts the step
-        (``BoundaryAllReduce._abort``: the poison goes where the epilogue would
+        (``boundary.rejection.abort_step``: the poison goes where the epilogue would
         have published) and re-raises."""
         ar = self.all_reduce
         try:
@@ -135,7 +136,7 @@ class PublishingMxfp8Linear:
             launch_low_latency(linear, x, out, tactic, publish=target)
         except Exception as error:
             if ar._box is not None and ar._failed is None:
-                ar._abort(error, out, published=True)
+                abort_step(ar, error, out, published=True)
             raise
 
     def precompile(self, linear: torch.nn.Module, num_tokens: int) -> None:

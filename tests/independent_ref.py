@@ -345,3 +345,46 @@ def consumer_fp64(partials, residual, post, comb, pre, norm_weight, eps: float,
     mean_sq = (prenorm * prenorm).sum(-1, keepdim=True) / h
     y = prenorm / torch.sqrt(mean_sq + eps) * norm_weight.double().cpu()
     return residual_out, prenorm, y, y.abs() * (gamma(h + 1) / 2 + 8 * U)
+
+
+def mhc_mixes_fp64(streams, hc_fn, hc_scale, hc_base, rms_eps: float, hc_eps: float,
+                   iters: int):
+    """A sublayer's mHC mixes (docs/DESIGN.md §5.1) in FP64, token by token and
+    entry by entry with Python floats for the 4 x 4 part (not the package's
+    tensor code): (pre, post, comb) as FP64 tensors."""
+    m, hc, h = streams.shape
+    s = streams.double().reshape(m, hc * h)
+    fn = hc_fn.double()
+    scale = [float(v) for v in hc_scale]
+    base = [float(v) for v in hc_base]
+    pre = torch.empty(m, hc, dtype=torch.float64)
+    post = torch.empty(m, hc, dtype=torch.float64)
+    comb = torch.empty(m, hc, hc, dtype=torch.float64)
+
+    def sigmoid(v):
+        return 1.0 / (1.0 + math.exp(-v))
+
+    for t in range(m):
+        r = 1.0 / math.sqrt(float((s[t] * s[t]).sum()) / (hc * h) + rms_eps)
+        mixes = [float((fn[j] * s[t]).sum()) * r for j in range((2 + hc) * hc)]
+        for i in range(hc):
+            pre[t, i] = sigmoid(mixes[i] * scale[0] + base[i]) + hc_eps
+            post[t, i] = 2.0 * sigmoid(mixes[hc + i] * scale[1] + base[hc + i])
+        logit = [[mixes[2 * hc + a * hc + b] * scale[2] + base[2 * hc + a * hc + b]
+                  for b in range(hc)] for a in range(hc)]  # [source][target]
+        c = []
+        for row in logit:
+            top = max(row)
+            e = [math.exp(v - top) for v in row]
+            c.append([v / sum(e) + hc_eps for v in e])
+
+        def by_columns(c):
+            sums = [sum(c[a][b] for a in range(hc)) + hc_eps for b in range(hc)]
+            return [[c[a][b] / sums[b] for b in range(hc)] for a in range(hc)]
+
+        c = by_columns(c)
+        for _ in range(iters - 1):
+            c = [[v / (sum(row) + hc_eps) for v in row] for row in c]
+            c = by_columns(c)
+        comb[t] = torch.tensor(c, dtype=torch.float64)
+    return pre, post, comb

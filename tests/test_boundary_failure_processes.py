@@ -9,9 +9,7 @@ one device take the gather transport (docs/FAILURES.md).
   reset raise RuntimeError naming it within the bounds (``host_timeout_s``).
 """
 
-import contextlib
 import os
-import queue
 import time
 import traceback
 import warnings
@@ -19,7 +17,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from survivors import run_ranks
 
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
 from decode_boundary.boundary.reference import consumer_ref
@@ -138,25 +136,8 @@ def _survivor(rank: int, world: int, port: int, results) -> None:
 
 def test_dead_peer_is_named_by_the_gather_and_by_reset_within_the_bound():
     world = 3
-    spawn = mp.get_context("spawn")
-    results = spawn.Queue()
-    port = free_port()
-    procs = [spawn.Process(target=_survivor, args=(r, world, port, results), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    got = {}
-    deadline = time.monotonic() + 90
-    try:
-        while len(got) < world - 1 and time.monotonic() < deadline:
-            with contextlib.suppress(queue.Empty):
-                rank, out = results.get(timeout=0.5)
-                got[rank] = out
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(timeout=5)
+    got, procs = run_ranks(_survivor, world, (world, free_port()), reports=world - 1,
+                           timeout_s=90)
     assert procs[world - 1].exitcode == 3
     assert set(got) == {0, 1}, got
     for out in got.values():

@@ -18,7 +18,7 @@ After such an error, every rank calls ``reset(collective=True)``.
 
 Failures (docs/FAILURES.md): every input of a step is checked before anything
 of it reaches a peer or the stage words; a rejected one *aborts* the step
-(:meth:`_abort`: the abort poison goes where this rank's partial would have
+(:func:`.rejection.abort_step`: the abort poison goes where this rank's partial would have
 gone, so the peers' outputs are NaN and their status names this rank), then
 raises ``ValueError``. A rank whose step failed refuses further steps until
 ``reset(collective=True)``. Blocking host waits are bounded by
@@ -42,19 +42,11 @@ raises and asks for :meth:`precompile` (or an eager warm-up call) first.
 
 from __future__ import annotations
 
-import math
-from numbers import Real
-
 import torch
 import torch.distributed as dist
 
 from .. import env
 from ..common.contract import (
-    ABORT_BITS,
-    SENTINEL,
-    STAGE_ACTIVE,
-    STAGE_NEXT,
-    STAGES,
     PublishTarget,
 )
 from . import host_wait, ops
@@ -66,10 +58,11 @@ from .consumer import (
     consumer_tactic,
     status_error,
 )
-from .consumer_kernel import ABORT_BIT, FULL, NORM_TIMEOUT_BIT, PLAIN, RESIDUAL_ONLY
+from .consumer_kernel import FULL, NORM_TIMEOUT_BIT, PLAIN, RESIDUAL_ONLY
 from .finalize_kernel import check_finalize_inputs, finalize_publish
 from .mailbox import Mailbox, simulated_mailboxes
 from .publish_kernel import publish
+from .rejection import abort_step, check_partial, check_reduce_call
 from .transport import TRANSPORTS, exchange, open_transport
 
 # The int32 status word gives rank p bit p and NORM_TIMEOUT_BIT (bit 30) to the
@@ -89,7 +82,7 @@ HOST_TIMEOUT_MIN_S = 60.0
 COMPILE_TIMEOUT_S = 900.0
 
 
-def _all_gather(out: torch.Tensor, x: torch.Tensor, group, async_op: bool = False):
+def all_gather(out: torch.Tensor, x: torch.Tensor, group, async_op: bool = False):
     """``all_gather_single`` where torch has it, else ``all_gather_into_tensor``."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(out, x, group=group, async_op=async_op)
@@ -216,7 +209,7 @@ class BoundaryAllReduce:
         if self._published is not None:
             raise RuntimeError("a published contribution is still unreduced")
         if torch.compiler.is_compiling():
-            self._check_x(x)  # at trace time: nothing runs
+            check_partial(self, x)  # at trace time: nothing runs
             torch.ops.decode_boundary.boundary_publish(self.handle, x, self._box.stage_state)
         else:
             self._publish_launch(x)
@@ -225,11 +218,11 @@ class BoundaryAllReduce:
     def _publish_launch(self, x: torch.Tensor) -> None:
         self._ready()
         try:
-            self._check_x(x)
+            check_partial(self, x)
             self.compile_variants({("publish",):
                                    lambda: self._launch_publish(x, compile_only=True)})
         except Exception as error:
-            self._abort(error, x, published=False)
+            abort_step(self, error, x, published=False)
             raise
         self._launch_publish(x)
 
@@ -269,7 +262,7 @@ class BoundaryAllReduce:
             self.compile_variants({("finalize", expert_weights.dtype, idx.dtype):
                                    lambda: self._launch_finalize(*args, compile_only=True)})
         except Exception as error:
-            self._abort(error, shared_output, published=False)
+            abort_step(self, error, shared_output, published=False)
             raise
         return self._launch_finalize(*args)
 
@@ -316,7 +309,7 @@ class BoundaryAllReduce:
         compilers = {}
         for m in rows:
             x = torch.zeros(m, h, dtype=torch.bfloat16, device=dev)
-            self._check_x(x)
+            check_partial(self, x)
             compilers[("publish",)] = lambda x=x: self._launch_publish(x, compile_only=True)
             for dtype in (torch.float32, torch.bfloat16):
                 compilers[("finalize", dtype, torch.int32)] = lambda x=x, dtype=dtype: (
@@ -450,99 +443,6 @@ class BoundaryAllReduce:
                 "reset(collective=True) on every rank before the next step")
         return box
 
-    def _abort(self, error: Exception, like: object, published: bool) -> None:
-        """Abort this step after ``error`` rejected it (docs/FAILURES.md), before
-        ``error`` is raised. tp = 1: nothing waits for us; a publish of this step
-        is wiped (sentinel fill) and the instance stays usable. tp > 1: the abort
-        poison (``ABORT_BITS``) goes where this step's partial would have gone:
-        into this rank's slot of every peer's mailbox for all ``capacity`` rows
-        (any M a peer uses), at stage NEXT and NEXT + 1 (a peer that already
-        consumed this step with a partial published earlier meets it at its next
-        one), the stage words advance as a consume would; or, in the gather
-        transport, this rank takes part in the step's all-gather with a poison
-        of ``like``'s rows (else the last accepted M) without waiting for it.
-        Then this rank's status word names it, compile barriers of this epoch
-        count it as arrived, and its steps refuse until ``reset(collective=True)``.
-        Nothing runs while tracing or capturing (nothing of the step executes)."""
-        self._published = None
-        box = self._box
-        if box is None or self._capturing() or torch.compiler.is_compiling():
-            return
-        if self.tp == 1:
-            if published and box.buffer is not None:
-                box.buffer.fill_(SENTINEL)
-            return
-        why = f"{type(error).__name__}: {error}"
-        self._failed = f"this rank aborted it: {why}"
-        hidden = self.hidden_size
-        if self.transport == "mailbox":
-            poison = torch.full((self.capacity, hidden), ABORT_BITS, dtype=torch.int16,
-                                device=self.device).view(torch.bfloat16)
-            words = box.stage_state
-            stage = words[STAGE_NEXT].clone()
-            publish(poison, box.peer_ptrs, words, self.rank, self.capacity)  # stage s
-            words[STAGE_NEXT] = (stage + 1) % STAGES
-            publish(poison, box.peer_ptrs, words, self.rank, self.capacity)  # stage s + 1
-            words[STAGE_ACTIVE] = stage  # as after consuming step s: NEXT = s + 1, ACTIVE = s
-        else:
-            rows = getattr(like, "shape", (0,))[0] if getattr(like, "ndim", 0) == 2 else 0
-            rows = rows if 0 < rows <= self.capacity else self._last_rows
-            poison = torch.full((rows, hidden), ABORT_BITS, dtype=torch.int16,
-                                device=self.device).view(torch.bfloat16)
-            gathered = torch.empty(self.tp * rows, hidden, dtype=torch.bfloat16,
-                                   device=self.device)
-            work = _all_gather(gathered, poison, self.group, async_op=True)
-            self._abort_work = (work, poison, gathered)  # kept alive until reset waits for it
-        box.status.bitwise_or_(ABORT_BIT | 1 << self.rank)
-        if self._multi_process():
-            host_wait.signal_abort(self.group, why)
-        error.add_note(f"BoundaryAllReduce rank {self.rank} aborted this step: its peers raise "
-                       "RuntimeError naming it; call reset(collective=True) on every rank")
-
-    def _check_reduce(self, x: torch.Tensor, mode: int, inputs: dict) -> None:
-        """The all-reduce's own checks of a reduce call (``consume`` checks the
-        tensors in detail): x, the mode against the construction flags, the
-        structure of residual / mxfp8_out, the tensors' types, eps."""
-        self._check_x(x)
-        if mode == PLAIN:
-            return
-        if mode == RESIDUAL_ONLY and not self.residual_only:
-            raise ValueError("pre is None (residual-only call) but residual_only=False")
-        mxfp8_out = inputs.get("mxfp8_out")
-        if mxfp8_out is not None:
-            if not self.quantize_layer_input:
-                raise ValueError("mxfp8_out given but quantize_layer_input=False")
-            if not isinstance(mxfp8_out, (tuple, list)) or len(mxfp8_out) != 2 or \
-                    not all(isinstance(t, torch.Tensor) for t in mxfp8_out):
-                raise ValueError("mxfp8_out must be a pair of tensors (data, swizzled scales)")
-        residual = inputs.get("residual")
-        if not isinstance(residual, torch.Tensor) or residual.ndim != 3 or \
-                residual.shape[1] != self.hc_mult:
-            got = list(residual.shape) if isinstance(residual, torch.Tensor) else type(residual)
-            raise ValueError(f"residual must be bf16 [M, {self.hc_mult}, {self.hidden_size}], "
-                             f"got {got}")
-        for name in ("post", "comb", "pre", "norm_weight"):
-            t = inputs.get(name)
-            if t is not None and not isinstance(t, torch.Tensor):
-                raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
-        if mode == FULL:
-            eps = inputs.get("eps")
-            if isinstance(eps, bool) or not isinstance(eps, Real) or not math.isfinite(eps) \
-                    or eps < 0:
-                raise ValueError(f"norm_eps must be a finite real number >= 0, got {eps!r}")
-
-    def _check_x(self, x: torch.Tensor) -> None:
-        self._open()
-        h = self.hidden_size
-        if x.dtype != torch.bfloat16 or x.ndim != 2 or x.shape[1] != h:
-            raise ValueError(f"x must be bf16 [M, {h}], got {x.dtype} {list(x.shape)}")
-        if x.device != self.device:
-            raise ValueError(f"x is on {x.device}, the all-reduce on {self.device}")
-        if not x.is_contiguous():
-            raise ValueError("x must be contiguous")
-        if not 0 < x.shape[0] <= self.capacity:
-            raise ValueError(f"x has {x.shape[0]} rows; expected 1..capacity = {self.capacity}")
-
     def _launch_publish(self, x: torch.Tensor, compile_only: bool = False) -> None:
         if self.transport == "mailbox":
             box = self._box
@@ -604,9 +504,9 @@ class BoundaryAllReduce:
             flat = gathered.view(-1, x.shape[1])
             if x.device.type == "cuda" and "nccl" in str(dist.get_backend(self.group)).lower():
                 # Stream-ordered, no host wait: bounded by the group's own timeout.
-                _all_gather(flat, x, self.group)
+                all_gather(flat, x, self.group)
             else:
-                work = _all_gather(flat, x, self.group, async_op=True)
+                work = all_gather(flat, x, self.group, async_op=True)
                 host_wait.wait_work(work, self.group, self._host_timeout(),
                                     "the gather transport's all-gather")
 
@@ -620,11 +520,11 @@ class BoundaryAllReduce:
         published, self._published = self._published, None
         if published is not None and published is not x:
             error = RuntimeError("reducing a tensor other than the published one")
-            self._abort(error, x, published=True)  # (nothing runs while tracing)
+            abort_step(self, error, x, published=True)  # (nothing runs while tracing)
             raise error
         if not torch.compiler.is_compiling():
             return self._reduce_launch(x, mode, published is None, **inputs)
-        self._check_reduce(x, mode, inputs)  # at trace time: nothing runs
+        check_reduce_call(self, x, mode, inputs)  # at trace time: nothing runs
         box = self._box
         data, scale = inputs.get("mxfp8_out") or (None, None)
         first, second = torch.ops.decode_boundary.boundary_reduce(
@@ -638,7 +538,7 @@ class BoundaryAllReduce:
         """Check every input, (compile and) launch the publish kernel when
         ``publish``, then the consumer; outside capture, check the status word.
         An input rejected before the publish (or, after an earlier publish, before
-        the consumer) aborts the step (:meth:`_abort`)."""
+        the consumer) aborts the step (:func:`.rejection.abort_step`)."""
         started = []
 
         def publish_now() -> None:  # consume calls it once every input passed
@@ -648,7 +548,7 @@ class BoundaryAllReduce:
 
         self._ready()
         try:
-            self._check_reduce(x, mode, inputs)
+            check_reduce_call(self, x, mode, inputs)
             quant = inputs.get("mxfp8_out") is not None
             compilers = {self._consumer_key(x.shape[0], mode, quant):
                          lambda: self._consume(x, mode, compile_only=True, **inputs)}
@@ -658,7 +558,7 @@ class BoundaryAllReduce:
             out = self._consume(x, mode, before_launch=publish_now, **inputs)
         except Exception as error:
             if not started:
-                self._abort(error, x, published=not publish)
+                abort_step(self, error, x, published=not publish)
             elif self._failed is None:  # the step went out half done: reset first
                 self._failed = f"{type(error).__name__}: {error}"
             raise

@@ -117,3 +117,22 @@ def test_strong_baseline_is_close_to_the_reference(tiny_boundary):
     assert (residual_out.float() - ref_residual.float()).abs().max() <= \
         2**-7 * ref_residual.float().abs().max()
     assert (layer_input.float() - ref_input.float()).norm() <= 1e-2 * ref_input.float().norm()
+
+
+def test_v4_models_are_refused_not_run_with_v41_numerics():
+    """V4-Flash and V4-Pro collapse with the same sublayer's pre, which the chain
+    does not compute: constructing their boundary raises instead of silently
+    running V4.1's collapse; V4.1-style configs still construct."""
+    import dataclasses
+
+    from decode_boundary.model.config import MODELS
+
+    for name in ("v4-flash", "v4-pro"):
+        assert MODELS[name].collapse_pre == "same"
+        tiny_v4 = dataclasses.replace(MODELS["tiny"], name=name, collapse_pre="same")
+        with pytest.raises(ValueError, match="collapses a sublayer's input with the pre "
+                                             "computed from the new residual_out"):
+            AttentionBoundary(tiny_v4, 1, 0, None, torch.device("cpu"), 2)
+    with pytest.raises(ValueError, match="collapse_pre must be"):
+        dataclasses.replace(MODELS["tiny"], collapse_pre="next")
+    AttentionBoundary(MODELS["tiny"], 1, 0, None, torch.device("cpu"), 2).close()

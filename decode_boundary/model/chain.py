@@ -90,6 +90,13 @@ class AttentionBoundary:
         all_reduce: BoundaryAllReduce | None = None,
     ) -> None:
         config.check_tp(tp)
+        if config.collapse_pre != "previous":
+            # Running it with the given pre would be V4.1's numerics under a V4 name.
+            raise ValueError(
+                f"{config.name} collapses a sublayer's input with the pre computed from the "
+                "new residual_out (V4, docs/DESIGN.md §5.1); this chain implements V4.1's "
+                "collapse with the previous sublayer's pre only. Its GEMM shapes run with "
+                f"`decode-boundary gemm --model {config.name}`")
         self.config, self.tp, self.rank, self.group = config, tp, rank, group
         self.device = env.resolve_device(device)
         groups_local = config.o_groups // tp

@@ -6,7 +6,8 @@ one device take the gather transport (docs/FAILURES.md).
   its check names the rank; after reset(collective=True) on both, the next
   steps are bit-identical to those of a fresh all-reduce.
 * A dead peer (``os._exit`` mid-run): the survivors' all-gather and their
-  reset raise RuntimeError naming it within the bounds (``host_timeout_s``).
+  reset raise RuntimeError naming it within the bounds (``host_timeout_s``);
+  one that dies before constructing is named by the survivors' construction.
 """
 
 import os
@@ -148,3 +149,41 @@ def test_dead_peer_is_named_by_the_gather_and_by_reset_within_the_bound():
         assert out["gather_s"] < 2 * HOST_TIMEOUT_S + 2, out
         assert "rank(s) [2] did not reach the reset-a barrier" in out["reset"], out
         assert HOST_TIMEOUT_S - 0.5 < out["reset_s"] < HOST_TIMEOUT_S + 2, out
+
+
+def _construct_without_a_peer(rank: int, world: int, port: int, results) -> None:
+    warnings.filterwarnings("ignore")
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=60))
+        if rank == world - 1:
+            os._exit(3)  # never constructs
+        BoundaryAllReduce.host_timeout_s = HOST_TIMEOUT_S  # the class default: before __init__
+        start = time.monotonic()
+        try:
+            BoundaryAllReduce(HIDDEN, HC, CAP, 2, group=dist.group.WORLD, device="cpu")
+            out = {"construct": "no error"}
+        except RuntimeError as e:
+            out = {"construct": str(e)}
+        out["construct_s"] = time.monotonic() - start
+        results.put((rank, out))
+    except BaseException:  # noqa: BLE001 - the parent reports it
+        results.put((rank, traceback.format_exc()))
+    results.close()
+    results.join_thread()
+    if rank == 0:
+        time.sleep(2 * HOST_TIMEOUT_S)  # it hosts the store the other survivor still polls
+    os._exit(0)
+
+
+def test_a_peer_that_never_constructs_is_named_within_the_bound():
+    world = 3
+    got, procs = run_ranks(_construct_without_a_peer, world, (world, free_port()),
+                           reports=world - 1, timeout_s=90)
+    assert procs[world - 1].exitcode == 3
+    assert set(got) == {0, 1}, got
+    for out in got.values():
+        assert isinstance(out, dict), out
+        assert "rank(s) [2] did not reach the construction of BoundaryAllReduce" in \
+            out["construct"], out
+        assert HOST_TIMEOUT_S - 0.5 < out["construct_s"] < HOST_TIMEOUT_S + 2, out

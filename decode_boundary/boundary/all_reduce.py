@@ -126,7 +126,10 @@ class BoundaryAllReduce:
         flags, the mailbox dtype, the transport asked for) and carries any
         refusal of a rank's own arguments: a mismatch or a refusal raises the
         same ``ValueError`` on every rank, naming the ranks and their values,
-        before anything is allocated."""
+        before anything is allocated. Before the exchange, a bounded barrier
+        over the rendezvous store (``host_timeout_s``, settable on the class
+        before constructing; :mod:`.host_wait`) names a rank that never
+        constructs in a ``RuntimeError``."""
         env.disable_multicast(group)  # before anything may touch the group
         tp = _mailbox.tp if _mailbox is not None else \
             dist.get_world_size(group) if group is not None else 1
@@ -144,6 +147,10 @@ class BoundaryAllReduce:
         self.device = env.resolve_device(device)
         placements = None
         if _mailbox is None and group is not None and tp > 1:
+            # Bounded: a peer that never constructs is named here, not after the
+            # group's own timeout in the exchange (which then finds every rank there).
+            host_wait.barrier(group, self._host_timeout(max(wait_timeout_s, 0.0)), "construct",
+                              "the construction of BoundaryAllReduce")
             geometry = dict(capacity=capacity, hidden_size=hidden_size, hc_mult=hc_mult, tp=tp,
                             top_k=top_k, quantize_layer_input=bool(quantize_layer_input),
                             residual_only=bool(residual_only), dtype=str(MAILBOX_DTYPE),
@@ -406,10 +413,11 @@ class BoundaryAllReduce:
     def _capturing(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
-    def _host_timeout(self) -> float:
+    def _host_timeout(self, wait_timeout_s: float | None = None) -> float:
         if self.host_timeout_s is not None:
             return float(self.host_timeout_s)
-        return max(HOST_TIMEOUT_MIN_S, 10 * self.wait_timeout_s)
+        return max(HOST_TIMEOUT_MIN_S, 10 * (self.wait_timeout_s if wait_timeout_s is None
+                                             else wait_timeout_s))
 
     def _multi_process(self) -> bool:
         return self.group is not None and dist.get_world_size(self.group) > 1

@@ -78,6 +78,18 @@ def launch_args(name: str, programs: int, device: torch.device,
 
 
 @triton.jit
+def stamp_after(stamp_ptr, slot, which: tl.constexpr, after, TIMELINE: tl.constexpr):
+    """Stamp ``which`` once the int32 scalar ``after`` is computed (its operand
+    keeps the timer read behind it: e.g. a reduction over loaded data, so the
+    stamp says when those loads had arrived)."""
+    if TIMELINE:
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r",
+                                        [tl.zeros((1,), tl.int32) + after], dtype=tl.int64,
+                                        is_pure=False, pack=1)
+        tl.store(stamp_ptr + slot.to(tl.int64) * _STAMPS + which + tl.arange(0, 1), now)
+
+
+@triton.jit
 def stamp(stamp_ptr, slot, which: tl.constexpr, TIMELINE: tl.constexpr):
     """Store ``%globaltimer`` as stamp ``which`` of ``slot`` (a no-op unless
     TIMELINE; GPU only: the interpreter has no PTX)."""

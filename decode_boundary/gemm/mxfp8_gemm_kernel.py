@@ -102,7 +102,7 @@ import triton.language as tl
 from decode_boundary.common.contract import STAGE_ACTIVE, STAGE_NEXT
 from decode_boundary.common.mailbox_store import publish_row
 from decode_boundary.common.rounding import quantize_groups, swizzled_offset, to_bf16_rne
-from decode_boundary.common.timeline import END, MARK1, START, WAITED, stamp
+from decode_boundary.common.timeline import END, MARK1, MARK2, START, WAITED, stamp, stamp_after
 
 _STAGE_NEXT = tl.constexpr(STAGE_NEXT)
 _STAGE_ACTIVE = tl.constexpr(STAGE_ACTIVE)
@@ -247,6 +247,14 @@ def mxfp8_gemm_kernel(
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     stamp(stamp_ptr, slot, WAITED, TIMELINE)
+    if TIMELINE:
+        # MARK2: the weight slice is in, as far as its scale bytes tell (each piece's
+        # are loaded after its e4m3 bytes; a reduction over the e4m3 bytes themselves
+        # would unpack them all at once and change the kernel's registers).
+        arrived = tl.full((), 0, tl.int32)
+        for i in tl.static_range(PIECES):
+            arrived = arrived | tl.max(pieces[i][1].to(tl.int32))
+        stamp_after(stamp_ptr, slot, MARK2, arrived, TIMELINE)
 
     row0 = pid_m * ROWS
     acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)

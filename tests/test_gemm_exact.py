@@ -49,7 +49,7 @@ from independent_ref import (
 )
 
 from decode_boundary.gemm import Tactic, launch_low_latency, launcher
-from decode_boundary.gemm.tactics import k_pieces
+from decode_boundary.gemm.tactics import activation_upfront, k_pieces
 from decode_boundary.mxfp8.format import QuantizedActivation
 
 
@@ -66,6 +66,15 @@ def activation_values(a):
     return decode_mxfp8(data.view(torch.float8_e4m3fn), swizzle(scales))
 
 
+def test_cases_cover_both_activation_schedules():
+    """CASES hold tactics whose activation loads are issued all at once and
+    piece by piece (tactics.activation_upfront), on both kinds of tile: the
+    bits must not depend on the schedule."""
+    kinds = {(t.rows_tile >= 16, activation_upfront(t, k, bf16))
+             for _, _, k, t in CASES for bf16 in (False, True)}
+    assert kinds == {(dot, upfront) for dot in (False, True) for upfront in (False, True)}
+
+
 @pytest.mark.parametrize("rows,n,k,tactic", CASES)
 def test_exact_operands_give_exact_bits(rows, n, k, tactic):
     """Exact bar (module docstring): every element equals bf16_rne(FP64 product)."""
@@ -77,7 +86,7 @@ def test_exact_operands_give_exact_bits(rows, n, k, tactic):
     check_gemm(out, activation_values(qa), layer_values(layer), exact_sums=True)
 
 
-@pytest.mark.parametrize("rows,n,k,tactic", [CASES[0], CASES[2], CASES[5], CASES[8]])
+@pytest.mark.parametrize("rows,n,k,tactic", [CASES[i] for i in (0, 2, 5, 8, 10, 11)])
 def test_exact_operands_bf16_input_quantized_in_the_prologue(rows, n, k, tactic):
     """Exact bar: a BF16 input whose MXFP8 quantization is lossless (asserted)
     goes through the prologue's quantization; the output is bf16_rne of the

@@ -62,7 +62,7 @@ from decode_boundary.env import interpret_mode, use_pdl
 from decode_boundary.mxfp8.format import QuantizedActivation, check_scale_buffer, mxfp8_scale_bytes
 
 from .mxfp8_gemm_kernel import mxfp8_gemm_kernel
-from .tactics import Tactic, fits, k_pieces
+from .tactics import Tactic, activation_upfront, fits, k_pieces
 
 # ``publish`` arguments below: a ``decode_boundary.common.contract.PublishTarget``
 # (or any object with its attributes); ``NO_PUBLISH`` when the GEMM does not publish.
@@ -214,6 +214,7 @@ def _launch_config(layer, a, out, tactic: Tactic, publish):
     kwargs = dict(
         N=n, K=k, GROUPS=groups, BLOCK_N=tactic.block_n, ROWS=tactic.rows_tile,
         SPLIT_K=tactic.split_k, K_SLICE=k_slice, CHUNK=tactic.chunk_k, PIECES=pieces,
+        A_UPFRONT=activation_upfront(tactic, k, a_bf16),
         A_BF16=a_bf16, USE_PDL=pdl, INTERPRETER=interpret_mode(), PUBLISH=publish is not None,
         TP=pub.tp, RANK=pub.rank, CAPACITY=pub.capacity, HIDDEN=pub.hidden,
         TIMELINE=timeline, num_warps=tactic.num_warps, num_stages=1, launch_pdl=pdl,

@@ -15,7 +15,13 @@ is unrolled at compile time; a run-time loop would serialize them). Nothing
 it loads there is written by the previous kernel, so the weight stream
 overlaps the previous kernel's tail. Many small programs (wo_b at M = 1: 640
 of 8 rows x 2048) keep enough bytes in flight per SM; no shared memory, no
-software pipeline.
+software pipeline. After the wait the activation is loaded the same way where
+it fits (``A_UPFRONT``: ``tactics.activation_upfront``, at most
+``MAX_UPFRONT_BYTES_PER_THREAD`` per thread): every piece's loads are issued
+back to back before the first product, because a product ends in a cross-warp
+sum (a CTA barrier) and a load placed after a barrier is issued only once it
+passes: per-piece loads would cost one L2 round trip per piece (the stamps of
+benchmarks/NOTES.md: 1.8-2.8 µs of body after the weights had arrived at M = 1).
 
 **Two products, one per row range** (``ROWS``, the activation tile):
 
@@ -136,40 +142,66 @@ def _scaled(x, scale, R: tl.constexpr, CH: tl.constexpr):
 
 
 @triton.jit
-def _load_activation(a_ptr, as_ptr, rows, row_live, a_k0, k0, k_end, CH: tl.constexpr,
-                     A_K: tl.constexpr, A_K_TILES: tl.constexpr, A_BF16: tl.constexpr,
-                     HARDWARE: tl.constexpr):
-    """FP32 values [R, CH] and UE8M0 exponents [R, CH/32] of activation rows
-    ``rows`` [R], weight K from ``k0`` (activation column ``a_k0 + k``); with
-    ``A_BF16`` quantized here exactly as ``quantize_mxfp8`` does."""
-    R: tl.constexpr = rows.shape[0]
+def _fetch_activation(a_ptr, as_ptr, rows, row_live, a_k0, k0, k_end, CH: tl.constexpr,
+                      A_K: tl.constexpr, A_K_TILES: tl.constexpr, A_BF16: tl.constexpr):
+    """The loads of activation rows ``rows`` [R], weight K from ``k0``
+    (activation column ``a_k0 + k``): (BF16 values or e4m3 bytes [R, CH], UE8M0
+    exponent bytes [R, CH/32]; zeros with ``A_BF16``, whose exponents come from
+    :func:`_decode_activation`)."""
     k = k0 + tl.arange(0, CH)
     g = k0 // 32 + tl.arange(0, CH // 32)
     live = row_live[:, None] & (k < k_end)[None, :]
-    offs = rows[:, None].to(tl.int64) * A_K + a_k0 + k[None, :]
+    x = tl.load(a_ptr + rows[:, None].to(tl.int64) * A_K + a_k0 + k[None, :], mask=live,
+                other=0.0)
     if A_BF16:
-        x = tl.load(a_ptr + offs, mask=live, other=0.0).to(tl.float32)
-        q, exponent = quantize_groups(tl.reshape(x, (R, CH // 32, 32)), HARDWARE)
-        q = tl.reshape(q, (R, CH))
+        exponent = tl.zeros((rows.shape[0], CH // 32), dtype=tl.uint8)
     else:
-        q = tl.load(a_ptr + offs, mask=live, other=0.0)
         exponent = tl.load(as_ptr + swizzled_offset(rows[:, None], a_k0 // 32 + g[None, :],
                                                     A_K_TILES),
                            mask=row_live[:, None] & (g * 32 < k_end)[None, :], other=0)
-        exponent = exponent.to(tl.int32)
-    return q.to(tl.float32), exponent
+    return x, exponent
 
 
 @triton.jit
-def _chunk(acc, w, ws, a_ptr, as_ptr, row0, M, a_k0, k0, k_end,
-           CH: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-           A_K: tl.constexpr, A_K_TILES: tl.constexpr, A_BF16: tl.constexpr,
-           INTERPRETER: tl.constexpr):
-    """acc [BLOCK_N, ROWS] += W_chunk . A_chunk^T (module docstring: the products)."""
+def _decode_activation(x, exponent, CH: tl.constexpr, A_BF16: tl.constexpr,
+                       HARDWARE: tl.constexpr):
+    """FP32 values [R, CH] and UE8M0 exponents [R, CH/32] (int32) of fetched
+    activations; with ``A_BF16`` quantized here exactly as ``quantize_mxfp8`` does."""
+    R: tl.constexpr = x.shape[0]
+    if A_BF16:
+        q, e = quantize_groups(tl.reshape(x.to(tl.float32), (R, CH // 32, 32)), HARDWARE)
+        q = tl.reshape(q, (R, CH))
+    else:
+        q, e = x, exponent.to(tl.int32)
+    return q.to(tl.float32), e
+
+
+@triton.jit
+def _fetch_piece(a_ptr, as_ptr, row0, M, a_k0, k0, k_end, CH: tl.constexpr,
+                 ROWS: tl.constexpr, A_K: tl.constexpr, A_K_TILES: tl.constexpr,
+                 A_BF16: tl.constexpr):
+    """One K-piece's activation loads: one [ROWS, CH] tile (tensor cores) or a
+    tuple of ROWS one-row tiles (CUDA cores, which take the rows one by one)."""
     if ROWS >= 16:
         rows = row0 + tl.arange(0, ROWS)
-        a, sa = _load_activation(a_ptr, as_ptr, rows, rows < M, a_k0, k0, k_end, CH, A_K,
-                                 A_K_TILES, A_BF16, not INTERPRETER)
+        fetched = _fetch_activation(a_ptr, as_ptr, rows, rows < M, a_k0, k0, k_end, CH, A_K,
+                                    A_K_TILES, A_BF16)
+    else:
+        fetched = ()
+        for r in tl.static_range(ROWS):
+            row = row0 + r + tl.zeros((1,), dtype=tl.int32)
+            fetched += (_fetch_activation(a_ptr, as_ptr, row, row < M, a_k0, k0, k_end, CH,
+                                          A_K, A_K_TILES, A_BF16),)
+    return fetched
+
+
+@triton.jit
+def _chunk(acc, w, ws, fetched, CH: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+           A_BF16: tl.constexpr, INTERPRETER: tl.constexpr):
+    """acc [BLOCK_N, ROWS] += W_chunk . A_chunk^T (module docstring: the products);
+    ``fetched``: the piece's activation loads (:func:`_fetch_piece`)."""
+    if ROWS >= 16:
+        a, sa = _decode_activation(fetched[0], fetched[1], CH, A_BF16, not INTERPRETER)
         af = _scaled(a, sa, ROWS, CH)
         wf = _scaled(w, ws, BLOCK_N, CH)
         if not INTERPRETER:
@@ -183,9 +215,8 @@ def _chunk(acc, w, ws, a_ptr, as_ptr, row0, M, a_k0, k0, k_end,
         sw = _exp2(ws)
         lane = tl.arange(0, ROWS)
         for r in tl.static_range(ROWS):
-            row = row0 + r + tl.zeros((1,), dtype=tl.int32)
-            a, sa = _load_activation(a_ptr, as_ptr, row, row < M, a_k0, k0, k_end, CH, A_K,
-                                     A_K_TILES, A_BF16, not INTERPRETER)
+            a, sa = _decode_activation(fetched[r][0], fetched[r][1], CH, A_BF16,
+                                       not INTERPRETER)
             a = tl.reshape(a, (CH,))
             sums = tl.sum(tl.reshape(wf * a[None, :], (BLOCK_N, CH // 32, 32)), axis=2)
             part = tl.sum(sums * (sw * _exp2(tl.reshape(sa, (CH // 32,)))[None, :]), axis=1)
@@ -218,7 +249,7 @@ def mxfp8_gemm_kernel(
     N: tl.constexpr, K: tl.constexpr, GROUPS: tl.constexpr,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr,
     K_SLICE: tl.constexpr, CHUNK: tl.constexpr, PIECES: tl.constexpr,
-    A_BF16: tl.constexpr, USE_PDL: tl.constexpr, INTERPRETER: tl.constexpr,
+    A_UPFRONT: tl.constexpr, A_BF16: tl.constexpr, USE_PDL: tl.constexpr, INTERPRETER: tl.constexpr,
     PUBLISH: tl.constexpr, TP: tl.constexpr, RANK: tl.constexpr,
     CAPACITY: tl.constexpr, HIDDEN: tl.constexpr, TIMELINE: tl.constexpr = False,
 ):
@@ -247,21 +278,34 @@ def mxfp8_gemm_kernel(
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     stamp(stamp_ptr, slot, WAITED, TIMELINE)
+
+    row0 = pid_m * ROWS
+    # A_UPFRONT: every piece's activation loads are issued here, back to back, before
+    # the first product: a product's cross-warp sum is a barrier, and loads placed
+    # after one wait for it, so per-piece loads cost one L2 round trip per piece.
+    fetched = ()
+    if A_UPFRONT:
+        for i in tl.static_range(PIECES):
+            fetched += (_fetch_piece(a_ptr, a_scale_ptr, row0, M, a_k0, k0 + i * CHUNK, k_end,
+                                     CHUNK, ROWS, A_K, A_K_TILES, A_BF16),)
     if TIMELINE:
-        # MARK2: the weight slice is in, as far as its scale bytes tell (each piece's
+        # MARK2 (after the activation loads are issued: its reduction is a barrier): the
+        # weight slice is in, as far as its scale bytes tell (each piece's
         # are loaded after its e4m3 bytes; a reduction over the e4m3 bytes themselves
         # would unpack them all at once and change the kernel's registers).
         arrived = tl.full((), 0, tl.int32)
         for i in tl.static_range(PIECES):
             arrived = arrived | tl.max(pieces[i][1].to(tl.int32))
         stamp_after(stamp_ptr, slot, MARK2, arrived, TIMELINE)
-
-    row0 = pid_m * ROWS
     acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
     for i in tl.static_range(PIECES):
         w, ws = pieces[i]
-        acc = _chunk(acc, w, ws, a_ptr, a_scale_ptr, row0, M, a_k0, k0 + i * CHUNK, k_end,
-                     CHUNK, BLOCK_N, ROWS, A_K, A_K_TILES, A_BF16, INTERPRETER)
+        if A_UPFRONT:
+            piece = fetched[i]
+        else:
+            piece = _fetch_piece(a_ptr, a_scale_ptr, row0, M, a_k0, k0 + i * CHUNK, k_end,
+                                 CHUNK, ROWS, A_K, A_K_TILES, A_BF16)
+        acc = _chunk(acc, w, ws, piece, CHUNK, BLOCK_N, ROWS, A_BF16, INTERPRETER)
     stamp(stamp_ptr, slot, MARK1, TIMELINE)  # products done
 
     rows = row0 + tl.arange(0, ROWS)

@@ -55,6 +55,11 @@ MAX_PIECES = 8
 # the upcast spills. Tensor-core tiles hold the BF16 upcast as well: half as much.
 MAX_FMA_BYTES_PER_THREAD = 512
 MAX_DOT_BYTES_PER_THREAD = 256
+# Activation bytes a thread may hold for every K-piece at once: up to this, all the
+# pieces' activation loads are issued together right after the grid wait
+# (mxfp8_gemm_kernel.py, A_UPFRONT); above it each piece's loads follow the previous
+# piece's products. Speed only: the products and their order are the same.
+MAX_UPFRONT_BYTES_PER_THREAD = 128
 
 
 def k_pieces(k: int, tactic: Tactic) -> tuple[int, int]:
@@ -63,6 +68,14 @@ def k_pieces(k: int, tactic: Tactic) -> tuple[int, int]:
     groups = -(-(k // 32) // tactic.split_k)
     k_slice = groups * 32
     return k_slice, -(-k_slice // tactic.chunk_k)
+
+
+def activation_upfront(tactic: Tactic, k: int, bf16_input: bool) -> bool:
+    """Whether the kernel issues every piece's activation loads at once
+    (``MAX_UPFRONT_BYTES_PER_THREAD``)."""
+    _, pieces = k_pieces(k, tactic)
+    held = tactic.rows_tile * pieces * tactic.chunk_k * (2 if bf16_input else 1)
+    return held <= MAX_UPFRONT_BYTES_PER_THREAD * 32 * tactic.num_warps
 
 
 def fits(tactic: Tactic, n: int, k: int, groups: int = 1) -> bool:

@@ -63,7 +63,7 @@ from .finalize_kernel import check_finalize_inputs, finalize_publish
 from .mailbox import Mailbox, simulated_mailboxes
 from .publish_kernel import publish
 from .rejection import abort_step, check_partial, check_reduce_call
-from .transport import TRANSPORTS, exchange, open_transport
+from .transport import TRANSPORTS, all_gather, exchange, open_transport
 
 # The int32 status word gives rank p bit p and NORM_TIMEOUT_BIT (bit 30) to the
 # norm hand-off: ranks 0..29 have a bit of their own, so 30 ranks at most.
@@ -80,12 +80,6 @@ _RETIRED: list[Mailbox] = []
 # bound of compile barriers (ranks JIT-compile at different speeds).
 HOST_TIMEOUT_MIN_S = 60.0
 COMPILE_TIMEOUT_S = 900.0
-
-
-def all_gather(out: torch.Tensor, x: torch.Tensor, group, async_op: bool = False):
-    """``all_gather_single`` where torch has it, else ``all_gather_into_tensor``."""
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(out, x, group=group, async_op=async_op)
 
 
 class BoundaryAllReduce:

@@ -17,6 +17,7 @@ from ..common.contract import ABORT_BITS, SENTINEL, STAGE_ACTIVE, STAGE_NEXT, ST
 from . import host_wait
 from .consumer_kernel import ABORT_BIT, FULL, PLAIN, RESIDUAL_ONLY
 from .publish_kernel import publish
+from .transport import all_gather
 
 if TYPE_CHECKING:
     from .all_reduce import BoundaryAllReduce
@@ -92,8 +93,6 @@ def abort_step(ar: BoundaryAllReduce, error: Exception, like: object, published:
         if published and box.buffer is not None:
             box.buffer.fill_(SENTINEL)
         return
-    from .all_reduce import all_gather  # the module that imports this one
-
     why = f"{type(error).__name__}: {error}"
     ar._failed = f"this rank aborted it: {why}"
     hidden = ar.hidden_size

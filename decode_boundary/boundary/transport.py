@@ -133,3 +133,10 @@ def open_transport(group: dist.ProcessGroup | None, capacity: int, hidden: int,
     if transport == "mailbox":
         return symmetric_mailbox(group, capacity, hidden, device), transport
     return local_words(group, capacity, hidden, device), transport
+
+
+def all_gather(out: torch.Tensor, x: torch.Tensor, group, async_op: bool = False):
+    """``all_gather_single`` where torch has it, else ``all_gather_into_tensor``
+    (the gather transport's collective, and an aborted step's)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, x, group=group, async_op=async_op)

@@ -83,13 +83,14 @@ this whole grid has completed and its memory is visible.
 
 **Publishing epilogue** (PUBLISH; the mailbox of docs/CONTRACTS.md). The
 program that writes an output block (after any split-K reduction, so each
-value is published once) stores it to ``out``, then reads ``s =
-stage_state[STAGE_NEXT]`` (volatile: the previous consumer's advance, ordered
-before this grid by stream order and the grid wait, is seen, and the load is
-not hoisted above the wait) and stores the same BF16 bits, -0 turned into +0,
-to ``mailbox_p[s, RANK, m, col]`` of every peer p through ``publish_row``
-(plain unicast stores, 16 bytes wide where ``BLOCK_N`` >= 8; no fence, no
-release). The
+value is published once) stores it to ``out`` and the same BF16 bits, -0 turned
+into +0, to ``mailbox_p[s, RANK, m, col]`` of every peer p through
+``publish_row`` (plain unicast stores, 16 bytes wide where ``BLOCK_N`` >= 8; no
+fence, no release), where ``s = stage_state[STAGE_NEXT]`` is read by every
+program right after its grid wait (volatile: the previous consumer's advance,
+ordered before this grid by stream order and the grid wait, is seen, and the
+load is not hoisted above the wait; read there, its round trip overlaps the
+products instead of following them). The
 writer of block (0, 0) then stores ``stage_state[STAGE_ACTIVE] = s``, a plain
 store program-ordered only after its own stores. None of these stores is
 ordered for another program: the local consumer, the PDL dependent, reads
@@ -226,15 +227,15 @@ def _chunk(acc, w, ws, fetched, CH: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: t
 
 @triton.jit
 def _write_block(vals, out_ptr, rows, cols, M, N: tl.constexpr, is_first_block,
-                 peer_ptrs_ptr, stage_ptr, PUBLISH: tl.constexpr, TP: tl.constexpr,
+                 peer_ptrs_ptr, stage_ptr, stage, PUBLISH: tl.constexpr, TP: tl.constexpr,
                  RANK: tl.constexpr, CAPACITY: tl.constexpr, HIDDEN: tl.constexpr,
                  INTERPRETER: tl.constexpr):
-    """Store FP32 ``vals`` [BLOCK_N, ROWS] (out^T) as BF16; publish when PUBLISH."""
+    """Store FP32 ``vals`` [BLOCK_N, ROWS] (out^T) as BF16; publish when PUBLISH
+    into stage ``stage`` (the NEXT word, read by the kernel after its wait)."""
     out = to_bf16_rne(vals, not INTERPRETER)  # cvt.rn on the GPU
     mask = rows[None, :] < M
     tl.store(out_ptr + rows[None, :].to(tl.int64) * N + cols[:, None], out, mask=mask)
     if PUBLISH:
-        stage = tl.load(stage_ptr + _STAGE_NEXT, volatile=True)
         publish_row(out, peer_ptrs_ptr, stage, RANK, rows[None, :], cols[:, None], mask,
                     CAPACITY, TP=TP, HIDDEN=HIDDEN, TILE=True)
         if is_first_block:
@@ -283,6 +284,13 @@ def mxfp8_gemm_kernel(
     # A_UPFRONT: every piece's activation loads are issued here, back to back, before
     # the first product: a product's cross-warp sum is a barrier, and loads placed
     # after one wait for it, so per-piece loads cost one L2 round trip per piece.
+    stage = tl.full((), 0, tl.int32)
+    if PUBLISH:
+        # Read here, not in the epilogue: its round trip then overlaps the products.
+        # Volatile and after the wait: the previous consumer's advance is seen (and
+        # nothing can advance it again before this grid ends: the next consumer
+        # waits for it).
+        stage = tl.load(stage_ptr + _STAGE_NEXT, volatile=True)
     fetched = ()
     if A_UPFRONT:
         for i in tl.static_range(PIECES):
@@ -312,7 +320,7 @@ def mxfp8_gemm_kernel(
     is_first_block = (pid_n == 0) & (pid_m == 0)
     if SPLIT_K == 1:
         _write_block(acc, out_ptr, rows, cols, M, N, is_first_block, peer_ptrs_ptr, stage_ptr,
-                     PUBLISH, TP, RANK, CAPACITY, HIDDEN, INTERPRETER)
+                     stage, PUBLISH, TP, RANK, CAPACITY, HIDDEN, INTERPRETER)
     else:
         # Workspace: FP32 [blocks, SPLIT_K, ROWS, BLOCK_N], one tile per split.
         block = pid_m * (N // BLOCK_N) + pid_n
@@ -331,5 +339,5 @@ def mxfp8_gemm_kernel(
                                  other=0.0, cache_modifier=".cg")
             tl.store(counter_ptr + block, 0)  # re-armed for the next launch / graph replay
             _write_block(total, out_ptr, rows, cols, M, N, is_first_block, peer_ptrs_ptr,
-                         stage_ptr, PUBLISH, TP, RANK, CAPACITY, HIDDEN, INTERPRETER)
+                         stage_ptr, stage, PUBLISH, TP, RANK, CAPACITY, HIDDEN, INTERPRETER)
     stamp(stamp_ptr, slot, END, TIMELINE)

@@ -2,10 +2,10 @@
 
 Every program of the GEMMs and the consumer stamps ``%globaltimer`` when it
 starts, when it has passed its grid-dependency wait and when it ends, and
-marks inside (``decode_boundary.common.timeline``: the GEMM's products done;
-the consumer's slots in and residual_out stored, then its token's RMSNorm
-partials met). The fused boundary (grouped wo_a ->
-publishing wo_b -> consumer -> fused_wqa_wkv) runs as a CUDA graph of many
+marks inside (``decode_boundary.common.timeline``; mark1: the GEMM's products
+done, the consumer's slots in and residual_out stored; mark2: the GEMM's weight
+slice in, the consumer's token's RMSNorm partials met). The fused boundary
+(grouped wo_a -> publishing wo_b -> consumer -> fused_wqa_wkv) runs as a CUDA graph of many
 back-to-back steps on rotated weight copies (cold L2), with PDL, like the
 bench; per kernel the table gives, relative to the step's first program start
 and as medians over the steps in the middle of the graph: the first and last

@@ -24,8 +24,12 @@ import itertools
 
 import torch
 
-from decode_boundary.bench.harness import one_gpu_boundary, one_gpu_parser, one_gpu_result
-from decode_boundary.bench.report import git_commit, write_json
+from decode_boundary.bench.harness import (
+    one_gpu_boundary,
+    one_gpu_parser,
+    one_gpu_result,
+    one_gpu_write,
+)
 from decode_boundary.common.timing import graph_time_us
 from decode_boundary.gemm.autotune import AUTOTUNER
 from decode_boundary.gemm.launcher import warmup_low_latency
@@ -106,8 +110,7 @@ def main() -> None:
         print(f"\nM = {s['rows']}: table {s['table_us']:.2f} µs, best {s['best']['us']:.2f} "
               f"{[tuple(t.values()) for t in s['best']['tactics']]}; "
               f"{'; '.join(s['failures']) or 'checks ok'}")
-    name = f"chain_regs-{args.model}-tp{args.tp_shapes}-shapes-{git_commit() or 'nocommit'}.json"
-    print("wrote", write_json(result, args.out / name))
+    print("wrote", one_gpu_write(result, args))
 
 
 if __name__ == "__main__":

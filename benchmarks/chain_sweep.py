@@ -19,8 +19,12 @@ import functools
 
 import torch
 
-from decode_boundary.bench.harness import one_gpu_boundary, one_gpu_parser, one_gpu_result
-from decode_boundary.bench.report import git_commit, write_json
+from decode_boundary.bench.harness import (
+    one_gpu_boundary,
+    one_gpu_parser,
+    one_gpu_result,
+    one_gpu_write,
+)
 from decode_boundary.common.timing import graph_time_us
 from decode_boundary.gemm.autotune import AUTOTUNER
 from decode_boundary.gemm.tactics import row_bucket, sweep_tactics, table_tactic
@@ -77,8 +81,7 @@ def main() -> None:
         for name, c in s["chosen"].items():
             print(f"  {name:14s} {tuple(c['tactic'].values())}: {c['us']:.2f} µs "
                   f"(table's {c['table_us']:.2f})")
-    name = f"chain_sweep-{args.model}-tp{args.tp_shapes}-shapes-{git_commit() or 'nocommit'}.json"
-    print("wrote", write_json(result, args.out / name))
+    print("wrote", one_gpu_write(result, args))
 
 
 if __name__ == "__main__":

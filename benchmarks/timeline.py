@@ -22,8 +22,12 @@ import statistics
 
 import torch
 
-from decode_boundary.bench.harness import one_gpu_boundary, one_gpu_parser, one_gpu_result
-from decode_boundary.bench.report import git_commit, write_json
+from decode_boundary.bench.harness import (
+    one_gpu_boundary,
+    one_gpu_parser,
+    one_gpu_result,
+    one_gpu_write,
+)
 from decode_boundary.common import timeline
 from decode_boundary.common.timing import graph_time_us
 from decode_boundary.model.chain import AttentionBoundary
@@ -97,8 +101,7 @@ def main() -> None:
         for k in p["kernels"]:
             print(f"{k['kernel']:28s} {k['programs']:5d} "
                   + " ".join(f"{k[f]:13.2f}" for f in FIELDS))
-    name = f"timeline-{args.model}-tp{args.tp_shapes}-shapes-{git_commit() or 'nocommit'}.json"
-    print("wrote", write_json(result, args.out / name))
+    print("wrote", one_gpu_write(result, args))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from decode_boundary.model.config import MODELS, BoundaryConfig
 from .baselines import BASELINE_RTOL
 from .gemm import mxfp8_weight_bytes
 from .paths import BASELINES, PATHS, STAGES, Step, build
-from .report import environment, new_result, progress
+from .report import environment, git_commit, new_result, progress, write_json
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,14 @@ def one_gpu_result(kind: str, args: argparse.Namespace) -> dict:
     return new_result(kind, command, environment(False, []),
                       {"model": args.model, "tp": 1, "tp_shapes": args.tp_shapes,
                        "rows": args.rows})
+
+
+def one_gpu_write(result: dict, args: argparse.Namespace) -> Path:
+    """Write such a script's result to ``args.out`` as
+    ``<kind>-<model>-tp<N>-shapes-<commit>.json``; returns the path."""
+    name = (f"{result['kind']}-{args.model}-tp{args.tp_shapes}-shapes-"
+            f"{git_commit() or 'nocommit'}.json")
+    return write_json(result, args.out / name)
 
 
 def one_gpu_boundary(args: argparse.Namespace, seed: int) -> tuple[AttentionBoundary, list]:

@@ -4,8 +4,11 @@ what the survivors report, bounded: for the dead-peer tests."""
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import time
+import traceback
+import warnings
 
 import torch.multiprocessing as mp
 
@@ -33,3 +36,31 @@ def run_ranks(target, world: int, args: tuple, reports: int, timeout_s: float):
                 p.kill()
             p.join(timeout=5)
     return got, procs
+
+
+def timed_error(call) -> tuple[str, float]:
+    """(the RuntimeError ``call()`` raised, as text, or "no error"; seconds it took)."""
+    start = time.monotonic()
+    try:
+        call()
+        message = "no error"
+    except RuntimeError as e:
+        message = str(e)
+    return message, time.monotonic() - start
+
+
+def report_and_exit(rank: int, results, body, linger_s: float = 0.0) -> None:
+    """The end of a rank process: put ``(rank, body())`` (or the traceback of
+    what it raised) on ``results``, flush the queue, on rank 0 stay ``linger_s``
+    more (it hosts the store that the other survivors may still poll), then
+    ``os._exit(0)``: no teardown of a group with a dead member."""
+    warnings.filterwarnings("ignore")
+    try:
+        results.put((rank, body()))
+    except BaseException:  # noqa: BLE001 - the parent reports it
+        results.put((rank, traceback.format_exc()))
+    results.close()
+    results.join_thread()
+    if rank == 0:
+        time.sleep(linger_s)
+    os._exit(0)

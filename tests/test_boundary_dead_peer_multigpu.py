@@ -8,14 +8,12 @@ within ``host_timeout_s`` (docs/FAILURES.md). The CPU version of this test
 
 import os
 import time
-import traceback
-import warnings
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-from survivors import run_ranks
+from survivors import report_and_exit, run_ranks, timed_error
 
 from decode_boundary.launch import free_port
 
@@ -35,8 +33,7 @@ def _step(ar, gen, rank, device):
 
 
 def _rank(rank: int, port: int, results) -> None:
-    warnings.filterwarnings("ignore")
-    try:
+    def body() -> dict:
         from decode_boundary.boundary.all_reduce import BoundaryAllReduce  # sets NVLS off
 
         device = torch.device("cuda", rank)
@@ -57,26 +54,13 @@ def _rank(rank: int, port: int, results) -> None:
         start = time.monotonic()
         res, layer = _step(ar, gen, rank, device)
         del ar.check
-        try:
-            ar.check()
-            out["step"] = "no error"
-        except RuntimeError as e:
-            out["step"] = str(e)
+        out["step"], _ = timed_error(ar.check)
         out["step_s"] = time.monotonic() - start
         out["nan"] = bool(res.isnan().any()) and bool(layer.isnan().any())
-        start = time.monotonic()
-        try:
-            ar.reset(collective=True)
-            out["reset"] = "no error"
-        except RuntimeError as e:
-            out["reset"] = str(e)
-        out["reset_s"] = time.monotonic() - start
-        results.put((rank, out))
-    except BaseException:  # noqa: BLE001 - the parent reports it
-        results.put((rank, traceback.format_exc()))
-    results.close()
-    results.join_thread()
-    os._exit(0)  # no teardown of a group with a dead member
+        out["reset"], out["reset_s"] = timed_error(lambda: ar.reset(collective=True))
+        return out
+
+    report_and_exit(rank, results, body)
 
 
 def test_dead_peer_on_gpus_is_named_by_the_step_and_by_reset_within_the_bounds():

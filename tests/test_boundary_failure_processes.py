@@ -12,13 +12,12 @@ one device take the gather transport (docs/FAILURES.md).
 
 import os
 import time
-import traceback
 import warnings
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from survivors import run_ranks
+from survivors import report_and_exit, run_ranks, timed_error
 
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
 from decode_boundary.boundary.reference import consumer_ref
@@ -103,8 +102,7 @@ def test_bad_input_on_one_process_is_named_by_its_peer_and_reset_recovers():
 
 
 def _survivor(rank: int, world: int, port: int, results) -> None:
-    warnings.filterwarnings("ignore")
-    try:
+    def body() -> dict:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=60))
         ar = BoundaryAllReduce(HIDDEN, HC, CAP, 2, group=dist.group.WORLD, residual_only=True,
@@ -118,21 +116,10 @@ def _survivor(rank: int, world: int, port: int, results) -> None:
         out = {}
         for name, call in (("gather", lambda: ar.plain_sum(d["xs"][rank].clone())),
                            ("reset", lambda: ar.reset(collective=True))):
-            start = time.monotonic()
-            try:
-                call()
-                out[name] = "no error"
-            except RuntimeError as e:
-                out[name] = str(e)
-            out[f"{name}_s"] = time.monotonic() - start
-        results.put((rank, out))
-    except BaseException:  # noqa: BLE001 - the parent reports it
-        results.put((rank, traceback.format_exc()))
-    results.close()
-    results.join_thread()
-    if rank == 0:
-        time.sleep(2 * HOST_TIMEOUT_S)  # it hosts the store the other survivor still polls
-    os._exit(0)  # no teardown of a group with a dead member
+            out[name], out[f"{name}_s"] = timed_error(call)
+        return out
+
+    report_and_exit(rank, results, body, linger_s=2 * HOST_TIMEOUT_S)
 
 
 def test_dead_peer_is_named_by_the_gather_and_by_reset_within_the_bound():
@@ -152,28 +139,17 @@ def test_dead_peer_is_named_by_the_gather_and_by_reset_within_the_bound():
 
 
 def _construct_without_a_peer(rank: int, world: int, port: int, results) -> None:
-    warnings.filterwarnings("ignore")
-    try:
+    def body() -> dict:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=60))
         if rank == world - 1:
             os._exit(3)  # never constructs
         BoundaryAllReduce.host_timeout_s = HOST_TIMEOUT_S  # the class default: before __init__
-        start = time.monotonic()
-        try:
-            BoundaryAllReduce(HIDDEN, HC, CAP, 2, group=dist.group.WORLD, device="cpu")
-            out = {"construct": "no error"}
-        except RuntimeError as e:
-            out = {"construct": str(e)}
-        out["construct_s"] = time.monotonic() - start
-        results.put((rank, out))
-    except BaseException:  # noqa: BLE001 - the parent reports it
-        results.put((rank, traceback.format_exc()))
-    results.close()
-    results.join_thread()
-    if rank == 0:
-        time.sleep(2 * HOST_TIMEOUT_S)  # it hosts the store the other survivor still polls
-    os._exit(0)
+        construct, seconds = timed_error(
+            lambda: BoundaryAllReduce(HIDDEN, HC, CAP, 2, group=dist.group.WORLD, device="cpu"))
+        return {"construct": construct, "construct_s": seconds}
+
+    report_and_exit(rank, results, body, linger_s=2 * HOST_TIMEOUT_S)
 
 
 def test_a_peer_that_never_constructs_is_named_within_the_bound():

@@ -143,7 +143,8 @@ class BoundaryAllReduce:
         if _mailbox is None and group is not None and tp > 1:
             # Bounded: a peer that never constructs is named here, not after the
             # group's own timeout in the exchange (which then finds every rank there).
-            host_wait.barrier(group, self._host_timeout(max(wait_timeout_s, 0.0)), "construct",
+            self.wait_timeout_s = wait_timeout_s  # the bound's default derives from it
+            host_wait.barrier(group, self._host_timeout(), "construct",
                               "the construction of BoundaryAllReduce")
             geometry = dict(capacity=capacity, hidden_size=hidden_size, hc_mult=hc_mult, tp=tp,
                             top_k=top_k, quantize_layer_input=bool(quantize_layer_input),
@@ -407,11 +408,10 @@ class BoundaryAllReduce:
     def _capturing(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
-    def _host_timeout(self, wait_timeout_s: float | None = None) -> float:
+    def _host_timeout(self) -> float:
         if self.host_timeout_s is not None:
             return float(self.host_timeout_s)
-        return max(HOST_TIMEOUT_MIN_S, 10 * (self.wait_timeout_s if wait_timeout_s is None
-                                             else wait_timeout_s))
+        return max(HOST_TIMEOUT_MIN_S, 10 * self.wait_timeout_s)
 
     def _multi_process(self) -> bool:
         return self.group is not None and dist.get_world_size(self.group) > 1

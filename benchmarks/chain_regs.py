@@ -31,9 +31,9 @@ from decode_boundary.bench.harness import (
     one_gpu_write,
 )
 from decode_boundary.common.timing import graph_time_us
-from decode_boundary.gemm.autotune import AUTOTUNER
+from decode_boundary.gemm.autotune import AUTOTUNER, cache_key
 from decode_boundary.gemm.launcher import warmup_low_latency
-from decode_boundary.gemm.tactics import default_tactic, is_valid, row_bucket
+from decode_boundary.gemm.tactics import default_tactic, is_valid
 from decode_boundary.model.chain import AttentionBoundary, check_outputs, outputs_identical
 
 LAYERS = ("wo_a", "wo_b", "fused_wqa_wkv")
@@ -42,13 +42,8 @@ SHAPES = ((2, 256), (2, 512), (2, 1024), (4, 256), (4, 512), (4, 1024))
 DOT_SHAPES = ((4, 64), (4, 128), (8, 64), (8, 128))
 
 
-def _key(layer, rows: int) -> tuple:
-    k, n = layer.weight.shape
-    return n, k, getattr(layer, "groups", 1), row_bucket(rows)
-
-
 def _candidates(layer, rows: int) -> list:
-    n, k, groups, _ = _key(layer, rows)
+    n, k, groups, _ = cache_key(layer, rows)
     base = default_tactic(n, k, rows, groups)
     out = [base]
     for warps, chunk in SHAPES if base.rows_tile <= 2 else DOT_SHAPES:
@@ -68,7 +63,7 @@ def sweep(ab: AttentionBoundary, views: list, rows: int, device: torch.device) -
     inputs = ab.make_inputs(rows, seed=rows)
     steps = [functools.partial(v, inputs, fused=True) for v in views]
     layers = [getattr(ab, name) for name in LAYERS]
-    keys = [_key(layer, rows) for layer in layers]
+    keys = [cache_key(layer, rows) for layer in layers]
     cands = [_candidates(layer, rows) for layer in layers]
     regs = {}
     for name, layer, options in zip(LAYERS, layers, cands, strict=True):

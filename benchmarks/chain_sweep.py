@@ -26,8 +26,8 @@ from decode_boundary.bench.harness import (
     one_gpu_write,
 )
 from decode_boundary.common.timing import graph_time_us
-from decode_boundary.gemm.autotune import AUTOTUNER
-from decode_boundary.gemm.tactics import row_bucket, sweep_tactics, table_tactic
+from decode_boundary.gemm.autotune import AUTOTUNER, cache_key
+from decode_boundary.gemm.tactics import sweep_tactics, table_tactic
 from decode_boundary.model.chain import (
     AttentionBoundary,
     check_outputs,
@@ -37,11 +37,6 @@ from decode_boundary.model.chain import (
 LAYERS = ("wo_b", "wo_a", "fused_wqa_wkv")  # swept in this order
 
 
-def _key(layer, rows: int) -> tuple:
-    k, n = layer.weight.shape
-    return n, k, getattr(layer, "groups", 1), row_bucket(rows)
-
-
 def sweep(ab: AttentionBoundary, views: list, rows: int, device: torch.device) -> dict:
     inputs = ab.make_inputs(rows, seed=rows)
     steps = [functools.partial(v, inputs, fused=True) for v in views]
@@ -49,7 +44,7 @@ def sweep(ab: AttentionBoundary, views: list, rows: int, device: torch.device) -
     trials = []
     for name in LAYERS:
         layer = getattr(ab, name)
-        n, k, groups, bucket = key = _key(layer, rows)
+        n, k, groups, bucket = key = cache_key(layer, rows)
         base = table_tactic(n, k, rows, groups) or sweep_tactics(n, k, rows, groups)[0]
         timed = []
         for tactic in [base, *(t for t in sweep_tactics(n, k, rows, groups) if t != base)]:
@@ -65,7 +60,7 @@ def sweep(ab: AttentionBoundary, views: list, rows: int, device: torch.device) -
     failures = [] if outputs_identical(out, ab(inputs, fused=False)) else ["fused != unfused"]
     failures += check_outputs(out, ab.reference(inputs))
     for name in LAYERS:  # leave the table in charge for the next M
-        AUTOTUNER.cache.pop(_key(getattr(ab, name), rows), None)
+        AUTOTUNER.cache.pop(cache_key(getattr(ab, name), rows), None)
     return {"rows": rows, "chosen": chosen, "trials": trials, "failures": failures}
 
 

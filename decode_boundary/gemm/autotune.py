@@ -68,6 +68,12 @@ def default_timer(layer, rows: int, tactic: Tactic, bf16_input: bool = False) ->
     return graph_time_us([partial(launch_low_latency, c, qa, out, tactic) for c in copies], device)
 
 
+def cache_key(layer, rows: int) -> tuple[int, int, int, int]:
+    """The autotuner's key of ``layer`` at ``rows`` rows: (N, K, groups, row bucket)."""
+    k, n = layer.weight.shape
+    return n, k, getattr(layer, "groups", 1), row_bucket(rows)
+
+
 class Autotuner:
     """Cache (N, K, groups, row bucket) -> Tactic, for both input kinds, filled
     by :meth:`tune`."""
@@ -93,13 +99,11 @@ class Autotuner:
         cache the fastest; ties keep the earlier (default-first) candidate.
         ``timer(layer, rows, tactic, bf16_input)`` returns µs; ``bf16_input``
         only says which input kind is timed: the winner serves both kinds."""
-        k, n = layer.weight.shape
-        groups = getattr(layer, "groups", 1)
-        bucket = row_bucket(rows)
+        key = n, k, groups, bucket = cache_key(layer, rows)
         offered = self.candidates(n, k, bucket, groups)
         timed = [(timer(layer, bucket, t, bf16_input), i, t) for i, t in enumerate(offered)]
         best = min(timed)[2]
-        self.cache[(n, k, groups, bucket)] = best
+        self.cache[key] = best
         return best
 
     def save(self, path: str) -> None:

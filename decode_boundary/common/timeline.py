@@ -93,8 +93,4 @@ def stamp_after(stamp_ptr, slot, which: tl.constexpr, after, TIMELINE: tl.conste
 def stamp(stamp_ptr, slot, which: tl.constexpr, TIMELINE: tl.constexpr):
     """Store ``%globaltimer`` as stamp ``which`` of ``slot`` (a no-op unless
     TIMELINE; GPU only: the interpreter has no PTX)."""
-    if TIMELINE:
-        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r",
-                                        [tl.zeros((1,), tl.int32)], dtype=tl.int64,
-                                        is_pure=False, pack=1)
-        tl.store(stamp_ptr + slot.to(tl.int64) * _STAMPS + which + tl.arange(0, 1), now)
+    stamp_after(stamp_ptr, slot, which, 0, TIMELINE)

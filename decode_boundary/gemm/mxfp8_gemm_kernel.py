@@ -17,7 +17,7 @@ overlaps the previous kernel's tail. Many small programs (wo_b at M = 1: 640
 of 8 rows x 2048) keep enough bytes in flight per SM; no shared memory, no
 software pipeline. After the wait the activation is loaded the same way where
 it fits (``A_UPFRONT``: ``tactics.activation_upfront``, at most
-``MAX_UPFRONT_BYTES_PER_THREAD`` per thread): every piece's loads are issued
+``MAX_UPFRONT_BYTES_PER_THREAD`` per thread, less for a BF16 input): every piece's loads are issued
 back to back before the first product, because a product ends in a cross-warp
 sum (a CTA barrier) and a load placed after a barrier is issued only once it
 passes: per-piece loads would cost one L2 round trip per piece (the stamps of

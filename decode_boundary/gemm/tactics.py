@@ -60,6 +60,12 @@ MAX_DOT_BYTES_PER_THREAD = 256
 # (mxfp8_gemm_kernel.py, A_UPFRONT); above it each piece's loads follow the previous
 # piece's products. Speed only: the products and their order are the same.
 MAX_UPFRONT_BYTES_PER_THREAD = 128
+# A BF16 activation is quantized in the prologue, which keeps each held piece's FP32
+# upcast and group maxima live as well: above 48 B per thread the compiled kernel
+# gains 20-45 registers and loses a resident program per SM (sm_90 compile of every
+# table tactic), which put wo_b at M = 16 into a second wave (+4 µs per step);
+# benchmarks/NOTES.md attempt 8.
+MAX_UPFRONT_BF16_BYTES_PER_THREAD = 48
 
 
 def k_pieces(k: int, tactic: Tactic) -> tuple[int, int]:
@@ -72,10 +78,11 @@ def k_pieces(k: int, tactic: Tactic) -> tuple[int, int]:
 
 def activation_upfront(tactic: Tactic, k: int, bf16_input: bool) -> bool:
     """Whether the kernel issues every piece's activation loads at once
-    (``MAX_UPFRONT_BYTES_PER_THREAD``)."""
+    (``MAX_UPFRONT_BYTES_PER_THREAD``, ``MAX_UPFRONT_BF16_BYTES_PER_THREAD``)."""
     _, pieces = k_pieces(k, tactic)
     held = tactic.rows_tile * pieces * tactic.chunk_k * (2 if bf16_input else 1)
-    return held <= MAX_UPFRONT_BYTES_PER_THREAD * 32 * tactic.num_warps
+    limit = MAX_UPFRONT_BF16_BYTES_PER_THREAD if bf16_input else MAX_UPFRONT_BYTES_PER_THREAD
+    return held <= limit * 32 * tactic.num_warps
 
 
 def fits(tactic: Tactic, n: int, k: int, groups: int = 1) -> bool:

@@ -173,7 +173,8 @@ def cooperative_in_the_interpreter(monkeypatch):
     programs concurrently, so the programs of a token do meet."""
     check = consumer._check_tactic
     monkeypatch.setattr(consumer, "_check_tactic",
-                        lambda tactic, hidden, mode: check(tactic, hidden, RESIDUAL_ONLY))
+                        lambda tactic, hidden, mode, mixes=False: check(tactic, hidden,
+                                                                        RESIDUAL_ONLY, mixes))
     with concurrent_programs():
         yield
 

@@ -22,7 +22,8 @@ peers wait on this rank (``compile_only``, see
 ``BoundaryAllReduce.precompile``).
 
 **Early inputs: read before the grid-dependency wait.** ``residual``,
-``post``, ``comb``, ``pre`` and ``norm_weight`` (gamma) are loaded *before*
+``post``, ``comb``, ``pre`` and ``norm_weight`` (gamma), and with ``mixes``
+its ``hc_fn``, ``hc_scale`` and ``hc_base``, are loaded *before*
 the consumer's ``gdc_wait`` (cooperative tactics, the GPU default), so that
 their loads overlap the publisher; the mailbox (or the gathered partials),
 the stage word, the scratch and every store come after the wait. With PDL the
@@ -61,9 +62,12 @@ from ..mxfp8.format import check_scale_buffer, mxfp8_scale_bytes
 from .consumer_kernel import (
     ABORT_BIT,
     FULL,
+    NEXT_MIXES,
+    NO_MIXES,
     NORM_TIMEOUT_BIT,
     PLAIN,
     RESIDUAL_ONLY,
+    SAME_PRE,
     consumer_kernel,
 )
 from .publish_kernel import load_module
@@ -98,10 +102,19 @@ CONSUMER_TACTICS = (
 )
 
 
-def consumer_tactic(m: int, hidden: int) -> ConsumerTactic:
-    """The table's tactic for M tokens; serial in the interpreter (which runs
-    programs one after another, so they cannot wait for each other)."""
-    tactic = next(t for limit, t in CONSUMER_TACTICS if m <= limit)
+# With the next sublayer's mixes every program holds its columns of hc_fn (FP32,
+# (2 + hc) * hc rows, padded to MIX_SLOTS) in registers from before its grid wait:
+# 128 columns x 32 rows x 4 streams over 8 warps is 64 registers per thread.
+# Not yet measured on the GPU (benchmarks/NOTES.md, "V4-family mixes").
+MIXES_TACTIC = ConsumerTactic(128, 8)
+MIX_MIN_BLOCK = 64  # the mix row has one SLOTS-wide share per chunk of >= 64 columns
+
+
+def consumer_tactic(m: int, hidden: int, mixes: bool = False) -> ConsumerTactic:
+    """The table's tactic for M tokens (``MIXES_TACTIC`` with the next mixes);
+    serial in the interpreter (which runs programs one after another, so they
+    cannot wait for each other)."""
+    tactic = MIXES_TACTIC if mixes else next(t for limit, t in CONSUMER_TACTICS if m <= limit)
     tactic = tactic._replace(block_h=min(tactic.block_h, triton.next_power_of_2(hidden)))
     if env.interpret_mode():
         tactic = tactic._replace(cooperative=False)
@@ -112,6 +125,38 @@ def sumsq_columns(hidden: int) -> int:
     """Row length of the per-token sum-of-squares scratch (one tagged word per
     32 columns, the finest chunk a tactic may use)."""
     return triton.cdiv(hidden, QUANT_GROUP)
+
+
+def mix_slots(hc: int) -> int:
+    """Words per chunk in a token's mix row: the (2 + hc) * hc dots and the sum
+    of squares, padded to a power of two."""
+    return triton.next_power_of_2((2 + hc) * hc + 1)
+
+
+def mix_columns(hidden: int, hc: int) -> int:
+    """Row length of the per-token mix scratch (int64 tagged words): one share
+    per chunk of >= ``MIX_MIN_BLOCK`` columns, then hc words for the pre that
+    chunk 0 hands to the token's other programs (``collapse="same"``)."""
+    return triton.cdiv(hidden, MIX_MIN_BLOCK) * mix_slots(hc) + hc
+
+
+class MhcMixes(NamedTuple):
+    """The next sublayer's mHC mix parameters and how the boundary uses them
+    (docs/DESIGN.md §5.1; spec: ``reference.mhc_mixes_ref``, with the call's
+    ``eps`` as its ``rms_eps``). ``hc_fn`` FP32 [(2 + hc) * hc, hc * H],
+    ``hc_scale`` FP32 [3], ``hc_base`` FP32 [(2 + hc) * hc]. ``collapse``:
+    "previous" (V4.1: collapse with the given pre, the new mixes are the next
+    boundary's) or "same" (V4: collapse with the pre just computed)."""
+
+    hc_fn: torch.Tensor
+    hc_scale: torch.Tensor
+    hc_base: torch.Tensor
+    hc_eps: float
+    sinkhorn_iters: int
+    collapse: str = "previous"
+
+
+COLLAPSES = {"previous": NEXT_MIXES, "same": SAME_PRE}
 
 
 class WaitTimeout(NamedTuple):
@@ -188,11 +233,14 @@ def _need(t, name, dtype, shape, device):
         raise ValueError(f"{name} must be contiguous")
 
 
-def _check_tactic(tactic: ConsumerTactic, hidden: int, mode: int) -> None:
+def _check_tactic(tactic: ConsumerTactic, hidden: int, mode: int, mixes: bool = False) -> None:
     block, warps, cooperative = tactic
     if block < QUANT_GROUP or block & (block - 1) or warps < 1 or warps & (warps - 1):
         raise ValueError(f"tactic {tactic}: columns per program must be a power of two "
                          f">= {QUANT_GROUP} and warps a power of two")
+    if mixes and block < MIX_MIN_BLOCK:
+        raise ValueError(f"tactic {tactic}: with mixes a program takes >= {MIX_MIN_BLOCK} "
+                         "columns (one share of the mix row per chunk)")
     chunks = triton.cdiv(hidden, block)
     if mode == FULL and cooperative and chunks > 1 and env.interpret_mode():
         raise ValueError(f"tactic {tactic}: cooperative programs wait for each other, which "
@@ -200,6 +248,36 @@ def _check_tactic(tactic: ConsumerTactic, hidden: int, mode: int) -> None:
 
 
 EARLY_INPUTS = ("residual", "post", "comb", "pre", "norm_weight")  # read before the wait
+EARLY_MIX_WEIGHTS = ("hc_fn", "hc_scale", "hc_base")  # MhcMixes' tensors: before it too
+
+
+def _check_mixes(mixes: MhcMixes, mode: int, pre, mix_words, m: int, hc: int, hidden: int,
+                 device: torch.device) -> None:
+    if not isinstance(mixes, MhcMixes):
+        raise ValueError(f"mixes must be a consumer.MhcMixes, got {type(mixes).__name__}")
+    if mixes.collapse not in COLLAPSES:
+        raise ValueError(f"mixes.collapse must be one of {sorted(COLLAPSES)}, got "
+                         f"{mixes.collapse!r}")
+    if mode != FULL:
+        raise ValueError("mixes need the full mode (norm_weight, and pre unless collapse='same')")
+    if mixes.collapse == "same" and pre is not None:
+        raise ValueError("mixes.collapse='same' collapses with the pre computed here: pass "
+                         "pre=None")
+    if hc & (hc - 1):
+        raise ValueError(f"mixes need a power-of-two hc, got {hc}")
+    n = (2 + hc) * hc
+    _need(mixes.hc_fn, "hc_fn", torch.float32, (n, hc * hidden), device)
+    _need(mixes.hc_scale, "hc_scale", torch.float32, (3,), device)
+    _need(mixes.hc_base, "hc_base", torch.float32, (n,), device)
+    if isinstance(mixes.sinkhorn_iters, bool) or not isinstance(mixes.sinkhorn_iters, int) \
+            or mixes.sinkhorn_iters < 1:
+        raise ValueError(f"mixes.sinkhorn_iters must be an int >= 1, got "
+                         f"{mixes.sinkhorn_iters!r}")
+    if not (isinstance(mixes.hc_eps, (int, float)) and mixes.hc_eps >= 0):
+        raise ValueError(f"mixes.hc_eps must be a real number >= 0, got {mixes.hc_eps!r}")
+    rows = mix_words.shape[0] if isinstance(mix_words, torch.Tensor) else 0
+    _need(mix_words, "mix_words scratch", torch.int64, (max(rows, m), mix_columns(hidden, hc)),
+          device)
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int] | None:
@@ -262,9 +340,13 @@ def consume(
     compile_only: bool = False,
     partial: torch.Tensor | None = None,
     before_launch: Callable[[], object] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    mixes: MhcMixes | None = None,
+    mix_words: torch.Tensor | None = None,
+) -> tuple:
     """Launch the consumer for ``m`` tokens. Returns (``reduced`` [M, H] in plain
-    mode / ``residual_out`` [M, hc, H], ``layer_input`` [M, H] or None).
+    mode / ``residual_out`` [M, hc, H], ``layer_input`` [M, H] or None), and
+    with ``mixes`` a third element: the next sublayer's (pre [M, hc], post
+    [M, hc], comb [M, hc, hc]) FP32, computed from this ``residual_out``.
 
     ``mailbox``: BF16 [STAGES, tp, capacity, H] (Lamport) or [tp, M, H] (gathered).
     ``generation`` int32 [rows] and ``sumsq`` int64 [rows, ``sumsq_columns(H)``]
@@ -275,8 +357,12 @@ def consume(
     records its timeout there). ``wait_bound``: nanoseconds with PTX
     (``%globaltimer``), spins without; > 0 whenever something may wait; a
     :class:`WaitTimeout` is converted here, with the kernel variant's own PTX
-    decision. ``tactic``: default from ``CONSUMER_TACTICS``. ``compile_only``:
-    compile this variant, launch nothing (the outputs are then unwritten).
+    decision. ``tactic``: default from ``CONSUMER_TACTICS`` (``MIXES_TACTIC``
+    with mixes). ``compile_only``: compile this variant, launch nothing (the
+    outputs are then unwritten). ``mixes`` (full mode): :class:`MhcMixes`;
+    with ``collapse="same"`` ``pre`` is None (the kernel collapses with the pre
+    it computes); ``mix_words`` int64 [rows, ``mix_columns(H, hc)``] is then its
+    per-token scratch, zeroed together with ``generation`` and ``sumsq``.
 
     Early inputs (module docstring): ``residual``, ``post``, ``comb``, ``pre``
     and ``norm_weight`` are read before the kernel's grid-dependency wait, i.e.
@@ -310,8 +396,8 @@ def consume(
         raise ValueError(f"M = {m} must be in [1, capacity = {capacity}]")
     if (lamport or mode == FULL) and wait_bound <= 0:
         raise ValueError(f"wait_bound must be > 0 (ns with PTX, spins without), got {wait_bound}")
-    tactic = ConsumerTactic(*(tactic or consumer_tactic(m, hidden)))
-    _check_tactic(tactic, hidden, mode)
+    tactic = ConsumerTactic(*(tactic or consumer_tactic(m, hidden, mixes is not None)))
+    _check_tactic(tactic, hidden, mode, mixes is not None)
     if mode == PLAIN:
         out = torch.empty(m, hidden, dtype=torch.bfloat16, device=device)
         hc = 1
@@ -325,8 +411,10 @@ def consume(
         out = torch.empty(m, hc, hidden, dtype=torch.bfloat16, device=device)
     layer_input = None
     quant = mxfp8_out is not None
+    same_pre = isinstance(mixes, MhcMixes) and mixes.collapse == "same"
     if mode == FULL:
-        _need(pre, "pre", torch.float32, (m, hc), device)
+        if not same_pre:
+            _need(pre, "pre", torch.float32, (m, hc), device)
         _need(norm_weight, "norm_weight", torch.bfloat16, (hidden,), device)
         rows = generation.shape[0] if generation is not None else 0
         _need(generation, "generation", torch.int32, (max(rows, m),), device)
@@ -344,11 +432,20 @@ def consume(
             check_scale_buffer(scale, m, hidden, "mxfp8_out scale", device=device)
     elif quant:
         raise ValueError("mxfp8_out needs the layer input: pass pre and norm_weight")
+    mixes_out = None
+    if mixes is not None:
+        _check_mixes(mixes, mode, pre, mix_words, m, hc, hidden, device)
+        mixes_out = (torch.empty(m, hc, device=device), torch.empty(m, hc, device=device),
+                     torch.empty(m, hc, hc, device=device))
+    fn, scale, base = (mixes.hc_fn, mixes.hc_scale, mixes.hc_base) if mixes is not None \
+        else (None, None, None)
     if mode != PLAIN:
         check_early_inputs(
-            dict(residual=residual, post=post, comb=comb, pre=pre, norm_weight=norm_weight),
+            dict(residual=residual, post=post, comb=comb, pre=pre, norm_weight=norm_weight,
+                 hc_fn=fn, hc_scale=scale, hc_base=base),
             dict(partial=partial, mailbox=mailbox, stage_state=stage_state, status=status,
                  generation=generation, sumsq=sumsq, prenorm=prenorm,
+                 mix_words=mix_words if mixes is not None else None,
                  mxfp8_out_data=mxfp8_out[0] if quant else None,
                  mxfp8_out_scale=mxfp8_out[1] if quant else None))
     serial = mode == FULL and not tactic.cooperative
@@ -368,17 +465,33 @@ def consume(
         _or(sumsq, dummy), _or(prenorm, dummy), _or(residual, dummy),
         _or(post, dummy), _or(comb, dummy), _or(pre, dummy), _or(norm_weight, dummy), out,
         _or(layer_input, dummy), mxfp8_out[0] if quant else dummy,
-        mxfp8_out[1] if quant else dummy, stamps, first_slot, float(eps), capacity,
-        int(wait_bound),
+        mxfp8_out[1] if quant else dummy,
+        _or(fn, dummy), _or(scale, dummy), _or(base, dummy), _or(mix_words, dummy),
+        *(mixes_out or (dummy,) * 3),
+        stamps, first_slot, float(eps), float(mixes.hc_eps) if mixes is not None else 0.0,
+        capacity, int(wait_bound),
         TP=tp, HC=hc, HIDDEN=hidden, BLOCK_H=tactic.block_h,
         UNITS_P2=triton.next_power_of_2(sumsq_columns(hidden)), MODE=mode, QUANT=quant,
         LAMPORT=lamport, COOPERATIVE=tactic.cooperative, USE_PTX=ptx,
         USE_PDL=pdl, TIMELINE=timeline, num_warps=tactic.warps, enable_fp_fusion=False,
-        launch_pdl=pdl, **kwargs,
+        launch_pdl=pdl, **_mix_constants(mixes, hc, hidden, tactic.block_h), **kwargs,
     )
     if compile_only:
         load_module(compiled)
+    if mixes is not None:
+        return out, layer_input, mixes_out
     return out, layer_input
+
+
+def _mix_constants(mixes: MhcMixes | None, hc: int, hidden: int, block_h: int) -> dict:
+    """The kernel's MIXES constexprs (defaults without mixes)."""
+    if mixes is None:
+        return dict(MIXES=NO_MIXES)
+    slots = mix_slots(hc)
+    return dict(MIXES=COLLAPSES[mixes.collapse], SLOTS=slots, MIX_ROW=mix_columns(hidden, hc),
+                PRE_OFF=triton.cdiv(hidden, MIX_MIN_BLOCK) * slots,
+                CHUNKS_P2=triton.next_power_of_2(triton.cdiv(hidden, block_h)),
+                SINKHORN_ITERS=mixes.sinkhorn_iters)
 
 
 def _or(t, default):

@@ -39,6 +39,26 @@ row's units (the same bits in every program, on every rank). Two ways to meet
   twice, the first time keeping ``prenorm`` in a scratch row, the second time
   normalising it.
 
+**The next sublayer's mixes** (``MIXES``, docs/DESIGN.md §5.1; spec:
+``reference.mhc_mixes_ref``). Every program holds its columns of ``hc_fn``
+(FP32, loaded before the grid wait: a weight) and, after writing its
+``residual_out``, publishes its share into the token's mix row of ``mix_ptr``
+(int64 words tagged like the norm's: ``SLOTS`` per chunk, the (2 + HC) * HC
+dots of its columns and streams with ``hc_fn``, then its sum of squares of
+``residual_out``). The chunk-0 program polls the row (bounded, as the norm
+hand-off), sums the shares in one fixed tree (the same bits for a serial and a
+cooperative launch of one ``BLOCK_H``), and computes pre, post and comb:
+sigmoid, softmax and ``SINKHORN_ITERS`` normalisations in FP32 on its own, and
+stores them. ``NEXT_MIXES`` (V4.1): nobody else waits, the collapse uses the
+given ``pre``. ``SAME_PRE`` (V4): chunk 0 also stores the pre as ``HC``
+tagged words (``PRE_OFF``) that the token's other programs poll before their
+collapse; then the norm hand-off as without mixes. Chunk 0 advances the
+generation only after seeing every sumsq unit, which every program writes
+after its mix share: so every program had read the generation before. The
+dots are not the reference's summation order: pre/post/comb match it within
+FP32 rounding, not bit for bit; given those values, everything else is the
+path without mixes, bit for bit.
+
 The FP32 operation order is that of :mod:`.reference` (launch with
 ``enable_fp_fusion=False``): ``reduced`` and ``residual_out`` are bit-exact;
 ``layer_input`` may differ from the reference by 1 BF16 ulp (chunked
@@ -58,8 +78,10 @@ equal ``quantize_mxfp8_ref`` of the kernel's own ``layer_input``.
   reported a failure with ``atomic_or`` meanwhile).
 * The serial path's ``prenorm`` scratch: volatile reads of the program's own
   stores, which a ``debug_barrier`` orders before them.
-* Residual, post, comb, pre, gamma: plain loads, issued *before* the grid
-  dependency wait (so they overlap the publisher).
+* Residual, post, comb, pre, gamma, and with mixes hc_fn, hc_scale, hc_base:
+  plain loads, issued *before* the grid dependency wait (so they overlap the
+  publisher).
+* The mix row and the handed-over pre: volatile polls, as ``sumsq``.
 
 **Stage words.** ACTIVE (``stage_ptr + STAGE_ACTIVE``) is read with a plain
 load after the grid dependency wait: the publisher that set it has completed
@@ -90,8 +112,8 @@ its reads through a ``debug_barrier``. The status word is set with
 none of residual, post, comb, pre, gamma (they are loaded before the grid
 wait), and triggers its dependents only after its own grid wait; no other
 kernel uses the outputs or the scratch (``sumsq``, ``generation``,
-``prenorm``) meanwhile; ``generation`` and ``sumsq`` are only ever zeroed
-together; a peer never stores into the stage being read (one publish per
+``prenorm``, the mix row) meanwhile; ``generation``, ``sumsq`` and the mix rows
+are only ever zeroed together; a peer never stores into the stage being read (one publish per
 consume on every rank, see above).
 
 **Failures** (docs/FAILURES.md). A slot element holding the abort poison
@@ -119,6 +141,10 @@ from ..common.timeline import END, MARK1, MARK2, START, WAITED, stamp
 
 PLAIN, RESIDUAL_ONLY, FULL = 0, 1, 2  # MODE values (host side)
 _PLAIN, _FULL = tl.constexpr(PLAIN), tl.constexpr(FULL)
+# MIXES values: none; the next sublayer's mixes out, the collapse with the given
+# pre (V4.1); the mixes out and the collapse with the pre just computed (V4).
+NO_MIXES, NEXT_MIXES, SAME_PRE = 0, 1, 2
+_NO_MIXES, _SAME_PRE = tl.constexpr(NO_MIXES), tl.constexpr(SAME_PRE)
 SENTINEL = tl.constexpr(SENTINEL_BITS)  # an unwritten slot element, as int16 bits
 _STAGES = tl.constexpr(STAGES)
 _NEXT, _ACTIVE = tl.constexpr(STAGE_NEXT), tl.constexpr(STAGE_ACTIVE)  # stage_state indices
@@ -263,9 +289,11 @@ def _wait_slots(slot, cmask, row_stride, status_ptr, wait_bound,
     return out
 @triton.jit
 def _load_inputs(residual_ptr, post_ptr, comb_ptr, pre_ptr, gamma_ptr, m, cols, cmask,
-                 HC: tl.constexpr, HIDDEN: tl.constexpr, MODE: tl.constexpr):
+                 HC: tl.constexpr, HIDDEN: tl.constexpr, MODE: tl.constexpr,
+                 MIXES: tl.constexpr):
     """Everything but the partials, as tuples: residual streams ([BLOCK_H] BF16
-    each), post[t], comb[s, t] (flat s * HC + t), pre[t] (FP32 scalars), gamma."""
+    each), post[t], comb[s, t] (flat s * HC + t), pre[t] (FP32 scalars; none
+    with ``SAME_PRE``: computed here), gamma."""
     res = ()
     post = ()
     comb = ()
@@ -279,22 +307,42 @@ def _load_inputs(residual_ptr, post_ptr, comb_ptr, pre_ptr, gamma_ptr, m, cols, 
         for i in tl.static_range(HC * HC):
             comb = comb + (tl.load(comb_ptr + m * HC * HC + i),)
     if MODE == _FULL:
-        for t in tl.static_range(HC):
-            pre = pre + (tl.load(pre_ptr + m * HC + t),)
+        if MIXES != _SAME_PRE:
+            for t in tl.static_range(HC):
+                pre = pre + (tl.load(pre_ptr + m * HC + t),)
         gamma = tl.load(gamma_ptr + cols, mask=cmask, other=0.0)
     return res, post, comb, pre, gamma
 
 
 @triton.jit
+def _load_mix_weights(hc_fn_ptr, cols, cmask, HC: tl.constexpr, HIDDEN: tl.constexpr,
+                      SLOTS: tl.constexpr, MIXES: tl.constexpr):
+    """This chunk's columns of ``hc_fn`` FP32 [(2 + HC) * HC, HC * H], one
+    [SLOTS, BLOCK_H] tile per stream t (row j = mix j, rows >= (2 + HC) * HC
+    zero), as a tuple; empty without mixes."""
+    fn = ()
+    if MIXES != _NO_MIXES:
+        NMIX: tl.constexpr = (2 + HC) * HC
+        j = tl.arange(0, SLOTS)[:, None]
+        for t in tl.static_range(HC):
+            fn = fn + (tl.load(hc_fn_ptr + j.to(tl.int64) * (HC * HIDDEN) + t * HIDDEN
+                               + cols[None, :], mask=(j < NMIX) & cmask[None, :], other=0.0),)
+    return fn
+
+
+@triton.jit
 def _reduce_mix(slots, res, post, comb, pre, out_ptr, m, cols, cmask,
-                TP: tl.constexpr, HC: tl.constexpr, HIDDEN: tl.constexpr, MODE: tl.constexpr):
-    """reduced (plain mode: stored) or residual_out (stored) and, in the full
-    mode, the BF16-rounded prenorm as FP32, in the reference's operation order."""
+                TP: tl.constexpr, HC: tl.constexpr, HIDDEN: tl.constexpr, MODE: tl.constexpr,
+                COLLAPSE: tl.constexpr):
+    """reduced (plain mode: stored) or residual_out (stored; also returned, one
+    BF16 [BLOCK_H] per stream) and, with ``COLLAPSE`` (the full mode with a
+    given pre), the BF16-rounded prenorm as FP32, in the reference's order."""
     acc = tl.zeros(cols.shape, dtype=tl.float32)
     for r in tl.static_range(TP):
         acc = acc + slots[r].to(tl.float32)
     reduced = to_bf16_rne(acc)
     prenorm = tl.zeros(cols.shape, dtype=tl.float32)
+    streams = ()
     if MODE == _PLAIN:
         tl.store(out_ptr + m.to(tl.int64) * HIDDEN + cols, reduced, mask=cmask)
     else:
@@ -305,10 +353,144 @@ def _reduce_mix(slots, res, post, comb, pre, out_ptr, m, cols, cmask,
                 mix = mix + res[s].to(tl.float32) * comb[s * HC + t]
             mixed = to_bf16_rne(mix)
             tl.store(out_ptr + (m * HC + t).to(tl.int64) * HIDDEN + cols, mixed, mask=cmask)
-            if MODE == _FULL:
-                prenorm = prenorm + mixed.to(tl.float32) * pre[t]
-        prenorm = to_bf16_rne(prenorm).to(tl.float32)
-    return prenorm
+            streams = streams + (mixed,)
+        if COLLAPSE:
+            prenorm = _collapse(streams, pre, HC)
+    return streams, prenorm
+
+
+@triton.jit
+def _collapse(streams, pre, HC: tl.constexpr):
+    """prenorm = bf16(+0 + sum_t float(residual_out[t]) * pre[t]), t in order,
+    as FP32 (``pre``: a tuple of FP32 scalars)."""
+    prenorm = tl.zeros(streams[0].shape, dtype=tl.float32)
+    for t in tl.static_range(HC):
+        prenorm = prenorm + streams[t].to(tl.float32) * pre[t]
+    return to_bf16_rne(prenorm).to(tl.float32)
+
+
+@triton.jit
+def _tagged(value, tag):
+    """FP32 ``value`` in the low half of an int64 word, ``tag`` in the high half."""
+    return (tag.to(tl.int64) << 32) | (value.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
+
+
+@triton.jit
+def _untagged(words):
+    return (words & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _publish_mix_partials(mix_ptr, m, chunk, streams, fn, tag, HC: tl.constexpr,
+                          SLOTS: tl.constexpr, MIX_ROW: tl.constexpr):
+    """This chunk's share of the next sublayer's mixes, tagged into token m's
+    mix row at ``chunk * SLOTS``: word j < (2 + HC) * HC = sum over its columns
+    and streams of residual_out * hc_fn[j] (FP32, each product rounded), word
+    (2 + HC) * HC = its sum of squares of residual_out, the rest +0.0."""
+    NMIX: tl.constexpr = (2 + HC) * HC
+    acc = tl.zeros(fn[0].shape, dtype=tl.float32)
+    squares = tl.zeros(streams[0].shape, dtype=tl.float32)
+    for t in tl.static_range(HC):
+        v = streams[t].to(tl.float32)
+        acc = acc + fn[t] * v[None, :]
+        squares = squares + v * v
+    j = tl.arange(0, SLOTS)
+    part = tl.where(j < NMIX, tl.sum(acc, axis=1), tl.where(j == NMIX, tl.sum(squares, axis=0),
+                                                            0.0))
+    tl.store(mix_ptr + m * MIX_ROW + chunk * SLOTS + j, _tagged(part, tag))
+
+
+@triton.jit
+def _probe_mix_row(ptrs, live, tag, UNUSED: tl.constexpr):
+    """One volatile poll of a token's mix row [chunks, SLOTS]: (the words, per
+    chunk 1 where a word does not carry ``tag`` yet)."""
+    words = tl.load(ptrs, mask=live, other=0, volatile=True)
+    hole = tl.where(live & ((words >> 32).to(tl.int32) != tag), 1, 0)
+    return words, tl.reduce(hole, 1, _bit_or)
+
+
+@triton.jit
+def _pick(values, index, i):
+    """values[i] of a register vector, exactly (the others contribute +0.0)."""
+    return tl.sum(tl.where(index == i, values, 0.0), axis=0)
+
+
+@triton.jit
+def _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, post_out_ptr,
+                   comb_out_ptr, m, tag, eps, hc_eps, wait_bound, HC: tl.constexpr,
+                   HIDDEN: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
+                   SLOTS: tl.constexpr, MIX_ROW: tl.constexpr, PRE_OFF: tl.constexpr,
+                   SINKHORN_ITERS: tl.constexpr, MIXES: tl.constexpr, USE_PTX: tl.constexpr):
+    """Wait for every chunk's share of token m's mixes (bounded: a timeout sets
+    ``NORM_TIMEOUT_BIT`` and makes them NaN), sum them in one fixed tree, and
+    compute pre, post and comb as ``reference.mhc_mixes_ref`` does; store them
+    (and with ``SAME_PRE`` the pre, tagged, for the token's other programs).
+    Returns pre as a [HC] vector."""
+    NMIX: tl.constexpr = (2 + HC) * HC
+    c = tl.arange(0, CHUNKS_P2)[:, None]
+    j = tl.arange(0, SLOTS)[None, :]
+    words, flags = _spin(_probe_mix_row, mix_ptr + m * MIX_ROW + c * SLOTS + j,
+                         (c < CHUNKS) & (j < SLOTS), tag, status_ptr, wait_bound, 0, False,
+                         USE_PTX)
+    stale = (flags & 1) != 0
+    if stale:
+        tl.atomic_or(status_ptr, _NORM_TIMEOUT_BIT)
+    totals = tl.sum(_untagged(words), axis=0)  # [SLOTS]
+    nan = tl.full((), 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+    totals = tl.where(stale, nan, totals)
+    slot = tl.arange(0, SLOTS)
+    rstd = tl.math.rsqrt(_pick(totals, slot, NMIX) / (HC * HIDDEN) + eps)
+    mixes = totals * rstd
+    t = tl.arange(0, HC)
+    # [HC, SLOTS] selections: row t takes mixes[offset + t], exactly.
+    pick_pre = tl.sum(tl.where(slot[None, :] == t[:, None], mixes[None, :], 0.0), axis=1)
+    pick_post = tl.sum(tl.where(slot[None, :] == HC + t[:, None], mixes[None, :], 0.0), axis=1)
+    st = t[:, None] * HC + t[None, :]  # [source, target] -> flat index
+    pick_comb = tl.sum(tl.where(slot[None, None, :] == 2 * HC + st[:, :, None],
+                                mixes[None, None, :], 0.0), axis=2)
+    scale0 = tl.load(hc_scale_ptr)
+    scale1 = tl.load(hc_scale_ptr + 1)
+    scale2 = tl.load(hc_scale_ptr + 2)
+    pre = tl.sigmoid(pick_pre * scale0 + tl.load(hc_base_ptr + t)) + hc_eps
+    post = 2 * tl.sigmoid(pick_post * scale1 + tl.load(hc_base_ptr + HC + t))
+    logits = pick_comb * scale2 + tl.load(hc_base_ptr + 2 * HC + st)
+    e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    comb = e / tl.sum(e, axis=1)[:, None] + hc_eps
+    comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+    for _ in range(SINKHORN_ITERS - 1):
+        comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+    tl.store(pre_out_ptr + m * HC + t, pre)
+    tl.store(post_out_ptr + m * HC + t, post)
+    tl.store(comb_out_ptr + m * HC * HC + st, comb)
+    if MIXES == _SAME_PRE:
+        tl.store(mix_ptr + m * MIX_ROW + PRE_OFF + t, _tagged(pre, tag))
+    return pre
+
+
+@triton.jit
+def _wait_pre(mix_ptr, status_ptr, m, tag, wait_bound, HC: tl.constexpr,
+              MIX_ROW: tl.constexpr, PRE_OFF: tl.constexpr, USE_PTX: tl.constexpr):
+    """Poll the pre that token m's chunk-0 program publishes (``SAME_PRE``)
+    until it carries ``tag`` (bounded: then ``NORM_TIMEOUT_BIT`` and NaN)."""
+    t = tl.arange(0, HC)
+    words, flags = _spin(_probe_partials, mix_ptr + m * MIX_ROW + PRE_OFF + t, t < HC, tag,
+                         status_ptr, wait_bound, 0, False, USE_PTX)
+    stale = (flags & 1) != 0
+    if stale:
+        tl.atomic_or(status_ptr, _NORM_TIMEOUT_BIT)
+    nan = tl.full((), 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+    return tl.where(stale, nan, _untagged(words))
+
+
+@triton.jit
+def _scalars(vector, HC: tl.constexpr):
+    """A [HC] register vector as a tuple of scalars (exact)."""
+    t = tl.arange(0, HC)
+    out = ()
+    for i in tl.static_range(HC):
+        out = out + (_pick(vector, t, i),)
+    return out
 
 
 @triton.jit
@@ -367,10 +549,10 @@ def _norm_chunk(prenorm, gamma, total, eps, layer_ptr, qdata_ptr, qscale_ptr, m,
 def _consume_chunk(mailbox_ptr, status_ptr, out_ptr, slot_row, row_stride, wait_bound,
                    res, post, comb, pre, m, cols, cmask,
                    TP: tl.constexpr, HC: tl.constexpr, HIDDEN: tl.constexpr, MODE: tl.constexpr,
-                   LAMPORT: tl.constexpr, USE_PTX: tl.constexpr):
+                   COLLAPSE: tl.constexpr, LAMPORT: tl.constexpr, USE_PTX: tl.constexpr):
     """Wait for (Lamport) or read (gathered) every rank's slot of these columns,
-    re-arm it (sentinel stores), reduce and mix; returns the prenorm (full
-    mode)."""
+    re-arm it (sentinel stores), reduce and mix; returns (residual_out per
+    stream, the prenorm with ``COLLAPSE``)."""
     slot = mailbox_ptr + slot_row + cols
     if LAMPORT:
         slots = _wait_slots(slot, cmask, row_stride, status_ptr, wait_bound, TP, USE_PTX)
@@ -384,7 +566,8 @@ def _consume_chunk(mailbox_ptr, status_ptr, out_ptr, slot_row, row_stride, wait_
         aborted = _aborted_ranks(slots, cmask, TP)  # a gathered abort poison (NCCL path)
         if aborted != 0:
             tl.atomic_or(status_ptr, aborted | _ABORT_BIT)
-    return _reduce_mix(slots, res, post, comb, pre, out_ptr, m, cols, cmask, TP, HC, HIDDEN, MODE)
+    return _reduce_mix(slots, res, post, comb, pre, out_ptr, m, cols, cmask, TP, HC, HIDDEN, MODE,
+                       COLLAPSE)
 
 
 # capacity is the gathered buffer's M in NCCL mode: unspecialized, so M = 1 does
@@ -393,16 +576,22 @@ def _consume_chunk(mailbox_ptr, status_ptr, out_ptr, slot_row, row_stride, wait_
 def consumer_kernel(
     mailbox_ptr, stage_ptr, status_ptr, generation_ptr, sumsq_ptr, prenorm_ptr,
     residual_ptr, post_ptr, comb_ptr, pre_ptr, gamma_ptr,
-    out_ptr, layer_ptr, qdata_ptr, qscale_ptr, stamp_ptr, stamp_base,
-    eps, capacity, wait_bound,
+    out_ptr, layer_ptr, qdata_ptr, qscale_ptr,
+    hc_fn_ptr, hc_scale_ptr, hc_base_ptr, mix_ptr, pre_out_ptr, post_out_ptr, comb_out_ptr,
+    stamp_ptr, stamp_base,
+    eps, hc_eps, capacity, wait_bound,
     TP: tl.constexpr, HC: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr,
     UNITS_P2: tl.constexpr, MODE: tl.constexpr, QUANT: tl.constexpr, LAMPORT: tl.constexpr,
     COOPERATIVE: tl.constexpr, USE_PTX: tl.constexpr, USE_PDL: tl.constexpr,
+    MIXES: tl.constexpr = 0, SLOTS: tl.constexpr = 1, MIX_ROW: tl.constexpr = 1,
+    PRE_OFF: tl.constexpr = 0, CHUNKS_P2: tl.constexpr = 1, SINKHORN_ITERS: tl.constexpr = 1,
     TIMELINE: tl.constexpr = False,
 ):
     CHUNKS: tl.constexpr = (HIDDEN + BLOCK_H - 1) // BLOCK_H
     UNITS: tl.constexpr = (HIDDEN + 31) // 32  # sumsq row: one word per 32 columns
     SERIAL: tl.constexpr = (MODE == _FULL) and (not COOPERATIVE)
+    # The collapse with a given pre happens with the mixing; with SAME_PRE after the mixes.
+    COLLAPSE: tl.constexpr = (MODE == _FULL) and (MIXES != _SAME_PRE)
     chunk = tl.program_id(0)  # always 0 when SERIAL: the program walks the row
     m = tl.program_id(1)
     slot = stamp_base + m * tl.num_programs(0) + chunk  # common.timeline (a diagnostic)
@@ -411,9 +600,12 @@ def consumer_kernel(
     cols = chunk * BLOCK_H + offs
     cmask = cols < HIDDEN
     if not SERIAL:
-        # Inputs that earlier kernels produced: load them while the publisher runs.
+        # Inputs that earlier kernels produced, and hc_fn (a weight): load them while
+        # the publisher runs.
         res, post, comb, pre, gamma = _load_inputs(residual_ptr, post_ptr, comb_ptr, pre_ptr,
-                                                   gamma_ptr, m, cols, cmask, HC, HIDDEN, MODE)
+                                                   gamma_ptr, m, cols, cmask, HC, HIDDEN, MODE,
+                                                   MIXES)
+        fn = _load_mix_weights(hc_fn_ptr, cols, cmask, HC, HIDDEN, SLOTS, MIXES)
     if USE_PDL:
         # Released here, not earlier or later: the dependent GEMM's weight stream then
         # overlaps this kernel's body; released before the wait or after the norm
@@ -440,14 +632,40 @@ def consumer_kernel(
             cols = c * BLOCK_H + offs
             cmask = cols < HIDDEN
             res, post, comb, pre, gamma = _load_inputs(residual_ptr, post_ptr, comb_ptr, pre_ptr,
-                                                       gamma_ptr, m, cols, cmask, HC, HIDDEN, MODE)
-            prenorm = _consume_chunk(mailbox_ptr, status_ptr, out_ptr, slot_row, row_stride,
-                                     wait_bound, res, post, comb, pre, m, cols, cmask,
-                                     TP, HC, HIDDEN, MODE, LAMPORT, USE_PTX)
-            _publish_partial(sumsq_ptr, m, c, tl.sum(prenorm * prenorm, axis=0), tag, UNITS,
-                             BLOCK_H)
-            tl.store(prenorm_ptr + row_off + cols, prenorm.to(tl.bfloat16), mask=cmask)
+                                                       gamma_ptr, m, cols, cmask, HC, HIDDEN, MODE,
+                                                       MIXES)
+            fn = _load_mix_weights(hc_fn_ptr, cols, cmask, HC, HIDDEN, SLOTS, MIXES)
+            streams, prenorm = _consume_chunk(mailbox_ptr, status_ptr, out_ptr, slot_row,
+                                              row_stride, wait_bound, res, post, comb, pre, m,
+                                              cols, cmask, TP, HC, HIDDEN, MODE, COLLAPSE,
+                                              LAMPORT, USE_PTX)
+            if MIXES != _NO_MIXES:
+                _publish_mix_partials(mix_ptr, m, c, streams, fn, tag, HC, SLOTS, MIX_ROW)
+            if COLLAPSE:
+                _publish_partial(sumsq_ptr, m, c, tl.sum(prenorm * prenorm, axis=0), tag, UNITS,
+                                 BLOCK_H)
+                tl.store(prenorm_ptr + row_off + cols, prenorm.to(tl.bfloat16), mask=cmask)
         tl.debug_barrier()  # this program's scratch stores precede its reads below
+        if MIXES != _NO_MIXES:
+            new_pre = _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr,
+                                     post_out_ptr, comb_out_ptr, m, tag, eps, hc_eps, wait_bound,
+                                     HC, HIDDEN, CHUNKS, CHUNKS_P2, SLOTS, MIX_ROW, PRE_OFF,
+                                     SINKHORN_ITERS, MIXES, USE_PTX)
+            if MIXES == _SAME_PRE:
+                pre = _scalars(new_pre, HC)
+                for c in range(CHUNKS):
+                    cols = c * BLOCK_H + offs
+                    cmask = cols < HIDDEN
+                    streams = ()
+                    for t in tl.static_range(HC):  # residual_out, this program's own stores
+                        streams = streams + (tl.load(
+                            out_ptr + (m * HC + t).to(tl.int64) * HIDDEN + cols, mask=cmask,
+                            other=0.0, volatile=True),)
+                    prenorm = _collapse(streams, pre, HC)
+                    _publish_partial(sumsq_ptr, m, c, tl.sum(prenorm * prenorm, axis=0), tag,
+                                     UNITS, BLOCK_H)
+                    tl.store(prenorm_ptr + row_off + cols, prenorm.to(tl.bfloat16), mask=cmask)
+                tl.debug_barrier()
         total = _wait_partials(sumsq_ptr, status_ptr, m, tag, wait_bound, UNITS, UNITS_P2,
                                USE_PTX)
         tl.store(generation_ptr + m, tag)
@@ -460,10 +678,30 @@ def consumer_kernel(
             _norm_chunk(prenorm, gamma, total, eps, layer_ptr, qdata_ptr, qscale_ptr, m, c,
                         cols, cmask, HIDDEN, BLOCK_H, QUANT)
     else:
-        prenorm = _consume_chunk(mailbox_ptr, status_ptr, out_ptr, slot_row, row_stride,
-                                 wait_bound, res, post, comb, pre, m, cols, cmask,
-                                 TP, HC, HIDDEN, MODE, LAMPORT, USE_PTX)
+        streams, prenorm = _consume_chunk(mailbox_ptr, status_ptr, out_ptr, slot_row, row_stride,
+                                          wait_bound, res, post, comb, pre, m, cols, cmask,
+                                          TP, HC, HIDDEN, MODE, COLLAPSE, LAMPORT, USE_PTX)
         stamp(stamp_ptr, slot, MARK1, TIMELINE)  # slots in, residual_out stored
+        if MIXES != _NO_MIXES:
+            # Every program's share before any program waits for it: chunk 0 sums them
+            # (one fixed order), and with SAME_PRE hands the pre to the token's others.
+            _publish_mix_partials(mix_ptr, m, chunk, streams, fn, tag, HC, SLOTS, MIX_ROW)
+            if MIXES == _SAME_PRE:
+                if chunk == 0:
+                    new_pre = _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr,
+                                             pre_out_ptr, post_out_ptr, comb_out_ptr, m, tag, eps,
+                                             hc_eps, wait_bound, HC, HIDDEN, CHUNKS, CHUNKS_P2,
+                                             SLOTS, MIX_ROW, PRE_OFF, SINKHORN_ITERS, MIXES,
+                                             USE_PTX)
+                else:
+                    new_pre = _wait_pre(mix_ptr, status_ptr, m, tag, wait_bound, HC, MIX_ROW,
+                                        PRE_OFF, USE_PTX)
+                prenorm = _collapse(streams, _scalars(new_pre, HC), HC)
+            elif chunk == 0:
+                _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr,
+                               post_out_ptr, comb_out_ptr, m, tag, eps, hc_eps, wait_bound, HC,
+                               HIDDEN, CHUNKS, CHUNKS_P2, SLOTS, MIX_ROW, PRE_OFF,
+                               SINKHORN_ITERS, MIXES, USE_PTX)
         if MODE == _FULL:
             _publish_partial(sumsq_ptr, m, chunk, tl.sum(prenorm * prenorm, axis=0), tag, UNITS,
                              BLOCK_H)

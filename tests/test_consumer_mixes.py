@@ -1,0 +1,204 @@
+"""The consumer with the next sublayer's mHC mixes (``consume(mixes=...)``,
+docs/DESIGN.md §5.1): pre / post / comb against the independent FP64
+computation, everything else bit for bit against the path without mixes given
+the same pre, both collapses ("previous": V4.1, "same": V4), serial and
+cooperative launches, stale scratch, and the argument checks.
+
+Bar for pre / post / comb: 1e-5 absolute, the FP32 reference's own bar
+(tests/test_mhc_mixes.py gives the derivation). The kernel's dots are sums of
+per-chunk tree sums, not the reference's order, which changes them by FP32
+rounding of the same size (length hc * H = 1024 here; 20480 at H = 5120 adds a
+factor ~sqrt(20) to a typical ~1e-7 relative error: still far below 1e-5
+after a sigmoid of slope <= 1/4 and normalisations). The parameters make every
+step visible above the bar (few Sinkhorn rounds, a large hc_eps, checked: the
+result with one round less misses it)."""
+
+import pytest
+import torch
+from concurrent_programs import concurrent_programs
+from independent_ref import mhc_mixes_fp64
+
+from decode_boundary.boundary import consumer
+from decode_boundary.boundary.consumer import (
+    ConsumerTactic,
+    MhcMixes,
+    consume,
+    mix_columns,
+    sumsq_columns,
+)
+from decode_boundary.boundary.consumer_kernel import FULL, RESIDUAL_ONLY
+from decode_boundary.boundary.reference import consumer_ref, mhc_mixes_ref
+from decode_boundary.mxfp8.format import mxfp8_scale_bytes
+
+TP, M, HC, H = 2, 3, 4, 256
+EPS = 1e-6
+BAR = 1e-5
+SERIAL = [ConsumerTactic(64, 2, False), ConsumerTactic(128, 4, False),
+          ConsumerTactic(256, 4, False)]
+
+
+def step(seed):
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(M, H, generator=g).bfloat16() for _ in range(TP)]
+    residual = torch.randn(M, HC, H, generator=g).bfloat16()
+    residual[1] = 0  # with a zero partial below: a zero token, only eps keeps rsqrt finite
+    for x in xs:
+        x[1] = 0
+    n = (2 + HC) * HC
+    return dict(xs=xs, residual=residual, post=torch.rand(M, HC, generator=g) * 2,
+                comb=torch.rand(M, HC, HC, generator=g), pre=torch.rand(M, HC, generator=g),
+                gamma=(1 + 0.1 * torch.randn(H, generator=g)).bfloat16(),
+                hc_fn=torch.randn(n, HC * H, generator=g) * 0.2,
+                hc_scale=torch.rand(3, generator=g) + 0.5,
+                hc_base=torch.randn(n, generator=g) * 0.5)
+
+
+def scratch(poison=True):
+    """The consumer's scratch as a mailbox holds it, poisoned: NaN under an old tag."""
+    fill = float("nan") if poison else 0.0
+    stale = int(torch.tensor(fill).view(torch.int32).to(torch.int64) & 0xFFFFFFFF)
+    return dict(generation=torch.zeros(M + 1, dtype=torch.int32),
+                status=torch.zeros(1, dtype=torch.int32), wait_bound=100_000,
+                sumsq=torch.full((M + 1, sumsq_columns(H)), stale, dtype=torch.int64),
+                prenorm=torch.full((M + 1, H), fill, dtype=torch.bfloat16),
+                mix_words=torch.full((M + 1, mix_columns(H, HC)), stale, dtype=torch.int64))
+
+
+def mxfp8_buffers():
+    return (torch.full((M, H), float("nan")).to(torch.float8_e4m3fn),
+            torch.full((mxfp8_scale_bytes(M, H),), 0xAB, dtype=torch.uint8))
+
+
+def launch(d, s, tactic, collapse=None, hc_eps=0.1, iters=3, pre=None):
+    """One gathered consume of step ``d``; with ``collapse``, its mixes."""
+    mixes = None if collapse is None else MhcMixes(d["hc_fn"], d["hc_scale"], d["hc_base"],
+                                                   hc_eps, iters, collapse)
+    given_pre = pre if pre is not None else (None if collapse == "same" else d["pre"])
+    q = mxfp8_buffers()
+    out = consume(torch.stack(d["xs"]), TP, M, mode=FULL, lamport=False, tactic=tactic,
+                  residual=d["residual"], post=d["post"], comb=d["comb"], pre=given_pre,
+                  norm_weight=d["gamma"], eps=EPS, mxfp8_out=q, mixes=mixes, **s)
+    return (*out, q)
+
+
+def bits(t):
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16) \
+        if t.dtype in (torch.float32, torch.bfloat16) else t.view(torch.uint8)
+
+
+def assert_same_bits(a, b, what):
+    assert torch.equal(bits(a), bits(b)), what
+
+
+def check_mixes(res_out, mixes, d, hc_eps, iters):
+    """pre / post / comb of the kernel against the spec (mhc_mixes_ref, FP32)
+    and FP64 of its own residual_out, within the bar."""
+    args = (res_out, d["hc_fn"], d["hc_scale"], d["hc_base"], EPS, hc_eps, iters)
+    for want in (mhc_mixes_fp64(*args), mhc_mixes_ref(*args)):
+        for got, exp, name in zip(mixes, want, ("pre", "post", "comb"), strict=True):
+            assert got.dtype == torch.float32 and got.shape == exp.shape, name
+            err = (got.double() - exp.double()).abs().max().item()
+            assert err <= BAR, (name, err)
+
+
+@pytest.mark.parametrize("collapse", ["previous", "same"])
+@pytest.mark.parametrize("tactic", SERIAL)
+def test_mixes_and_the_rest_of_the_step(collapse, tactic):
+    """pre / post / comb within the bar; residual_out bit-exact to the
+    reference; layer_input and its MXFP8 bit-exact to the consumer without
+    mixes given the pre the collapse used (the given one or, "same", the
+    kernel's own)."""
+    d = step(1)
+    s = scratch()
+    res_out, layer, mixes, q = launch(d, s, tactic, collapse)
+    assert s["status"].item() == 0
+    ref_res, _, _ = consumer_ref(d["xs"], d["residual"], d["post"], d["comb"], d["pre"],
+                                 d["gamma"], EPS)
+    assert_same_bits(res_out, ref_res, "residual_out")
+    check_mixes(res_out, mixes, d, 0.1, 3)
+    used_pre = d["pre"] if collapse == "previous" else mixes[0]
+    plain_res, plain_layer, plain_q = launch(d, scratch(), tactic, pre=used_pre)
+    assert_same_bits(res_out, plain_res, "residual_out vs no mixes")
+    assert_same_bits(layer, plain_layer, "layer_input vs no mixes")
+    assert_same_bits(q[0], plain_q[0], "MXFP8 data")
+    assert torch.equal(q[1], plain_q[1]), "MXFP8 scales"
+    if collapse == "same":  # the collapse did take the new pre, not the given one
+        _, other_layer, _ = launch(d, scratch(), tactic, pre=d["pre"])
+        assert not torch.equal(bits(layer), bits(other_layer))
+
+
+def test_the_bar_sees_a_missing_round_and_the_released_values_pass():
+    """With 3 rounds and hc_eps = 0.1 a round less moves comb past the bar (so
+    the bar checks the rounds); the released values (20 rounds, hc_eps 1e-6)
+    are within it."""
+    d = step(2)
+    res_out, _, mixes, _ = launch(d, scratch(), SERIAL[0], "previous")
+    fewer = mhc_mixes_fp64(res_out, d["hc_fn"], d["hc_scale"], d["hc_base"], EPS, 0.1, 2)
+    assert (mixes[2].double() - fewer[2]).abs().max().item() > 10 * BAR
+    res_out, _, mixes, _ = launch(d, scratch(), SERIAL[1], "previous", hc_eps=1e-6, iters=20)
+    check_mixes(res_out, mixes, d, 1e-6, 20)
+    assert bool(torch.isfinite(mixes[2]).all())
+
+
+@pytest.fixture
+def cooperative_in_the_interpreter(monkeypatch):
+    """consume's cooperative tactics in the interpreter, every launch's programs
+    run concurrently (tests/concurrent_programs.py), so the programs of a token meet."""
+    check = consumer._check_tactic
+    monkeypatch.setattr(consumer, "_check_tactic",
+                        lambda tactic, hidden, mode, mixes=False: check(tactic, hidden,
+                                                                        RESIDUAL_ONLY, mixes))
+    with concurrent_programs():
+        yield
+
+
+@pytest.mark.parametrize("collapse", ["previous", "same"])
+def test_cooperative_launches_give_the_serial_bits(collapse, cooperative_in_the_interpreter):
+    """The GPU default's path (chunk 0 sums the shares; with "same" the others
+    poll the pre it hands over) gives the serial launch's bits, on one poisoned
+    scratch reused by launches of 4, then 2 chunks: none takes a stale share."""
+    s = scratch()
+    for launch_no, block in enumerate((64, 128), start=1):
+        d = step(10 + launch_no)
+        got = launch(d, s, ConsumerTactic(block, 2, True), collapse)
+        assert s["status"].item() == 0
+        assert s["generation"][:M].eq(launch_no).all()
+        want = launch(d, scratch(), ConsumerTactic(block, 2, False), collapse)
+        for a, b, what in zip(got[:2] + got[2] + got[3], want[:2] + want[2] + want[3],
+                              ("residual_out", "layer", "pre", "post", "comb", "q", "scale"),
+                              strict=True):
+            assert_same_bits(a, b, what)
+
+
+def test_argument_checks():
+    d = step(3)
+    s = scratch()
+    good = MhcMixes(d["hc_fn"], d["hc_scale"], d["hc_base"], 1e-6, 20, "previous")
+
+    def call(mixes, tactic=SERIAL[0], **over):
+        inputs = dict(residual=d["residual"], post=d["post"], comb=d["comb"], pre=d["pre"],
+                      norm_weight=d["gamma"], eps=EPS, mixes=mixes, **s)
+        inputs.update(over)
+        return consume(torch.stack(d["xs"]), TP, M, mode=FULL, lamport=False, tactic=tactic,
+                       **inputs)
+
+    with pytest.raises(ValueError, match="hc_fn must be torch.float32"):
+        call(good._replace(hc_fn=d["hc_fn"][:, :-1]))
+    with pytest.raises(ValueError, match="hc_base must be"):
+        call(good._replace(hc_base=d["hc_base"].double()))
+    with pytest.raises(ValueError, match="collapse must be one of"):
+        call(good._replace(collapse="next"))
+    with pytest.raises(ValueError, match="pass pre=None"):
+        call(good._replace(collapse="same"))
+    with pytest.raises(ValueError, match="sinkhorn_iters must be an int >= 1"):
+        call(good._replace(sinkhorn_iters=0))
+    with pytest.raises(ValueError, match="mix_words scratch is required"):
+        call(good, mix_words=None)
+    with pytest.raises(ValueError, match=">= 64 columns"):
+        call(good, tactic=ConsumerTactic(32, 1, False))
+    with pytest.raises(ValueError, match="hc_scale overlaps mix_words"):
+        call(good._replace(hc_scale=s["mix_words"].view(torch.float32)[0, :3]))
+    with pytest.raises(ValueError, match="mixes need the full mode"):
+        consume(torch.stack(d["xs"]), TP, M, mode=RESIDUAL_ONLY, lamport=False,
+                tactic=SERIAL[0], residual=d["residual"], post=d["post"], comb=d["comb"],
+                mixes=good, **s)

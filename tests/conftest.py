@@ -33,3 +33,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=f"needs 2 GPUs, found {gpus}"))
         elif needs_gpu and gpus < 1:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+@pytest.fixture
+def cooperative_in_the_interpreter(monkeypatch):
+    """Let consume launch cooperative full-mode tactics in the interpreter (it
+    refuses them there: the programs would run one by one) and run every launch's
+    programs concurrently (tests/concurrent_programs.py), so the programs of a
+    token do meet."""
+    from concurrent_programs import concurrent_programs
+
+    from decode_boundary.boundary import consumer
+    from decode_boundary.boundary.consumer_kernel import RESIDUAL_ONLY
+
+    check = consumer._check_tactic
+    monkeypatch.setattr(consumer, "_check_tactic",
+                        lambda tactic, hidden, mode, mixes=False: check(tactic, hidden,
+                                                                        RESIDUAL_ONLY, mixes))
+    with concurrent_programs():
+        yield

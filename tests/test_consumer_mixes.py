@@ -15,10 +15,8 @@ result with one round less misses it)."""
 
 import pytest
 import torch
-from concurrent_programs import concurrent_programs
 from independent_ref import mhc_mixes_fp64
 
-from decode_boundary.boundary import consumer
 from decode_boundary.boundary.consumer import (
     ConsumerTactic,
     MhcMixes,
@@ -138,18 +136,6 @@ def test_the_bar_sees_a_missing_round_and_the_released_values_pass():
     res_out, _, mixes, _ = launch(d, scratch(), SERIAL[1], "previous", hc_eps=1e-6, iters=20)
     check_mixes(res_out, mixes, d, 1e-6, 20)
     assert bool(torch.isfinite(mixes[2]).all())
-
-
-@pytest.fixture
-def cooperative_in_the_interpreter(monkeypatch):
-    """consume's cooperative tactics in the interpreter, every launch's programs
-    run concurrently (tests/concurrent_programs.py), so the programs of a token meet."""
-    check = consumer._check_tactic
-    monkeypatch.setattr(consumer, "_check_tactic",
-                        lambda tactic, hidden, mode, mixes=False: check(tactic, hidden,
-                                                                        RESIDUAL_ONLY, mixes))
-    with concurrent_programs():
-        yield
 
 
 @pytest.mark.parametrize("collapse", ["previous", "same"])

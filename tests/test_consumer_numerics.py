@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from concurrent_programs import concurrent_programs
 from independent_ref import (
     assert_mxfp8_equal,
     bf16_rne,
@@ -36,10 +35,9 @@ from independent_ref import (
     gamma,
 )
 
-from decode_boundary.boundary import consumer
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
 from decode_boundary.boundary.consumer import ConsumerTactic, consume, sumsq_columns
-from decode_boundary.boundary.consumer_kernel import FULL, RESIDUAL_ONLY
+from decode_boundary.boundary.consumer_kernel import FULL
 from decode_boundary.boundary.reference import consumer_ref
 from decode_boundary.gemm.reference import bf16_ulp
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes
@@ -164,19 +162,6 @@ def test_serial_consumer_at_an_eps_that_matters(tactic):
     s = scratch(len(TOKEN_SCALES))
     check_step(d, *gathered_step(d, s, tactic))
     assert s["status"].item() == 0
-
-
-@pytest.fixture
-def cooperative_in_the_interpreter(monkeypatch):
-    """Let consume launch cooperative full-mode tactics in the interpreter (it
-    refuses them there: the programs would run one by one) and run every launch's
-    programs concurrently, so the programs of a token do meet."""
-    check = consumer._check_tactic
-    monkeypatch.setattr(consumer, "_check_tactic",
-                        lambda tactic, hidden, mode, mixes=False: check(tactic, hidden,
-                                                                        RESIDUAL_ONLY, mixes))
-    with concurrent_programs():
-        yield
 
 
 COOPERATIVE = [ConsumerTactic(128, 4, True), ConsumerTactic(32, 1, True),

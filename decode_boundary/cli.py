@@ -192,9 +192,10 @@ def _boundary(parser: argparse.ArgumentParser, args) -> int:
     first = per_rank[0]
     if "timings" in first:
         result.update({k: first[k] for k in ("copy_rate_gbps", "floor_us", "hop_us",
-                                             "weight_copies", "breakdown")})
+                                             "weight_copies", "breakdown", "mixes")})
         result["timings"] = report.add_speedups(first["timings"])
         out.print(report.bench_table(result))
+        out.print(report.mixes_table(result))
     elif args.command == "bench":
         out.print("[red]Correctness failed: nothing was timed.[/]")
     _save(args, result, out, plot="timings" in result)

@@ -38,14 +38,22 @@ ptrs = ["mailbox_ptr:bf16", "stage_ptr:i32", "status_ptr:i32", "generation_ptr:i
         "sumsq_ptr:i64", "prenorm_ptr:bf16", "residual_ptr:bf16",
         "post_ptr:fp32", "comb_ptr:fp32",
         "pre_ptr:fp32", "gamma_ptr:bf16", "out_ptr:bf16", "layer_ptr:bf16",
-        "qdata_ptr:fp8e4nv", "qscale_ptr:u8", "stamp_ptr:i64"]
+        "qdata_ptr:fp8e4nv", "qscale_ptr:u8", "hc_fn_ptr:fp32", "hc_scale_ptr:fp32",
+        "hc_base_ptr:fp32", "mix_ptr:i64", "pre_out_ptr:fp32", "post_out_ptr:fp32",
+        "comb_out_ptr:fp32", "stamp_ptr:i64"]
 sig = {p.split(":")[0]: "*" + p.split(":")[1] for p in ptrs}
-sig.update(stamp_base="i32", eps="fp32", capacity="i32", wait_bound="i64")
+sig.update(stamp_base="i32", eps="fp32", hc_eps="fp32", capacity="i32", wait_bound="i64")
 full = dict(TP=2, HC=4, HIDDEN=5120, BLOCK_H=512, UNITS_P2=256, MODE=2, QUANT=True, LAMPORT=True,
-    COOPERATIVE=True, USE_PTX=True, USE_PDL=True)
+    COOPERATIVE=True, USE_PTX=True, USE_PDL=True, MIXES=0, SLOTS=1, MIX_ROW=1, PRE_OFF=0,
+    CHUNKS_P2=1, SINKHORN_ITERS=1, TIMELINE=False)
 out["consumer"] = ptx(consumer_kernel, sig, full, 2)
 out["consumer_serial"] = ptx(consumer_kernel, sig, dict(full, BLOCK_H=1024, COOPERATIVE=False), 4)
 out["consumer_plain"] = ptx(consumer_kernel, sig, dict(full, MODE=0, QUANT=False), 2)
+# The next mixes (consumer.MIXES_TACTIC: 128 columns, 8 warps; H = 5120, hc = 4).
+mixes = dict(full, BLOCK_H=128, SLOTS=32, MIX_ROW=80 * 32 + 4, PRE_OFF=80 * 32, CHUNKS_P2=64,
+             SINKHORN_ITERS=20)
+out["consumer_mixes"] = ptx(consumer_kernel, sig, dict(mixes, MIXES=1), 8)
+out["consumer_same_pre"] = ptx(consumer_kernel, sig, dict(mixes, MIXES=2), 8)
 out["finalize"] = ptx(finalize_publish_kernel, {"gemm2_ptr": "*bf16", "weights_ptr": "*fp32",
     "idx_ptr": "*i32", "shared_ptr": "*bf16", "partial_ptr": "*bf16", "peer_ptrs_ptr": "*i64",
     "stage_ptr": "*i32", "rank": "i32", "capacity": "i32"},
@@ -80,11 +88,25 @@ def test_consumer_polls_volatile_with_time_bound(ptx):
     assert "griddepcontrol.wait" in code
 
 
+def test_consumer_mixes_load_hc_fn_before_the_wait_and_poll_volatile(ptx):
+    """With the next mixes, hc_fn's loads precede the grid wait (a weight: it
+    overlaps the publisher); the mix row and the handed-over pre are polled
+    with volatile 64-bit loads; no fences, atomics only for the status word."""
+    for name in ("consumer_mixes", "consumer_same_pre"):
+        code = ptx[name]
+        wait = code.index("griddepcontrol.wait")
+        assert code[:wait].count("ld.global") >= 4 * 24 * 128 // (32 * 8) // 4, name
+        assert "ld.volatile.global.b64" in code or "ld.volatile.global.v2.b64" in code, name
+        assert "fence" not in code and "membar" not in code, name
+        assert all(".or." in line for line in code.splitlines() if "atom." in line), name
+
+
 def test_consumer_has_no_spills_and_a_short_body(ptx):
     """The fused consumer stays register-resident and close to the plain one:
     no local memory, and per program a few thousand instructions at most (the
     last-program whole-row norm it replaced was ~7,000 at 2 warps)."""
-    for name in ("consumer", "consumer_serial", "consumer_plain"):
+    for name in ("consumer", "consumer_serial", "consumer_plain", "consumer_mixes",
+                 "consumer_same_pre"):
         code = ptx[name]
         assert "ld.local" not in code and "st.local" not in code, name
     body = [line for line in ptx["consumer"].splitlines()
@@ -102,6 +124,7 @@ def test_consumer_has_no_spills_and_a_short_body(ptx):
 def test_no_fma_no_multicast(ptx):
     for name, code in ptx.items():
         assert "multimem" not in code, name
-    for name in ("consumer", "consumer_serial", "consumer_plain"):
+    for name in ("consumer", "consumer_serial", "consumer_plain", "consumer_mixes",
+                 "consumer_same_pre"):
         assert "fma.rn.f32" not in ptx[name], name
     assert "fma.rn.f32" not in ptx["finalize"]

@@ -119,20 +119,38 @@ def test_strong_baseline_is_close_to_the_reference(tiny_boundary):
     assert (layer_input.float() - ref_input.float()).norm() <= 1e-2 * ref_input.float().norm()
 
 
-def test_v4_models_are_refused_not_run_with_v41_numerics():
-    """V4-Flash and V4-Pro collapse with the same sublayer's pre, which the chain
-    does not compute: constructing their boundary raises instead of silently
-    running V4.1's collapse; V4.1-style configs still construct."""
+@pytest.mark.parametrize("collapse", ["previous", "same"])
+def test_each_models_collapse_with_the_next_mixes(collapse):
+    """The tiny config with V4.1's collapse (the given pre) and V4's (the pre
+    computed from residual_out), two simulated ranks: fused and unfused
+    bit-identical, the reference met, the next mixes within MIXES_ATOL of the
+    spec of the path's own residual_out; V4's layer input is not V4.1's (it
+    really collapses with the new pre), their residual_out and mixes are."""
     import dataclasses
 
-    from decode_boundary.model.config import MODELS
+    from decode_boundary.model.chain import check_mixes
 
     for name in ("v4-flash", "v4-pro"):
         assert MODELS[name].collapse_pre == "same"
-        tiny_v4 = dataclasses.replace(MODELS["tiny"], name=name, collapse_pre="same")
-        with pytest.raises(ValueError, match="collapses a sublayer's input with the pre "
-                                             "computed from the new residual_out"):
-            AttentionBoundary(tiny_v4, 1, 0, None, torch.device("cpu"), 2)
+    assert MODELS["v4.1-flash"].collapse_pre == "previous"
+    config = dataclasses.replace(MODELS["tiny"], collapse_pre=collapse)
+    outs = {}
+    for semantics in ("previous", collapse):
+        ranks = simulated_boundaries(dataclasses.replace(config, collapse_pre=semantics), 2,
+                                     capacity=4, seed=6)
+        inputs = [b.make_inputs(3, seed=11) for b in ranks]
+        fused = run_simulated(ranks, inputs, fused=True)
+        unfused = run_simulated(ranks, inputs, fused=False)
+        partials = [b.reference_partial(x) for b, x in zip(ranks, inputs, strict=True)]
+        ref = ranks[0].reference(inputs[0], partials)
+        assert outputs_identical(fused[0], unfused[0]) and outputs_identical(fused[0], fused[1])
+        assert check_outputs(fused[0], ref) == []
+        assert check_mixes(fused[0], ranks[0]) == []
+        outs[semantics] = fused[0]
+    if collapse == "same":
+        a, b = outs["previous"], outs["same"]
+        assert torch.equal(a.residual_out, b.residual_out) and torch.equal(a.next_comb,
+                                                                             b.next_comb)
+        assert not torch.equal(a.layer_input, b.layer_input)
     with pytest.raises(ValueError, match="collapse_pre must be"):
         dataclasses.replace(MODELS["tiny"], collapse_pre="next")
-    AttentionBoundary(MODELS["tiny"], 1, 0, None, torch.device("cpu"), 2).close()

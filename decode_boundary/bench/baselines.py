@@ -7,8 +7,12 @@ group and norm) and called like a path of the registry (``bench.paths``):
 * :class:`StrongBaseline` (``strong_baseline``): cuBLAS BF16 GEMMs on the
   dequantized weights, ``wo_a``'s groups in one ``torch.bmm``, the all-reduce
   by torch symmetric memory's one-shot kernel where the ranks share NVLink
-  (NCCL otherwise; nothing with one rank), and mHC + RMSNorm written as
-  vectorised torch and compiled by ``torch.compile``.
+  (NCCL otherwise; nothing with one rank), and mHC + RMSNorm + the next
+  sublayer's mixes (:func:`mhc_step`) written as vectorised torch and
+  compiled by ``torch.compile``.
+
+Every baseline computes the next sublayer's mixes with the model's collapse
+(V4.1: given pre; V4: the new pre), as the fused path does.
 * :class:`CompiledStep` (``compiled_step``): the whole step — the same BF16
   weights, ``wo_a``'s groups in one bmm, the all-reduce (a functional
   collective), mHC + RMSNorm, ``fused_wqa_wkv`` — as one function compiled by
@@ -31,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from decode_boundary.boundary.reference import consumer_ref
+from decode_boundary.boundary.reference import consumer_ref, mhc_mixes_ref
 from decode_boundary.env import disable_multicast
 from decode_boundary.model.chain import AttentionBoundary, BoundaryInputs, BoundaryOutputs
 from decode_boundary.mxfp8.format import E4M3_MAX
@@ -74,28 +78,68 @@ class RowwiseFp8Linear:
         return out[:rows]
 
 
-def all_reduce_then_mhc(partial, residual, post, comb, pre, norm_weight, eps, group, quantize):
+def all_reduce_then_mhc(partial, residual, post, comb, pre, norm_weight, eps, group, quantize,
+                        mixes=None):
     """NCCL all-reduce of the BF16 partial, then the consumer's math as torch ops.
 
     NCCL's BF16 sum order is its own, so ``reduced`` may differ from ours in the
-    last bit; the rest follows docs/DESIGN.md §5.
+    last bit; the rest follows docs/DESIGN.md §5. ``mixes`` = (mix_weights,
+    hc_eps, iters, same_pre): also the next sublayer's mixes from residual_out
+    (returned fourth), with ``same_pre`` the collapse with their pre.
     """
     reduced = partial.clone()
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(reduced, group=group)
-    return consumer_ref([reduced], residual, post, comb, pre, norm_weight, eps, quantize=quantize)
+    if mixes is None:
+        return consumer_ref([reduced], residual, post, comb, pre, norm_weight, eps,
+                            quantize=quantize)
+    weights, hc_eps, iters, same_pre = mixes
+    residual_out, _, _ = consumer_ref([reduced], residual, post, comb, None, None, eps)
+    next_mixes = mhc_mixes_ref(residual_out, *weights, eps, hc_eps, iters)
+    out = consumer_ref([reduced], residual, post, comb, next_mixes[0] if same_pre else pre,
+                       norm_weight, eps, quantize=quantize)
+    return (*out, next_mixes)
+
+
+def mhc_mix(reduced: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
+            comb: torch.Tensor) -> torch.Tensor:
+    """residual_out [M, hc, H] BF16 (docs/DESIGN.md §5 step 2) as vectorised torch."""
+    return (reduced.float()[:, None, :] * post[:, :, None]
+            + torch.einsum("msh,mst->mth", residual.float(), comb)).bfloat16()
+
+
+def collapse_rmsnorm(mixed: torch.Tensor, pre: torch.Tensor, norm_weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+    """layer_input [M, H] BF16 (docs/DESIGN.md §5 step 3, same rounding points)."""
+    prenorm = (mixed.float() * pre[:, :, None]).sum(dim=1).bfloat16().float()
+    scale = torch.rsqrt(prenorm.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (prenorm * scale * norm_weight.float()).bfloat16()
 
 
 def mhc_rmsnorm(reduced: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
                 comb: torch.Tensor, pre: torch.Tensor, norm_weight: torch.Tensor, eps: float):
     """mHC + RMSNorm (docs/DESIGN.md §5 steps 2-3, same rounding points) as
-    vectorised torch: (residual_out [M, hc, H], layer_input [M, H]), BF16.
-    What :class:`StrongBaseline` compiles."""
-    mixed = (reduced.float()[:, None, :] * post[:, :, None]
-             + torch.einsum("msh,mst->mth", residual.float(), comb)).bfloat16()
-    prenorm = (mixed.float() * pre[:, :, None]).sum(dim=1).bfloat16().float()
-    scale = torch.rsqrt(prenorm.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return mixed, (prenorm * scale * norm_weight.float()).bfloat16()
+    vectorised torch: (residual_out [M, hc, H], layer_input [M, H]), BF16."""
+    mixed = mhc_mix(reduced, residual, post, comb)
+    return mixed, collapse_rmsnorm(mixed, pre, norm_weight, eps)
+
+
+def mhc_step(reduced, residual, post, comb, pre, norm_weight, eps: float, hc_fn, hc_scale,
+             hc_base, hc_eps: float, iters: int, same_pre: bool):
+    """mHC + RMSNorm + the next sublayer's mixes (``reference.mhc_mixes_ref``
+    of residual_out) as torch: (residual_out, layer_input, pre, post, comb);
+    with ``same_pre`` (V4) the collapse takes the new pre, else the given one.
+    What :class:`StrongBaseline` and :class:`CompiledStep` compile."""
+    mixed = mhc_mix(reduced, residual, post, comb)
+    mixes = mhc_mixes_ref(mixed, hc_fn, hc_scale, hc_base, eps, hc_eps, iters)
+    layer_input = collapse_rmsnorm(mixed, mixes[0] if same_pre else pre, norm_weight, eps)
+    return mixed, layer_input, *mixes
+
+
+def mix_args(ab: AttentionBoundary) -> tuple:
+    """(hc_fn, hc_scale, hc_base, hc_eps, iters, same_pre) of ``ab``: mhc_step's tail."""
+    c = ab.config
+    return (*ab.mix_weights, c.hc_eps, c.hc_sinkhorn_iters, c.collapse_pre == "same")
 
 
 def bf16_weights(ab: AttentionBoundary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -121,10 +165,11 @@ class StrongBaseline:
         disable_multicast(ab.group)  # first: before symmetric memory or the group is touched
         self.wo_a, self.wo_b, self.fused_wqa_wkv = bf16_weights(ab)
         self.norm_weight, self.eps = ab.norm_weight, ab.config.eps
+        self.mix_args = mix_args(ab)
         self.group = group = ab.group
         self.tp = dist.get_world_size(group) if group is not None else 1
         # One graph per M (dynamic=False), as a server compiles its decode graphs.
-        self.mhc = torch.compile(mhc_rmsnorm, dynamic=False, fullgraph=True, backend=backend)
+        self.mhc = torch.compile(mhc_step, dynamic=False, fullgraph=True, backend=backend)
         self.symm = None
         if self.tp > 1:
             self.transport = "nccl"
@@ -160,14 +205,16 @@ class StrongBaseline:
         return torch.bmm(a, self.wo_a.transpose(1, 2)).transpose(0, 1).reshape(rows, -1)
 
     def mix(self, reduced: torch.Tensor, inputs: BoundaryInputs):
-        """The compiled mHC + RMSNorm of the all-reduced sum: (residual_out, layer_input)."""
+        """The compiled mHC + RMSNorm + next mixes of the all-reduced sum:
+        (residual_out, layer_input, pre, post, comb)."""
         return self.mhc(reduced, inputs.residual, inputs.post, inputs.comb, inputs.pre,
-                        self.norm_weight, self.eps)
+                        self.norm_weight, self.eps, *self.mix_args)
 
     def __call__(self, inputs: BoundaryInputs) -> BoundaryOutputs:
         reduced = self.all_reduce(self.project_wo_a(inputs.attn_out) @ self.wo_b.t())
-        residual_out, layer_input = self.mix(reduced, inputs)
-        return BoundaryOutputs(residual_out, layer_input, layer_input @ self.fused_wqa_wkv.t())
+        residual_out, layer_input, *mixes = self.mix(reduced, inputs)
+        return BoundaryOutputs(residual_out, layer_input, layer_input @ self.fused_wqa_wkv.t(),
+                               *mixes)
 
 
 class EagerBaseline:
@@ -181,20 +228,24 @@ class EagerBaseline:
         self.fused_wqa_wkv = RowwiseFp8Linear(ab.fused_wqa_wkv)
         self.width = ab.config.wo_a_shape()[1]
         self.norm_weight, self.eps, self.group = ab.norm_weight, ab.config.eps, ab.group
+        *weights, hc_eps, iters, same_pre = mix_args(ab)
+        self.mixes = (weights, hc_eps, iters, same_pre)
 
     def __call__(self, inputs: BoundaryInputs) -> BoundaryOutputs:
         w = self.width
         o = torch.cat([lin(inputs.attn_out[:, g * w:(g + 1) * w])
                        for g, lin in enumerate(self.wo_a)], dim=1)
-        residual_out, layer_input, _ = all_reduce_then_mhc(
+        residual_out, layer_input, _, mixes = all_reduce_then_mhc(
             self.wo_b(o), inputs.residual, inputs.post, inputs.comb, inputs.pre,
-            self.norm_weight, self.eps, self.group, quantize=True)
-        return BoundaryOutputs(residual_out, layer_input, self.fused_wqa_wkv(layer_input))
+            self.norm_weight, self.eps, self.group, quantize=True, mixes=self.mixes)
+        return BoundaryOutputs(residual_out, layer_input, self.fused_wqa_wkv(layer_input),
+                               *mixes)
 
 
 def _whole_step(attn_out, residual, post, comb, pre, wo_a, wo_b, fused_wqa_wkv, norm_weight,
-                eps: float, group_name: str | None):
-    """One boundary in plain torch (BF16 weights): the function CompiledStep compiles."""
+                eps: float, group_name: str | None, *mix_tail):
+    """One boundary in plain torch (BF16 weights), the next mixes included
+    (``mix_tail``: :func:`mix_args`): the function CompiledStep compiles."""
     groups, _, k_a = wo_a.shape
     rows = attn_out.shape[0]
     a = attn_out.view(rows, groups, k_a).transpose(0, 1)
@@ -202,8 +253,9 @@ def _whole_step(attn_out, residual, post, comb, pre, wo_a, wo_b, fused_wqa_wkv, 
     partial = o @ wo_b.t()
     if group_name is not None:
         partial = funcol.all_reduce(partial, "sum", group_name)
-    residual_out, layer_input = mhc_rmsnorm(partial, residual, post, comb, pre, norm_weight, eps)
-    return residual_out, layer_input, layer_input @ fused_wqa_wkv.t()
+    residual_out, layer_input, *mixes = mhc_step(partial, residual, post, comb, pre,
+                                                 norm_weight, eps, *mix_tail)
+    return residual_out, layer_input, layer_input @ fused_wqa_wkv.t(), *mixes
 
 
 @functools.cache
@@ -228,9 +280,10 @@ class CompiledStep:
         group = ab.group
         self.group_name = group.group_name if group is not None and \
             dist.get_world_size(group) > 1 else None
+        self.mix_args = mix_args(ab)
         self.step = _compiled_whole_step(backend, mode if backend == "inductor" else None)
 
     def __call__(self, inputs: BoundaryInputs) -> BoundaryOutputs:
         return BoundaryOutputs(*self.step(
             inputs.attn_out, inputs.residual, inputs.post, inputs.comb, inputs.pre,
-            *self.weights, self.norm_weight, self.eps, self.group_name))
+            *self.weights, self.norm_weight, self.eps, self.group_name, *self.mix_args))

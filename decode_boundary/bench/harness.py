@@ -27,9 +27,11 @@ import torch.distributed as dist
 from decode_boundary.common.timing import copies_for_cold_l2, copy_rate, graph_time_us
 from decode_boundary.launch import RankContext
 from decode_boundary.model.chain import (
+    MIX_NAMES,
     OUTPUT_NAMES,
     AttentionBoundary,
     BoundaryOutputs,
+    check_mixes,
     check_outputs,
     outputs_identical,
     run_simulated,
@@ -39,6 +41,7 @@ from decode_boundary.model.config import MODELS, BoundaryConfig
 
 from .baselines import BASELINE_RTOL
 from .gemm import mxfp8_weight_bytes
+from .mixes import time_mixes
 from .paths import BASELINES, PATHS, STAGES, Step, build
 from .report import environment, git_commit, new_result, progress, write_json
 
@@ -112,16 +115,17 @@ def one_gpu_boundary(args: argparse.Namespace, seed: int) -> tuple[AttentionBoun
 
 def _digest(out: BoundaryOutputs) -> str:
     h = hashlib.sha256()
-    for name in OUTPUT_NAMES:
+    for name in OUTPUT_NAMES + MIX_NAMES:
         h.update(getattr(out, name).detach().contiguous().view(torch.uint8).cpu().numpy())
     return h.hexdigest()
 
 
-def _verdict(rows: int, paths_identical: bool, fused: BoundaryOutputs,
+def _verdict(ab: AttentionBoundary, rows: int, paths_identical: bool, fused: BoundaryOutputs,
              unfused: BoundaryOutputs, ref: BoundaryOutputs, ranks_identical: bool) -> dict:
     """``{"rows", "ok", "failures", "ranks_identical"}`` of one row count."""
     failures = [] if paths_identical else ["fused and unfused outputs differ"]
     failures += [f"fused {f}" for f in check_outputs(fused, ref)]
+    failures += [f"fused {f}" for f in check_mixes(fused, ab)]
     failures += [f"unfused {f}" for f in check_outputs(unfused, ref)]
     if not ranks_identical:
         failures.append("ranks hold different outputs")
@@ -149,7 +153,8 @@ def verify_rows(ab: AttentionBoundary, rows: int, group: dist.ProcessGroup | Non
         digests = [None] * dist.get_world_size(group)
         dist.all_gather_object(digests, _digest(fused), group=group)
         identical = len(set(digests)) == 1
-    verdict = _verdict(rows, outputs_identical(fused, unfused), fused, unfused, ref, identical)
+    verdict = _verdict(ab, rows, outputs_identical(fused, unfused), fused, unfused, ref,
+                       identical)
     verdict["failures"] += baseline_failures
     verdict["ok"] = not verdict["failures"]
     return verdict
@@ -168,7 +173,7 @@ def verify_simulated(spec: BenchSpec, tp: int) -> dict:
         partials = [b.reference_partial(x) for b, x in zip(ranks, inputs, strict=True)]
         ref = ranks[0].reference(inputs[0], partials)
         paths_identical = all(outputs_identical(f, u) for f, u in zip(fused, unfused, strict=True))
-        checks.append(_verdict(rows, paths_identical, fused[0], unfused[0], ref,
+        checks.append(_verdict(ranks[0], rows, paths_identical, fused[0], unfused[0], ref,
                                len({_digest(out) for out in fused}) == 1))
     return {"rank": 0, "device": "cpu", "transport": "simulated", "verify": checks}
 
@@ -232,7 +237,10 @@ def _time_paths(ab: AttentionBoundary, spec: BenchSpec, ctx: RankContext,
         breakdown[path] = {name: graph_time_us([stages[name] for stages in per_view],
                                                ctx.device, ctx.group)
                            for name in per_view[0]}
+    # The next sublayer's mixes both ways, in the same run (bench.mixes).
+    mixes = time_mixes(views, spec.rows, ctx.device, ctx.group)
     return {
+        "mixes": mixes,
         "copy_rate_gbps": rate / 1e9,
         # Every weight byte one rank reads (wo_a, wo_b, fused_wqa_wkv) at the copy rate,
         # plus one measured hop where there are peers.

@@ -49,11 +49,12 @@ def _fused_stages(ab: AttentionBoundary, step: Step, inputs: BoundaryInputs) -> 
     # its consumer), and publish + consume together.
     o = mxfp8_mm(ab.wo_a, inputs.attn_out)
     partial = mxfp8_mm(ab.wo_b, o)
-    _, _, next_in = ab.reduce(inputs, partial)
+    next_in = ab.reduce(inputs, partial)[2]
     return {
         "wo_a (grouped, BF16 in)": lambda: mxfp8_mm(ab.wo_a, inputs.attn_out),
         "wo_b (BF16 in)": lambda: mxfp8_mm(ab.wo_b, o),
-        "publish + consumer (all-reduce, mHC, RMSNorm, MXFP8)": lambda: ab.reduce(inputs, partial),
+        "publish + consumer (all-reduce, mHC, RMSNorm, MXFP8, next mixes)":
+            lambda: ab.reduce(inputs, partial),
         "fused_wqa_wkv (MXFP8 in)": lambda: mxfp8_mm(ab.fused_wqa_wkv, next_in),
     }
 
@@ -61,12 +62,12 @@ def _fused_stages(ab: AttentionBoundary, step: Step, inputs: BoundaryInputs) -> 
 def _strong_stages(ab: AttentionBoundary, strong: StrongBaseline, inputs: BoundaryInputs) -> dict:
     o = strong.project_wo_a(inputs.attn_out)
     reduced = o @ strong.wo_b.t()
-    _, layer_input = strong.mix(reduced, inputs)
+    layer_input = strong.mix(reduced, inputs)[1]
     return {
         "wo_a (bmm)": lambda: strong.project_wo_a(inputs.attn_out),
         "wo_b (mm)": lambda: o @ strong.wo_b.t(),
         f"all-reduce ({strong.transport})": lambda: strong.all_reduce(reduced),
-        "mHC + RMSNorm (torch.compile)": lambda: strong.mix(reduced, inputs),
+        "mHC + RMSNorm + next mixes (torch.compile)": lambda: strong.mix(reduced, inputs),
         "fused_wqa_wkv (mm)": lambda: layer_input @ strong.fused_wqa_wkv.t(),
     }
 
@@ -84,7 +85,7 @@ def _strong_wo_b(ab, strong: StrongBaseline, o, inputs: BoundaryInputs):
 def _eager_wo_b(ab, eager: EagerBaseline, o, inputs: BoundaryInputs):
     return all_reduce_then_mhc(eager.wo_b(o), inputs.residual, inputs.post, inputs.comb,
                                inputs.pre, eager.norm_weight, eager.eps, eager.group,
-                               quantize=True)
+                               quantize=True, mixes=eager.mixes)
 
 
 def _ours_wo_b(fused: bool):

@@ -16,6 +16,8 @@ The result dict (schema ``SCHEMA``) is what ``decode-boundary`` writes:
   measured hop where there are peers), ``weight_copies``, ``timings``
   [{``rows``, ``us`` {path: µs}, ``speedup`` {"<path>/fused": ratio}}] and
   ``breakdown`` {``rows``, path: {stage: µs}} (each stage timed alone);
+  ``mixes`` {``collapse``, ``rows``: [{``rows``, ``us``: {fused, consumer,
+  separate, consumer_then_separate}}]} (the next mixes both ways, bench.mixes);
 * gemm: ``copy_rate_gbps`` and ``gemms`` [{``name``, ``n``, ``k``, ``rows``,
   ``floor_us``, ``us`` {"ours", "cublas_bf16", "cublas_fp8_rowwise"}}].
 """
@@ -167,6 +169,27 @@ def bench_table(result: dict) -> Table:
                      f"fused_wqa_wkv) / copy rate ({result['copy_rate_gbps']:.0f} GB/s, "
                      f"read + write); compiled = the whole step by torch.compile max-autotune, "
                      f"strong = cuBLAS BF16 + compiled mHC, eager = cuBLAS FP8 + torch ops")
+    return table
+
+
+def mixes_table(result: dict) -> Table:
+    """The next sublayer's mixes both ways (``result["mixes"]``, bench.mixes)."""
+    mixes = result["mixes"]
+    table = Table(title=_title(result, f"next mixes, collapse with the {mixes['collapse']} "
+                                       "pre: µs (median, cold L2)"))
+    for name in ("M", "fused consumer", "consumer", "fused - consumer", "separate tail",
+                 "consumer + separate", "(consumer + separate) / fused"):
+        table.add_column(name, justify="right")
+    for row in mixes["rows"]:
+        us = row["us"]
+        table.add_row(str(row["rows"]), f"{us['fused']:.2f}", f"{us['consumer']:.2f}",
+                      f"{us['fused'] - us['consumer']:+.2f}", f"{us['separate']:.2f}",
+                      f"{us['consumer_then_separate']:.2f}",
+                      f"{us['consumer_then_separate'] / us['fused']:.2f}x")
+    table.caption = ("publish + consumer each; consumer = without the mixes (given pre); "
+                     "separate = torch.compile of the user's tail (V4.1: the mixes; V4: the "
+                     "mixes, collapse, RMSNorm, then MXFP8); consumer + separate runs the "
+                     "consumer residual-only for V4")
     return table
 
 

@@ -51,11 +51,14 @@ from ..common.contract import (
 )
 from . import host_wait, ops
 from .consumer import (
+    COLLAPSES,
     ConsumerTactic,
+    MhcMixes,
     WaitTimeout,
     compile_inputs,
     consume,
     consumer_tactic,
+    mix_columns,
     status_error,
 )
 from .consumer_kernel import FULL, NORM_TIMEOUT_BIT, PLAIN, RESIDUAL_ONLY
@@ -91,6 +94,15 @@ class BoundaryAllReduce:
     the same consumer; identical results), or "auto" (mailbox where every rank
     reaches every other's memory). ``group=None``: a single rank. ``tactic``:
     pin the consumer tactic for every M (benchmark sweeps; default: the table).
+
+    ``collapse_pre``: the consumer also computes the next sublayer's mHC mixes
+    from the ``residual_out`` it produces (docs/DESIGN.md §5.1), given that
+    sublayer's ``mix_weights`` on every full call, which then returns them as a
+    third element: None (no mixes), "previous" (V4.1: the collapse keeps the
+    given ``pre``; the mixes are the next boundary's) or "same" (V4: the
+    collapse uses the pre just computed; calls pass ``pre=None``).
+    ``hc_eps`` and ``hc_sinkhorn_iters`` are the model's; the mixes' RMS eps is
+    the call's ``norm_eps`` (one ``rms_norm_eps`` in the V4 family's configs).
     """
 
     #: Seconds every blocking host call of this instance waits for its peers at
@@ -107,7 +119,9 @@ class BoundaryAllReduce:
                  group: dist.ProcessGroup | None = None, quantize_layer_input: bool = False,
                  residual_only: bool = True, device: torch.device | str | None = None,
                  wait_timeout_s: float = 1.0, transport: str = "auto",
-                 tactic: ConsumerTactic | None = None, _mailbox: Mailbox | None = None) -> None:
+                 tactic: ConsumerTactic | None = None, collapse_pre: str | None = None,
+                 hc_eps: float = 1e-6, hc_sinkhorn_iters: int = 20,
+                 _mailbox: Mailbox | None = None) -> None:
         """Collective over ``group`` (every rank constructs with the same arguments).
 
         First, before any collective, NVLink multicast is switched off in the
@@ -138,6 +152,18 @@ class BoundaryAllReduce:
             problems.append(f"hc_mult and top_k must be positive, got {hc_mult}, {top_k}")
         if wait_timeout_s <= 0:
             problems.append(f"wait_timeout_s must be positive, got {wait_timeout_s}")
+        if collapse_pre is not None:
+            if collapse_pre not in COLLAPSES:
+                problems.append(f"collapse_pre must be None or one of {sorted(COLLAPSES)}, got "
+                                f"{collapse_pre!r}")
+            if hc_mult & (hc_mult - 1):
+                problems.append(f"the mixes need a power-of-two hc_mult, got {hc_mult}")
+            if isinstance(hc_sinkhorn_iters, bool) or not isinstance(hc_sinkhorn_iters, int) \
+                    or hc_sinkhorn_iters < 1:
+                problems.append(f"hc_sinkhorn_iters must be an int >= 1, got "
+                                f"{hc_sinkhorn_iters!r}")
+            if not (isinstance(hc_eps, (int, float)) and hc_eps >= 0):
+                problems.append(f"hc_eps must be a real number >= 0, got {hc_eps!r}")
         self.device = env.resolve_device(device)
         placements = None
         if _mailbox is None and group is not None and tp > 1:
@@ -149,7 +175,8 @@ class BoundaryAllReduce:
             geometry = dict(capacity=capacity, hidden_size=hidden_size, hc_mult=hc_mult, tp=tp,
                             top_k=top_k, quantize_layer_input=bool(quantize_layer_input),
                             residual_only=bool(residual_only), dtype=str(MAILBOX_DTYPE),
-                            transport=transport)
+                            transport=transport, collapse_pre=collapse_pre,
+                            hc_eps=float(hc_eps), hc_sinkhorn_iters=hc_sinkhorn_iters)
             placements = exchange(group, self.device, geometry, "; ".join(problems) or None)
         elif problems:
             raise ValueError(problems[0])
@@ -165,6 +192,11 @@ class BoundaryAllReduce:
         elif transport == "auto":
             transport = "mailbox"
         self.transport = transport
+        self.collapse_pre, self.hc_eps, self.hc_sinkhorn_iters = (
+            collapse_pre, hc_eps, hc_sinkhorn_iters)
+        if collapse_pre is not None and _mailbox.mix_words is None:
+            _mailbox.mix_words = torch.zeros(capacity, mix_columns(hidden_size, hc_mult),
+                                             dtype=torch.int64, device=self.device)
         self._box: Mailbox | None = _mailbox
         self.tp, self.rank = _mailbox.tp, _mailbox.rank
         self._published: torch.Tensor | None = None
@@ -273,26 +305,37 @@ class BoundaryAllReduce:
     def __call__(self, x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
                  comb: torch.Tensor, pre: torch.Tensor | None, norm_weight: torch.Tensor | None,
                  norm_eps: float, mxfp8_out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 mix_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 ) -> tuple:
         """Reduce ``x`` over the group and apply docs/DESIGN.md §5. Returns
         (residual_out [M, hc, H], layer_input [M, H] or None when ``pre`` is None);
         the MXFP8 layer input goes into ``mxfp8_out`` = (data, swizzled scales).
+
+        With ``collapse_pre`` set (construction), every full call passes the next
+        sublayer's ``mix_weights`` = (hc_fn FP32 [(2 + hc) * hc, hc * H],
+        hc_scale FP32 [3], hc_base FP32 [(2 + hc) * hc]) and gets a third
+        element, that sublayer's (pre [M, hc], post [M, hc], comb [M, hc, hc])
+        FP32 from this residual_out. With ``collapse_pre="same"`` (V4) the call
+        passes ``pre=None`` and is a full call: the layer input collapses with
+        the pre computed here (residual-only calls do not exist there).
 
         Every argument is checked before anything of this step is written to a
         peer or to the stage words; a rejected one aborts the step on every rank
         (this one raises ``ValueError``, its peers ``RuntimeError`` naming it;
         docs/FAILURES.md)."""
-        return self._reduce(x, FULL if pre is not None else RESIDUAL_ONLY, residual=residual,
+        full = pre is not None or self.collapse_pre == "same"
+        return self._reduce(x, FULL if full else RESIDUAL_ONLY, residual=residual,
                             post=post, comb=comb, pre=pre, norm_weight=norm_weight,
-                            eps=norm_eps, mxfp8_out=mxfp8_out)
+                            eps=norm_eps, mxfp8_out=mxfp8_out, mix_weights=mix_weights)
 
     def finalize(self, gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx,
                  shared_output, residual, post, comb, pre, norm_weight, norm_eps,
-                 mxfp8_out=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 mxfp8_out=None, mix_weights=None) -> tuple:
         """MoE finalize + publish in one kernel, then the consumer (as ``__call__``)."""
         partial = self.publish_finalize(gemm2_permuted, expert_weights,
                                         expanded_idx_to_permuted_idx, shared_output)
-        return self(partial, residual, post, comb, pre, norm_weight, norm_eps, mxfp8_out)
+        return self(partial, residual, post, comb, pre, norm_weight, norm_eps, mxfp8_out,
+                    mix_weights)
 
     def plain_sum(self, x: torch.Tensor) -> torch.Tensor:
         """The same two kernels with mHC, norm and quantization switched off:
@@ -320,7 +363,7 @@ class BoundaryAllReduce:
                         torch.zeros(len(x), self.top_k, dtype=torch.int32, device=dev), x,
                         compile_only=True))
             for mode, used in compile_inputs(m, hc, h, dev, self.residual_only,
-                                             self.quantize_layer_input):
+                                             self.quantize_layer_input, self.collapse_pre):
                 quant = used.get("mxfp8_out") is not None
                 compilers[self._consumer_key(m, mode, quant)] = (
                     lambda x=x, mode=mode, used=used: self._consume(x, mode, compile_only=True,
@@ -459,7 +502,9 @@ class BoundaryAllReduce:
                                 publish=self.transport == "mailbox", compile_only=compile_only)
 
     def _consumer_key(self, m: int, mode: int, quant: bool) -> tuple:
-        return ("consume", mode, quant, self.tactic or consumer_tactic(m, self.hidden_size))
+        mixes = self.collapse_pre if mode == FULL else None
+        return ("consume", mode, quant, mixes,
+                self.tactic or consumer_tactic(m, self.hidden_size, mixes is not None))
 
     def compile_variants(self, compilers: dict, force_barrier: bool = False) -> None:
         """Compile the variants (key -> compile-only call) not compiled yet, then
@@ -484,12 +529,15 @@ class BoundaryAllReduce:
                           aborts_arrive=True)
 
     def _consume(self, x: torch.Tensor, mode: int, compile_only: bool = False,
-                 before_launch=None, **inputs):
+                 before_launch=None, mix_weights=None, **inputs):
         """The consumer; ``before_launch`` (the step's publish) runs once
         ``consume`` has checked every input, and in the gather transport is
         followed by the all-gather (bounded over gloo: ``host_timeout_s``)."""
         box = self._box
         m = x.shape[0]
+        if mode == FULL and self.collapse_pre is not None:
+            inputs.update(mixes=MhcMixes(*mix_weights, self.hc_eps, self.hc_sinkhorn_iters,
+                                         self.collapse_pre), mix_words=box.mix_words)
         # The status word and bound serve the norm hand-off in both transports.
         scratch = dict(generation=box.generation, sumsq=box.sumsq,
                        prenorm=box.prenorm, tactic=self.tactic, compile_only=compile_only,
@@ -529,12 +577,14 @@ class BoundaryAllReduce:
         check_reduce_call(self, x, mode, inputs)  # at trace time: nothing runs
         box = self._box
         data, scale = inputs.get("mxfp8_out") or (None, None)
-        first, second = torch.ops.decode_boundary.boundary_reduce(
+        fn, hc_scale, hc_base = inputs.get("mix_weights") or (None, None, None)
+        first, second, *mixes = torch.ops.decode_boundary.boundary_reduce(
             self.handle, x, published is None, mode, inputs.get("residual"), inputs.get("post"),
             inputs.get("comb"), inputs.get("pre"), inputs.get("norm_weight"),
             float(inputs.get("eps", 0.0)), box.stage_state, box.status, box.generation,
-            box.sumsq, box.prenorm, data, scale)
-        return first, (second if mode == FULL else None)
+            box.sumsq, box.prenorm, data, scale, fn, hc_scale, hc_base, box.mix_words)
+        out = first, (second if mode == FULL else None)
+        return (*out, tuple(mixes)) if fn is not None else out
 
     def _reduce_launch(self, x: torch.Tensor, mode: int, publish: bool, **inputs):
         """Check every input, (compile and) launch the publish kernel when

@@ -203,23 +203,31 @@ def status_error(status: int, tp: int, timeout_s: float) -> str | None:
 
 
 def compile_inputs(m: int, hc: int, hidden: int, device: torch.device, residual_only: bool,
-                   quantize: bool) -> list[tuple[int, dict]]:
+                   quantize: bool, collapse_pre: str | None = None) -> list[tuple[int, dict]]:
     """Every consumer variant an all-reduce so configured may launch for M = m, as
-    (mode, ``consume`` inputs) with zero-filled stand-ins: what a compile-only
-    launch of each needs."""
+    (mode, inputs of its reduce call) with zero-filled stand-ins: what a
+    compile-only launch of each needs (full calls carry ``mix_weights`` when
+    ``collapse_pre`` is set, and no pre with "same")."""
     inputs = dict(residual=torch.zeros(m, hc, hidden, dtype=torch.bfloat16, device=device),
                   post=torch.zeros(m, hc, device=device),
                   comb=torch.zeros(m, hc, hc, device=device),
                   pre=torch.zeros(m, hc, device=device),
                   norm_weight=torch.zeros(hidden, dtype=torch.bfloat16, device=device), eps=0.0,
                   mxfp8_out=None)
-    variants = [(PLAIN, {}), (FULL, inputs)]
+    full = dict(inputs)
+    if collapse_pre is not None:
+        n = (2 + hc) * hc
+        full.update(mix_weights=(torch.zeros(n, hc * hidden, device=device),
+                                 torch.zeros(3, device=device), torch.zeros(n, device=device)))
+        if collapse_pre == "same":
+            full.update(pre=None)
+    variants = [(PLAIN, {}), (FULL, full)]
     if residual_only:
         variants.append((RESIDUAL_ONLY, dict(inputs, pre=None, norm_weight=None)))
     if quantize and hidden % QUANT_GROUP == 0:
         mxfp8_out = (torch.empty(m, hidden, dtype=torch.float8_e4m3fn, device=device),
                      torch.empty(mxfp8_scale_bytes(m, hidden), dtype=torch.uint8, device=device))
-        variants.append((FULL, dict(inputs, mxfp8_out=mxfp8_out)))
+        variants.append((FULL, dict(full, mxfp8_out=mxfp8_out)))
     return variants
 
 

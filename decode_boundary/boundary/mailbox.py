@@ -46,16 +46,21 @@ class Mailbox:
     sumsq: torch.Tensor
     prenorm: torch.Tensor
     keepalive: object = None
+    # The consumer's mix rows (next sublayer's mixes), allocated by an all-reduce
+    # that computes them; tagged like sumsq, so zeroed with it.
+    mix_words: torch.Tensor | None = None
 
     def rearm(self) -> None:
         """Sentinel fill, stage words and status cleared, the norm hand-off's generations
-        and tagged partials zeroed together (stream-ordered)."""
+        and tagged partials (and mix rows) zeroed together (stream-ordered)."""
         if self.buffer is not None:
             self.buffer.fill_(SENTINEL)
         self.stage_state.zero_()
         self.status.zero_()
         self.generation.zero_()
         self.sumsq.zero_()
+        if self.mix_words is not None:
+            self.mix_words.zero_()
 
 
 def _words(rank, tp, capacity, hidden, device, buffer, peer_ptrs, keepalive=None) -> Mailbox:

@@ -91,30 +91,44 @@ def _(handle, gemm2_permuted, expert_weights, idx, shared_output, stage_state):
 
 
 @torch.library.custom_op("decode_boundary::boundary_reduce",
-                         mutates_args=(*_SCRATCH, "mxfp8_data", "mxfp8_scale"))
+                         mutates_args=(*_SCRATCH, "mxfp8_data", "mxfp8_scale", "mix_words"))
 def _reduce_op(handle: int, x: torch.Tensor, publish: bool, reduce_mode: int,
                residual: torch.Tensor | None, post: torch.Tensor | None,
                comb: torch.Tensor | None, pre: torch.Tensor | None,
                norm_weight: torch.Tensor | None, eps: float, stage_state: torch.Tensor,
                status: torch.Tensor, generation: torch.Tensor, sumsq: torch.Tensor,
                prenorm: torch.Tensor, mxfp8_data: torch.Tensor | None,
-               mxfp8_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(plain sum or residual_out, layer_input or an empty tensor). (Not
-    ``mode``: the dispatcher passes an argument of that name itself.)"""
+               mxfp8_scale: torch.Tensor | None, hc_fn: torch.Tensor | None = None,
+               hc_scale: torch.Tensor | None = None, hc_base: torch.Tensor | None = None,
+               mix_words: torch.Tensor | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(plain sum or residual_out, layer_input or an empty tensor, and the next
+    mixes pre, post, comb or three empty tensors). (Not ``mode``: the
+    dispatcher passes an argument of that name itself.)"""
     ar = instance(handle)
     inputs = {} if reduce_mode == PLAIN else dict(
         residual=residual, post=post, comb=comb, pre=pre, norm_weight=norm_weight, eps=eps,
-        mxfp8_out=None if mxfp8_data is None else (mxfp8_data, mxfp8_scale))
-    first, second = ar._reduce_launch(x, reduce_mode, publish, **inputs)
+        mxfp8_out=None if mxfp8_data is None else (mxfp8_data, mxfp8_scale),
+        mix_weights=None if hc_fn is None else (hc_fn, hc_scale, hc_base))
+    first, second, *mixes = ar._reduce_launch(x, reduce_mode, publish, **inputs)
     sync_words(handle, stage_state=stage_state, status=status, generation=generation,
-               sumsq=sumsq, prenorm=prenorm)
-    return first, second if second is not None else x.new_empty(0)
+               sumsq=sumsq, prenorm=prenorm,
+               **({} if mix_words is None else dict(mix_words=mix_words)))
+    mixes = mixes[0] if mixes else (x.new_empty(0, dtype=torch.float32),) * 3
+    return (first, second if second is not None else x.new_empty(0), *mixes)
 
 
 @_reduce_op.register_fake
 def _(handle, x, publish, reduce_mode, residual, post, comb, pre, norm_weight, eps,
-      stage_state, status, generation, sumsq, prenorm, mxfp8_data, mxfp8_scale):
+      stage_state, status, generation, sumsq, prenorm, mxfp8_data, mxfp8_scale, hc_fn=None,
+      hc_scale=None, hc_base=None, mix_words=None):
+    none = (x.new_empty(0, dtype=torch.float32),) * 3
     if reduce_mode == PLAIN:
-        return torch.empty_like(x), x.new_empty(0)
-    first = x.new_empty(x.shape[0], residual.shape[1], x.shape[1])
-    return first, torch.empty_like(x) if reduce_mode == FULL else x.new_empty(0)
+        return torch.empty_like(x), x.new_empty(0), *none
+    m, hc = x.shape[0], residual.shape[1]
+    first = x.new_empty(m, hc, x.shape[1])
+    second = torch.empty_like(x) if reduce_mode == FULL else x.new_empty(0)
+    if hc_fn is None:
+        return first, second, *none
+    return (first, second, x.new_empty(m, hc, dtype=torch.float32),
+            x.new_empty(m, hc, dtype=torch.float32), x.new_empty(m, hc, hc, dtype=torch.float32))

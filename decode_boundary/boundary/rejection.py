@@ -49,6 +49,15 @@ def check_reduce_call(ar: BoundaryAllReduce, x: torch.Tensor, mode: int, inputs:
         t = inputs.get(name)
         if t is not None and not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    mix_weights = inputs.get("mix_weights")
+    if mode == FULL and ar.collapse_pre is not None:
+        if not isinstance(mix_weights, (tuple, list)) or len(mix_weights) != 3 or \
+                not all(isinstance(t, torch.Tensor) for t in mix_weights):
+            raise ValueError(f"collapse_pre={ar.collapse_pre!r}: a full call needs the next "
+                             "sublayer's mix_weights = (hc_fn, hc_scale, hc_base) tensors")
+    elif mix_weights is not None:
+        raise ValueError("mix_weights given, but this all-reduce computes no mixes "
+                         "(collapse_pre=None) or the call is not a full one")
     if mode == FULL:
         eps = inputs.get("eps")
         if isinstance(eps, bool) or not isinstance(eps, Real) or not math.isfinite(eps) \

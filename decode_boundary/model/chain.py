@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from decode_boundary import env
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
-from decode_boundary.boundary.reference import consumer_ref
+from decode_boundary.boundary.reference import consumer_ref, mhc_mixes_ref
 from decode_boundary.gemm import mxfp8_mm
 from decode_boundary.gemm import precompile as gemm_precompile
 from decode_boundary.gemm.linear import Mxfp8Linear, load_linear
@@ -34,8 +34,17 @@ from decode_boundary.model.config import BoundaryConfig
 from decode_boundary.mxfp8.format import QuantizedActivation, mxfp8_scale_bytes, quantize_mxfp8_ref
 from decode_boundary.publishing_linear import PublishingMxfp8Linear
 
-OUTPUT_NAMES = ("residual_out", "layer_input", "q")  # the fields of BoundaryOutputs
+OUTPUT_NAMES = ("residual_out", "layer_input", "q")  # BoundaryOutputs' tensors (and its mixes)
+MIX_NAMES = ("next_pre", "next_post", "next_comb")
 WEIGHT_STD = 0.02  # synthetic weights: the scale of a trained projection's entries
+# Synthetic mHC mix parameters of the next sublayer: hc_fn entries of this size give
+# mixes of order 1 from unit-RMS streams (the dots are scaled by their rsqrt).
+HC_FN_STD = 0.02
+# pre / post / comb against the mixes reference of the same residual_out: FP32 dots
+# of length hc * H summed in another order, then sigmoid / softmax / Sinkhorn
+# (tests/test_consumer_mixes.py). Against the chain's reference they are checked like
+# every output (CHAIN_RTOL): its residual_out may differ by the GEMMs' last bits.
+MIXES_ATOL = 1e-5
 
 
 @dataclass
@@ -47,7 +56,7 @@ class BoundaryInputs:
     residual: torch.Tensor  # [M, hc, H] bf16
     post: torch.Tensor  # [M, hc] f32
     comb: torch.Tensor  # [M, hc, hc] f32, [source, target]
-    pre: torch.Tensor  # [M, hc] f32
+    pre: torch.Tensor  # [M, hc] f32 (the previous sublayer's; unused by V4's collapse)
 
     @property
     def rows(self) -> int:
@@ -59,6 +68,10 @@ class BoundaryOutputs:
     residual_out: torch.Tensor  # [M, hc, H] bf16
     layer_input: torch.Tensor  # [M, H] bf16
     q: torch.Tensor  # [M, q_lora + kv_lora] bf16
+    # The next sublayer's mHC mixes from residual_out (f32 [M, hc], [M, hc], [M, hc, hc]).
+    next_pre: torch.Tensor
+    next_post: torch.Tensor
+    next_comb: torch.Tensor
 
 
 def _random_linear(n: int, k: int, seed: int, device: torch.device) -> Mxfp8Linear:
@@ -73,7 +86,13 @@ class AttentionBoundary:
     Synthetic weights are drawn from ``seed`` (rank-specific for the sharded
     ``wo_a`` / ``wo_b``, shared for the replicated ``fused_wqa_wkv``);
     ``weights_dir`` loads layer ``layer`` of a DSV4.1-format checkpoint instead
-    (the rank's slice of the sharded projections).
+    (the rank's slice of the sharded projections; the norm weight and the mix
+    parameters stay synthetic).
+
+    Each model runs with its own mHC semantics (``config.collapse_pre``): the
+    consumer also computes the next sublayer's mixes from ``residual_out``
+    (``hc_fn`` etc., synthetic, replicated); V4.1 collapses with the given
+    (previous) ``pre``, V4-Flash / V4-Pro with the pre just computed.
     """
 
     def __init__(
@@ -90,13 +109,9 @@ class AttentionBoundary:
         all_reduce: BoundaryAllReduce | None = None,
     ) -> None:
         config.check_tp(tp)
-        if config.collapse_pre != "previous":
-            # Running it with the given pre would be V4.1's numerics under a V4 name.
-            raise ValueError(
-                f"{config.name} collapses a sublayer's input with the pre computed from the "
-                "new residual_out (V4, docs/DESIGN.md §5.1); this chain implements V4.1's "
-                "collapse with the previous sublayer's pre only. Its GEMM shapes run with "
-                f"`decode-boundary gemm --model {config.name}`")
+        if all_reduce is not None and all_reduce.collapse_pre != config.collapse_pre:
+            raise ValueError(f"{config.name} collapses with the {config.collapse_pre!r} pre, "
+                             f"the all-reduce given with {all_reduce.collapse_pre!r}")
         self.config, self.tp, self.rank, self.group = config, tp, rank, group
         self.device = env.resolve_device(device)
         groups_local = config.o_groups // tp
@@ -116,6 +131,13 @@ class AttentionBoundary:
         self.norm_weight = (1 + 0.1 * torch.randn(config.hidden, generator=gen)).to(
             dtype=torch.bfloat16, device=self.device
         )
+        n_mix = (2 + config.hc_mult) * config.hc_mult
+        self.mix_weights = (
+            (torch.randn(n_mix, config.hc_mult * config.hidden, generator=gen) * HC_FN_STD)
+            .to(self.device),
+            (torch.rand(3, generator=gen) + 0.5).to(self.device),
+            (torch.randn(n_mix, generator=gen) * 0.5).to(self.device),
+        )
         self._owns_all_reduce = all_reduce is None
         self.all_reduce = all_reduce or BoundaryAllReduce(
             config.hidden,
@@ -126,6 +148,9 @@ class AttentionBoundary:
             quantize_layer_input=True,
             residual_only=False,
             device=self.device,
+            collapse_pre=config.collapse_pre,
+            hc_eps=config.hc_eps,
+            hc_sinkhorn_iters=config.hc_sinkhorn_iters,
         )
         self.publisher = PublishingMxfp8Linear(self.all_reduce)
 
@@ -223,23 +248,27 @@ class AttentionBoundary:
         return partial
 
     def consume(self, inputs: BoundaryInputs, partial: torch.Tensor) -> BoundaryOutputs:
-        """The consumer (all-reduce + mHC + RMSNorm + MXFP8) and ``fused_wqa_wkv``."""
-        residual_out, layer_input, next_in = self.reduce(inputs, partial)
-        return BoundaryOutputs(residual_out, layer_input, mxfp8_mm(self.fused_wqa_wkv, next_in))
+        """The consumer (all-reduce + mHC + RMSNorm + MXFP8 + the next mixes) and
+        ``fused_wqa_wkv``."""
+        residual_out, layer_input, next_in, mixes = self.reduce(inputs, partial)
+        return BoundaryOutputs(residual_out, layer_input, mxfp8_mm(self.fused_wqa_wkv, next_in),
+                               *mixes)
 
     def reduce(self, inputs: BoundaryInputs, partial: torch.Tensor):
         """The consumer alone: (residual_out, layer_input, the next layer's
-        MXFP8 input) from the published ``partial``."""
+        MXFP8 input, the next sublayer's (pre, post, comb)) from the published
+        ``partial``."""
         c, rows = self.config, inputs.rows
         data = torch.empty(rows, c.hidden, dtype=torch.float8_e4m3fn, device=self.device)
         scale = torch.empty(mxfp8_scale_bytes(rows, c.hidden), dtype=torch.uint8,
                             device=self.device)
-        residual_out, layer_input = self.all_reduce(
-            partial, inputs.residual, inputs.post, inputs.comb, inputs.pre,
-            self.norm_weight, c.eps, mxfp8_out=(data, scale),
+        pre = inputs.pre if c.collapse_pre == "previous" else None
+        residual_out, layer_input, mixes = self.all_reduce(
+            partial, inputs.residual, inputs.post, inputs.comb, pre,
+            self.norm_weight, c.eps, mxfp8_out=(data, scale), mix_weights=self.mix_weights,
         )
         next_in = QuantizedActivation(data, scale, torch.bfloat16, layer_input.shape)
-        return residual_out, layer_input, next_in
+        return residual_out, layer_input, next_in, mixes
 
     def reference_partial(self, inputs: BoundaryInputs) -> torch.Tensor:
         """This rank's ``wo_b`` partial from the pure-torch references."""
@@ -258,12 +287,18 @@ class AttentionBoundary:
             if ranks > 1:
                 partials = [torch.empty_like(partial) for _ in range(ranks)]
                 dist.all_gather(partials, partial, group=self.group)
+        c = self.config
+        residual_out, _, _ = consumer_ref(partials, inputs.residual, inputs.post, inputs.comb,
+                                          None, None, c.eps)
+        mixes = mhc_mixes_ref(residual_out, *self.mix_weights, c.eps, c.hc_eps,
+                              c.hc_sinkhorn_iters)
+        pre = inputs.pre if c.collapse_pre == "previous" else mixes[0]
         residual_out, layer_input, quantized = consumer_ref(
-            partials, inputs.residual, inputs.post, inputs.comb, inputs.pre,
-            self.norm_weight, self.config.eps, quantize=True,
+            partials, inputs.residual, inputs.post, inputs.comb, pre, self.norm_weight, c.eps,
+            quantize=True,
         )
         q = mxfp8_mm_ref(quantized, self.fused_wqa_wkv.weight, self.fused_wqa_wkv.weight_scale)
-        return BoundaryOutputs(residual_out, layer_input, q)
+        return BoundaryOutputs(residual_out, layer_input, q, *mixes)
 
 
 def _mm_ref(linear, x: torch.Tensor) -> torch.Tensor:
@@ -276,7 +311,8 @@ def simulated_boundaries(config: BoundaryConfig, tp: int, capacity: int, seed: i
     runs): drive them with :func:`run_simulated`."""
     all_reduces = BoundaryAllReduce.simulated(
         tp, config.hidden, config.hc_mult, capacity, config.top_k, device=device,
-        quantize_layer_input=True, residual_only=False,
+        quantize_layer_input=True, residual_only=False, collapse_pre=config.collapse_pre,
+        hc_eps=config.hc_eps, hc_sinkhorn_iters=config.hc_sinkhorn_iters,
     )
     return [AttentionBoundary(config, tp, rank, None, torch.device(device), capacity, seed=seed,
                               all_reduce=ar) for rank, ar in enumerate(all_reduces)]
@@ -301,7 +337,7 @@ def check_outputs(out: BoundaryOutputs, ref: BoundaryOutputs,
                   rtol: float = CHAIN_RTOL) -> list[str]:
     """Failures (empty when fine) of a path's outputs against the reference."""
     failures = []
-    for name in OUTPUT_NAMES:
+    for name in OUTPUT_NAMES + MIX_NAMES:
         got, want = getattr(out, name).float(), getattr(ref, name).float()
         if got.shape != want.shape:
             failures.append(f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}")
@@ -315,9 +351,25 @@ def check_outputs(out: BoundaryOutputs, ref: BoundaryOutputs,
     return failures
 
 
+def check_mixes(out: BoundaryOutputs, ab: AttentionBoundary) -> list[str]:
+    """Failures (empty when fine) of a path's next mixes against the spec
+    (``mhc_mixes_ref``) of its own ``residual_out``, within ``MIXES_ATOL``."""
+    c = ab.config
+    want = mhc_mixes_ref(out.residual_out, *ab.mix_weights, c.eps, c.hc_eps,
+                         c.hc_sinkhorn_iters)
+    failures = []
+    for name, exp in zip(MIX_NAMES, want, strict=True):
+        err = (getattr(out, name).double() - exp.double()).abs().max().item()
+        if not err <= MIXES_ATOL:  # NaN fails too
+            failures.append(f"{name}: {err:.2e} from the mixes of its residual_out "
+                            f"(> {MIXES_ATOL:.0e})")
+    return failures
+
+
 def outputs_identical(a: BoundaryOutputs, b: BoundaryOutputs) -> bool:
-    """Bit-identical outputs (BF16 compared as raw 16-bit patterns)."""
+    """Bit-identical outputs (BF16 and FP32 compared as raw bit patterns)."""
     return all(
         torch.equal(getattr(a, n).view(torch.int16), getattr(b, n).view(torch.int16))
         for n in OUTPUT_NAMES
-    )
+    ) and all(torch.equal(getattr(a, n).view(torch.int32), getattr(b, n).view(torch.int32))
+              for n in MIX_NAMES)

@@ -1,0 +1,115 @@
+"""The next sublayer's mHC mixes measured both ways in one run (docs/DESIGN.md
+§5.1): fused in our consumer, against our consumer without them followed by
+what a user runs instead, compiled by ``torch.compile``.
+
+* V4.1 (``collapse_pre="previous"``): the consumer as before (given pre), then
+  ``mhc_mixes_ref`` of its ``residual_out`` (one [M, hc * H] x [hc * H,
+  (2 + hc) * hc] GEMV and the scalar chain: sigmoid, softmax, Sinkhorn).
+* V4 (``"same"``): the consumer residual-only, then the mixes, the collapse
+  with their pre and the RMSNorm compiled as one function, then our MXFP8
+  quantization of the layer input (what the next GEMM takes).
+
+Per M (µs, cold L2 over the boundary's weight copies): ``fused`` (publish +
+consumer with the mixes, as the chain runs it), ``consumer`` (publish +
+today's consumer without them: the issue's yardstick), ``separate`` (the
+user's tail alone) and ``consumer_then_separate`` (what a user runs in all).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from decode_boundary.boundary.all_reduce import BoundaryAllReduce
+from decode_boundary.boundary.reference import mhc_mixes_ref
+from decode_boundary.common.timing import graph_time_us
+from decode_boundary.gemm import mxfp8_mm
+from decode_boundary.model.chain import AttentionBoundary
+from decode_boundary.mxfp8.format import mxfp8_scale_bytes
+from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
+
+from .baselines import collapse_rmsnorm
+
+
+def _v4_tail(residual_out, norm_weight, eps: float, hc_fn, hc_scale, hc_base, hc_eps: float,
+             iters: int):
+    """V4's separate tail: (layer_input, pre, post, comb) from residual_out."""
+    mixes = mhc_mixes_ref(residual_out, hc_fn, hc_scale, hc_base, eps, hc_eps, iters)
+    return collapse_rmsnorm(residual_out, mixes[0], norm_weight, eps), *mixes
+
+
+@functools.cache
+def _compiled(fn, backend: str):
+    return torch.compile(fn, dynamic=False, fullgraph=True, backend=backend)
+
+
+class MixesTimer:
+    """Both ways of one rank's next mixes for ``views`` (a boundary and its
+    weight copies, sharing one all-reduce). Builds a second all-reduce without
+    mixes over the same group (collective: every rank constructs it)."""
+
+    def __init__(self, views: list[AttentionBoundary], rows: list[int],
+                 backend: str = "inductor") -> None:
+        ab = views[0]
+        c = ab.config
+        self.views, self.config = views, c
+        self.same = c.collapse_pre == "same"
+        self.plain = BoundaryAllReduce(c.hidden, c.hc_mult, ab.all_reduce.capacity, c.top_k,
+                                       ab.group, quantize_layer_input=True, residual_only=True,
+                                       device=ab.device)
+        self.plain.precompile(rows)
+        self.separate = _compiled(_v4_tail if self.same else mhc_mixes_ref, backend)
+
+    def close(self) -> None:
+        self.plain.close()
+
+    def _tail(self, v: AttentionBoundary, residual_out: torch.Tensor):
+        c = self.config
+        if self.same:
+            layer_input, *mixes = self.separate(residual_out, v.norm_weight, c.eps,
+                                                *v.mix_weights, c.hc_eps, c.hc_sinkhorn_iters)
+            return quantize_mxfp8(layer_input), mixes
+        return self.separate(residual_out, *v.mix_weights, c.eps, c.hc_eps, c.hc_sinkhorn_iters)
+
+    def _consumer(self, v: AttentionBoundary, inputs, partial, pre):
+        c, rows = self.config, inputs.rows
+        data = torch.empty(rows, c.hidden, dtype=torch.float8_e4m3fn, device=v.device)
+        scale = torch.empty(mxfp8_scale_bytes(rows, c.hidden), dtype=torch.uint8,
+                            device=v.device)
+        return self.plain(partial, inputs.residual, inputs.post, inputs.comb, pre, v.norm_weight,
+                          c.eps, mxfp8_out=(data, scale) if pre is not None else None)
+
+    def steps(self, inputs) -> dict[str, list]:
+        """name -> one callable per weight copy."""
+        out = {name: [] for name in ("fused", "consumer", "separate", "consumer_then_separate")}
+        for v in self.views:
+            partial = mxfp8_mm(v.wo_b, mxfp8_mm(v.wo_a, inputs.attn_out))
+            residual_out = v.reduce(inputs, partial)[0]
+            out["fused"].append(functools.partial(v.reduce, inputs, partial))
+            out["consumer"].append(functools.partial(self._consumer, v, inputs, partial,
+                                                     inputs.pre))
+            out["separate"].append(functools.partial(self._tail, v, residual_out))
+
+            def both(v=v, partial=partial):
+                pre = None if self.same else inputs.pre
+                return self._tail(v, self._consumer(v, inputs, partial, pre)[0])
+
+            out["consumer_then_separate"].append(both)
+        return out
+
+
+def time_mixes(views: list[AttentionBoundary], rows: list[int], device, group) -> dict:
+    """``{"collapse", "rows": [{"rows", "us": {fused, consumer, separate,
+    consumer_then_separate}}]}`` for every M of ``rows``, in one run."""
+    timer = MixesTimer(views, rows)
+    try:
+        results = []
+        for m in rows:
+            inputs = views[0].make_inputs(m, seed=m)
+            results.append({"rows": m, "us": {
+                name: graph_time_us(calls, device, group)
+                for name, calls in timer.steps(inputs).items()}})
+    finally:
+        timer.close()
+    return {"collapse": views[0].config.collapse_pre, "rows": results}

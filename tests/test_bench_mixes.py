@@ -1,0 +1,56 @@
+"""The bench's two ways of the next mixes (``bench.mixes``) on the tiny config
+in the interpreter, the timer stubbed so every timed call runs once: each way
+computes the same mixes (within MIXES_ATOL) and, for V4, the same layer input,
+every weight copy is used, and the table reports the JSON's numbers."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import decode_boundary.bench.mixes as mixes
+from decode_boundary.bench import report
+from decode_boundary.model.chain import MIXES_ATOL, AttentionBoundary
+from decode_boundary.model.config import MODELS
+from decode_boundary.mxfp8.format import dequantize_mxfp8
+
+
+@pytest.mark.parametrize("collapse", ["previous", "same"])
+def test_both_ways_compute_the_same(collapse, monkeypatch):
+    monkeypatch.setattr(mixes, "_compiled", lambda fn, backend: torch.compile(
+        fn, dynamic=False, fullgraph=True, backend="aot_eager"))
+    ab = AttentionBoundary(dataclasses.replace(MODELS["tiny"], collapse_pre=collapse), 1, 0,
+                           None, torch.device("cpu"), 4, seed=5)
+    views = ab.weight_copies(2)
+    ran = {}
+
+    def once(calls, device, group):
+        ran.setdefault(len(ran), [c() for c in calls])  # every weight copy, once
+        return 1.0 + len(ran)
+
+    monkeypatch.setattr(mixes, "graph_time_us", once)
+    result = mixes.time_mixes(views, [2], torch.device("cpu"), None)
+    ab.close()
+    assert result["collapse"] == collapse and [r["rows"] for r in result["rows"]] == [2]
+    assert result["rows"][0]["us"] == {"fused": 2.0, "consumer": 3.0, "separate": 4.0,
+                                       "consumer_then_separate": 5.0}
+    fused, consumer, separate, both = (ran[i] for i in range(4))
+    for copy in range(2):
+        res_out, layer_input, _, fused_mixes = fused[copy]
+        assert torch.equal(consumer[copy][0], res_out)  # the same consumer, mixes aside
+        if collapse == "same":
+            (quantized, tail_mixes), (quantized_2, tail_mixes_2) = separate[copy], both[copy]
+            assert torch.equal(quantized.data, quantized_2.data)
+            y = dequantize_mxfp8(quantized)
+            assert (y - layer_input.float()).abs().max() <= 2 ** -3 * layer_input.float().abs(
+            ).max()  # one MXFP8 step of the same layer input, at most
+        else:
+            tail_mixes, tail_mixes_2 = separate[copy], both[copy]
+        for a, b, c in zip(fused_mixes, tail_mixes, tail_mixes_2, strict=True):
+            assert (a - b).abs().max().item() <= MIXES_ATOL and torch.equal(b, c)
+    # Two weight copies: their mixes differ (each copy has its own hc_fn).
+    assert not torch.equal(fused[0][3][2], fused[1][3][2])
+    text = report.render(report.mixes_table({**report.new_result(
+        "bench", "x", report.environment(False, []), {"model": "tiny", "tp": 1}),
+        "mixes": result}))
+    assert f"{collapse} pre" in text and "-1.00" in text and "2.50x" in text

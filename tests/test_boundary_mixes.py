@@ -1,0 +1,121 @@
+"""``BoundaryAllReduce(collapse_pre=...)``: the next sublayer's mixes from the
+all-reduce's consumer (docs/DESIGN.md §5.1), two simulated ranks in the
+interpreter: a V4.1 call ("previous") and a V4 call ("same") each one call,
+their outputs against the references (mixes within tests/test_consumer_mixes.py's
+bar, the rest bit for bit), torch.compile with eager bits, reset, and the
+checks of the construction and the call."""
+
+import pytest
+import torch
+
+import decode_boundary as db
+from decode_boundary.boundary.reference import consumer_ref, mhc_mixes_ref
+
+H, HC, CAP, TP = 128, 4, 4, 2
+EPS, HC_EPS, ITERS = 1e-6, 1e-6, 20
+BAR = 1e-5  # tests/test_consumer_mixes.py
+
+
+def inputs(m, seed):
+    g = torch.Generator().manual_seed(seed)
+    n = (2 + HC) * HC
+    return dict(xs=[torch.randn(m, H, generator=g).bfloat16() for _ in range(TP)],
+                residual=torch.randn(m, HC, H, generator=g).bfloat16(),
+                post=torch.rand(m, HC, generator=g) * 2, comb=torch.rand(m, HC, HC, generator=g),
+                pre=torch.rand(m, HC, generator=g),
+                gamma=(1 + 0.1 * torch.randn(H, generator=g)).bfloat16(),
+                weights=(torch.randn(n, HC * H, generator=g) * 0.2,
+                         torch.rand(3, generator=g) + 0.5, torch.randn(n, generator=g) * 0.5))
+
+
+def ranks(collapse):
+    return db.BoundaryAllReduce.simulated(TP, H, HC, CAP, 2, quantize_layer_input=True,
+                                          residual_only=False, collapse_pre=collapse)
+
+
+def one_step(group, d, collapse):
+    """Every rank publishes, then each makes its one call."""
+    pre = d["pre"] if collapse == "previous" else None
+    for ar, x in zip(group, d["xs"], strict=True):
+        ar.publish(x)
+    return [ar(x, d["residual"], d["post"], d["comb"], pre, d["gamma"], EPS,
+               mix_weights=d["weights"]) for ar, x in zip(group, d["xs"], strict=True)]
+
+
+@pytest.mark.parametrize("collapse", ["previous", "same"])
+def test_one_call_per_semantics(collapse):
+    group = ranks(collapse)
+    for step_no, m in enumerate((3, 1, 4)):  # several steps and M: stage words, tags
+        d = inputs(m, seed=step_no)
+        outs = one_step(group, d, collapse)
+        res_out, layer, (pre, post, comb) = outs[0]
+        for other in outs[1:]:  # every rank computes the same bits
+            assert torch.equal(other[0], res_out) and torch.equal(other[1], layer)
+            assert all(torch.equal(a, b) for a, b in zip(other[2], (pre, post, comb),
+                                                        strict=True))
+        want_res, _, _ = consumer_ref(d["xs"], d["residual"], d["post"], d["comb"], d["pre"],
+                                      d["gamma"], EPS)
+        assert torch.equal(res_out.view(torch.int16), want_res.view(torch.int16))
+        want = mhc_mixes_ref(res_out, *d["weights"], EPS, HC_EPS, ITERS)
+        for got, exp in zip((pre, post, comb), want, strict=True):
+            assert (got - exp).abs().max().item() <= BAR
+        used = d["pre"] if collapse == "previous" else pre
+        _, want_layer, _ = consumer_ref(d["xs"], d["residual"], d["post"], d["comb"], used,
+                                        d["gamma"], EPS)
+        diff = (layer.double() - want_layer.double()).abs()
+        assert bool((diff <= want_layer.double().abs() * 2 ** -8).all())  # <= 1 BF16 ulp
+    for ar in group:
+        assert ar._box.status.item() == 0
+
+
+@pytest.mark.parametrize("collapse", ["previous", "same"])
+def test_compiled_step_gives_eager_bits(collapse):
+    d = inputs(2, seed=5)
+
+    def step(x0, x1):
+        outs = one_step(group, dict(d, xs=[x0, x1]), collapse)
+        return tuple(t for r, layer, mixes in outs for t in (r, layer, *mixes))
+
+    group = ranks(collapse)
+    eager = step(*d["xs"])
+    torch._dynamo.reset()
+    group = ranks(collapse)
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(*d["xs"])
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in zip(got, eager, strict=True))
+
+
+def test_reset_zeroes_the_mix_rows_with_the_generations():
+    group = ranks("same")
+    one_step(group, inputs(2, seed=7), "same")
+    box = group[0]._box
+    assert bool(box.mix_words.ne(0).any()) and bool(box.generation.ne(0).any())
+    for ar in group:
+        ar.reset(collective=True)
+    assert bool(box.mix_words.eq(0).all()) and bool(box.generation.eq(0).all())
+
+
+def test_checks():
+    with pytest.raises(ValueError, match="collapse_pre must be None or one of"):
+        ranks("next")
+    with pytest.raises(ValueError, match="hc_sinkhorn_iters must be an int >= 1"):
+        db.BoundaryAllReduce(H, HC, CAP, 2, collapse_pre="same", hc_sinkhorn_iters=0,
+                             device="cpu")
+    with pytest.raises(ValueError, match="power-of-two hc_mult"):
+        db.BoundaryAllReduce(H, 3, CAP, 2, collapse_pre="previous", device="cpu")
+    d = inputs(2, seed=8)
+    (ar,) = db.BoundaryAllReduce.simulated(1, H, HC, CAP, 2, collapse_pre="previous")
+    with pytest.raises(ValueError, match="needs the next sublayer's mix_weights"):
+        ar(d["xs"][0], d["residual"], d["post"], d["comb"], d["pre"], d["gamma"], EPS)
+    (same,) = db.BoundaryAllReduce.simulated(1, H, HC, CAP, 2, collapse_pre="same")
+    with pytest.raises(ValueError, match="pass pre=None"):
+        same(d["xs"][0], d["residual"], d["post"], d["comb"], d["pre"], d["gamma"], EPS,
+             mix_weights=d["weights"])
+    (plain,) = db.BoundaryAllReduce.simulated(1, H, HC, CAP, 2)
+    with pytest.raises(ValueError, match="computes no mixes"):
+        plain(d["xs"][0], d["residual"], d["post"], d["comb"], d["pre"], d["gamma"], EPS,
+              mix_weights=d["weights"])
+    # A refused call aborts nothing at tp = 1 and leaves the instance usable.
+    out = ar(d["xs"][0], d["residual"], d["post"], d["comb"], d["pre"], d["gamma"], EPS,
+             mix_weights=d["weights"])
+    assert len(out) == 3 and out[2][2].shape == (2, HC, HC)

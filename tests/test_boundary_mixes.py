@@ -119,3 +119,76 @@ def test_checks():
     out = ar(d["xs"][0], d["residual"], d["post"], d["comb"], d["pre"], d["gamma"], EPS,
              mix_weights=d["weights"])
     assert len(out) == 3 and out[2][2].shape == (2, HC, HC)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("collapse", ["previous", "same"])
+def test_gpu_mixes_cooperative_graphs_and_compile(collapse):
+    """On the GPU at DSV4.1-Flash's H = 5120 (the cooperative tactic, PDL,
+    %globaltimer bounds): mixes within the bar of the spec and FP64 for M = 1
+    and 16; layer_input and its MXFP8 bit-equal to the consumer without mixes
+    given the pre the collapse used; a CUDA graph replay and the compiled step
+    (inductor) give the eager bits."""
+    from independent_ref import mhc_mixes_fp64
+
+    from decode_boundary.mxfp8.format import mxfp8_scale_bytes
+
+    h, dev = 5120, "cuda"
+    (ar,) = db.BoundaryAllReduce.simulated(1, h, HC, 16, 2, device=dev, quantize_layer_input=True,
+                                           residual_only=False, collapse_pre=collapse)
+    (plain,) = db.BoundaryAllReduce.simulated(1, h, HC, 16, 2, device=dev,
+                                              quantize_layer_input=True, residual_only=False)
+    ar.precompile([1, 16])
+    plain.precompile([1, 16])
+    g = torch.Generator().manual_seed(21)
+    n = (2 + HC) * HC
+    weights = tuple(t.to(dev) for t in (torch.randn(n, HC * h, generator=g) * 0.02,
+                                         torch.rand(3, generator=g) + 0.5,
+                                         torch.randn(n, generator=g) * 0.5))
+    for m in (1, 16):
+        x = torch.randn(m, h, generator=g).bfloat16().to(dev)
+        residual = torch.randn(m, HC, h, generator=g).bfloat16().to(dev)
+        post, comb, pre = (torch.rand(m, HC, generator=g).to(dev) * 2,
+                           torch.rand(m, HC, HC, generator=g).to(dev),
+                           torch.rand(m, HC, generator=g).to(dev))
+        gamma = (1 + 0.1 * torch.randn(h, generator=g)).bfloat16().to(dev)
+
+        def buffers(m=m):
+            return (torch.empty(m, h, dtype=torch.float8_e4m3fn, device=dev),
+                    torch.empty(mxfp8_scale_bytes(m, h), dtype=torch.uint8, device=dev))
+
+        def step(q, x=x, residual=residual, post=post, comb=comb, pre=pre, gamma=gamma):
+            return ar(x, residual, post, comb, pre if collapse == "previous" else None, gamma,
+                      EPS, q, mix_weights=weights)
+
+        q = buffers()
+        res_out, layer, mixes = step(q)
+        torch.cuda.synchronize()
+        args = (res_out.cpu(), *(w.cpu() for w in weights), EPS, HC_EPS, ITERS)
+        for want in (mhc_mixes_fp64(*args), mhc_mixes_ref(*args)):
+            for got, exp in zip(mixes, want, strict=True):
+                assert (got.cpu().double() - exp.double()).abs().max().item() <= BAR
+        used = pre if collapse == "previous" else mixes[0]
+        q_plain = buffers()
+        res_plain, layer_plain = plain(x, residual, post, comb, used, gamma, EPS, q_plain)
+        assert torch.equal(res_plain.view(torch.int16), res_out.view(torch.int16))
+        assert torch.equal(layer_plain.view(torch.int16), layer.view(torch.int16))
+        assert torch.equal(q_plain[0].view(torch.uint8), q[0].view(torch.uint8))
+        assert torch.equal(q_plain[1], q[1])
+        # A CUDA graph of the step replays the eager bits.
+        q_graph = buffers()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graphed = step(q_graph)
+        graph.replay()
+        ar.check()
+        assert torch.equal(graphed[1].view(torch.int16), layer.view(torch.int16))
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32))
+                   for a, b in zip(graphed[2], mixes, strict=True))
+        torch._dynamo.reset()
+        q_comp = buffers()
+        compiled = torch.compile(step, fullgraph=True)(q_comp)
+        assert torch.equal(compiled[1].view(torch.int16), layer.view(torch.int16))
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32))
+                   for a, b in zip(compiled[2], mixes, strict=True))
+    assert ar._box.status.item() == 0

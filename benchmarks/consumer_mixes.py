@@ -1,0 +1,82 @@
+"""The consumer alone with and without the next sublayer's mixes (one rank,
+the all-reduce over a group of one, DSV4.1-Flash's H = 5120, hc = 4): publish
++ consume per call, CUDA-graph replays over rotated hc_fn copies (cold L2),
+both collapses, and the separate mixes a user would run (``torch.compile`` of
+``mhc_mixes_ref``) on the same residual_out. A quick look at the consumer's
+share of the mixes' cost; ``decode-boundary bench`` times them inside the
+chain (``bench.mixes``).
+
+    PYTHONPATH=. python benchmarks/consumer_mixes.py [--rows 1 16] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from pathlib import Path
+
+import torch
+
+from decode_boundary.bench.report import environment, git_commit, new_result, write_json
+from decode_boundary.boundary.all_reduce import BoundaryAllReduce
+from decode_boundary.boundary.reference import mhc_mixes_ref
+from decode_boundary.common.timing import graph_time_us
+from decode_boundary.mxfp8.format import mxfp8_scale_bytes
+
+H, HC, COPIES, EPS, HC_EPS, ITERS = 5120, 4, 8, 1e-6, 1e-6, 20
+
+
+def _call(ars: dict, step: tuple, collapse: str | None, weights: tuple | None = None):
+    """publish + consume of ``step`` on the all-reduce of ``collapse``."""
+    x, residual, post, comb, pre, gamma, q = step
+    extra = {} if collapse is None else dict(mix_weights=weights)
+    return ars[collapse](x, residual, post, comb, None if collapse == "same" else pre, gamma,
+                         EPS, q, **extra)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args()
+    dev = torch.device("cuda")
+    cap = max(args.rows)
+    n = (2 + HC) * HC
+    g = torch.Generator().manual_seed(0)
+    copies = [tuple(t.to(dev) for t in (torch.randn(n, HC * H, generator=g) * 0.02,
+                                         torch.rand(3, generator=g) + 0.5,
+                                         torch.randn(n, generator=g) * 0.5))
+              for _ in range(COPIES)]  # 2 MB each: 16 MB, more than L2 keeps between uses
+    ars = {c: BoundaryAllReduce(H, HC, cap, 2, device=dev, quantize_layer_input=True,
+                                residual_only=True, collapse_pre=c)
+           for c in (None, "previous", "same")}
+    for ar in ars.values():
+        ar.precompile(args.rows)
+    separate = torch.compile(mhc_mixes_ref, dynamic=False, fullgraph=True)
+    result = new_result("consumer_mixes", " ".join(["benchmarks/consumer_mixes.py"]),
+                        environment(False, []), {"hidden": H, "hc": HC, "rows": args.rows})
+    result["timings"] = []
+    for m in args.rows:
+        x = torch.randn(m, H, device=dev).bfloat16()
+        residual = torch.randn(m, HC, H, device=dev).bfloat16()
+        post, comb, pre = (torch.rand(m, HC, device=dev), torch.rand(m, HC, HC, device=dev),
+                           torch.rand(m, HC, device=dev))
+        gamma = torch.ones(H, device=dev).bfloat16()
+        q = (torch.empty(m, H, dtype=torch.float8_e4m3fn, device=dev),
+             torch.empty(mxfp8_scale_bytes(m, H), dtype=torch.uint8, device=dev))
+        step = (x, residual, post, comb, pre, gamma, q)
+        us = {"consumer": graph_time_us([functools.partial(_call, ars, step, None)], dev)}
+        for c in ("previous", "same"):
+            us[f"consumer_mixes_{c}"] = graph_time_us(
+                [functools.partial(_call, ars, step, c, w) for w in copies], dev)
+        res_out = _call(ars, step, None)[0]
+        us["separate_mixes"] = graph_time_us(
+            [functools.partial(separate, res_out, *w, EPS, HC_EPS, ITERS) for w in copies], dev)
+        result["timings"].append({"rows": m, "us": us})
+        print(f"M = {m}: " + ", ".join(f"{k} {v:.2f} µs" for k, v in us.items()))
+    name = f"consumer_mixes-{git_commit() or 'nocommit'}.json"
+    print("wrote", write_json(result, args.out / name))
+
+
+if __name__ == "__main__":
+    main()

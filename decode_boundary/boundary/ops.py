@@ -90,6 +90,11 @@ def _(handle, gemm2_permuted, expert_weights, idx, shared_output, stage_state):
     return shared_output.new_empty(shared_output.shape, dtype=torch.bfloat16)
 
 
+def _no_mixes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three distinct empty tensors (a custom op's outputs may not alias)."""
+    return tuple(x.new_empty(0, dtype=torch.float32) for _ in range(3))
+
+
 @torch.library.custom_op("decode_boundary::boundary_reduce",
                          mutates_args=(*_SCRATCH, "mxfp8_data", "mxfp8_scale", "mix_words"))
 def _reduce_op(handle: int, x: torch.Tensor, publish: bool, reduce_mode: int,
@@ -114,7 +119,7 @@ def _reduce_op(handle: int, x: torch.Tensor, publish: bool, reduce_mode: int,
     sync_words(handle, stage_state=stage_state, status=status, generation=generation,
                sumsq=sumsq, prenorm=prenorm,
                **({} if mix_words is None else dict(mix_words=mix_words)))
-    mixes = mixes[0] if mixes else (x.new_empty(0, dtype=torch.float32),) * 3
+    mixes = mixes[0] if mixes else _no_mixes(x)
     return (first, second if second is not None else x.new_empty(0), *mixes)
 
 
@@ -122,7 +127,7 @@ def _reduce_op(handle: int, x: torch.Tensor, publish: bool, reduce_mode: int,
 def _(handle, x, publish, reduce_mode, residual, post, comb, pre, norm_weight, eps,
       stage_state, status, generation, sumsq, prenorm, mxfp8_data, mxfp8_scale, hc_fn=None,
       hc_scale=None, hc_base=None, mix_words=None):
-    none = (x.new_empty(0, dtype=torch.float32),) * 3
+    none = _no_mixes(x)
     if reduce_mode == PLAIN:
         return torch.empty_like(x), x.new_empty(0), *none
     m, hc = x.shape[0], residual.shape[1]

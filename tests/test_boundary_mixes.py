@@ -101,6 +101,8 @@ def test_checks():
     with pytest.raises(ValueError, match="hc_sinkhorn_iters must be an int >= 1"):
         db.BoundaryAllReduce(H, HC, CAP, 2, collapse_pre="same", hc_sinkhorn_iters=0,
                              device="cpu")
+    with pytest.raises(ValueError, match="hc_eps must be a finite real number"):
+        db.BoundaryAllReduce(H, HC, CAP, 2, collapse_pre="same", hc_eps=None, device="cpu")
     with pytest.raises(ValueError, match="power-of-two hc_mult"):
         db.BoundaryAllReduce(H, 3, CAP, 2, collapse_pre="previous", device="cpu")
     d = inputs(2, seed=8)

@@ -188,3 +188,15 @@ def test_argument_checks():
         consume(torch.stack(d["xs"]), TP, M, mode=RESIDUAL_ONLY, lamport=False,
                 tactic=SERIAL[0], residual=d["residual"], post=d["post"], comb=d["comb"],
                 mixes=good, **s)
+
+
+def test_mixes_are_fp32_whatever_the_default_dtype():
+    """Inference code often sets a BF16 default dtype: the mixes stay FP32."""
+    d, s = step(4), scratch()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        _, _, mixes, _ = launch(d, s, SERIAL[0], "previous")
+    finally:
+        torch.set_default_dtype(previous)
+    assert all(t.dtype == torch.float32 for t in mixes)

@@ -42,6 +42,9 @@ raises and asks for :meth:`precompile` (or an eager warm-up call) first.
 
 from __future__ import annotations
 
+import math
+from numbers import Real
+
 import torch
 import torch.distributed as dist
 
@@ -152,6 +155,10 @@ class BoundaryAllReduce:
             problems.append(f"hc_mult and top_k must be positive, got {hc_mult}, {top_k}")
         if wait_timeout_s <= 0:
             problems.append(f"wait_timeout_s must be positive, got {wait_timeout_s}")
+        if isinstance(hc_eps, bool) or not isinstance(hc_eps, Real) or \
+                not math.isfinite(hc_eps) or hc_eps < 0:
+            problems.append(f"hc_eps must be a finite real number >= 0, got {hc_eps!r}")
+            hc_eps = 0.0  # (the geometry carries the refusal)
         if collapse_pre is not None:
             if collapse_pre not in COLLAPSES:
                 problems.append(f"collapse_pre must be None or one of {sorted(COLLAPSES)}, got "
@@ -162,8 +169,7 @@ class BoundaryAllReduce:
                     or hc_sinkhorn_iters < 1:
                 problems.append(f"hc_sinkhorn_iters must be an int >= 1, got "
                                 f"{hc_sinkhorn_iters!r}")
-            if not (isinstance(hc_eps, (int, float)) and hc_eps >= 0):
-                problems.append(f"hc_eps must be a real number >= 0, got {hc_eps!r}")
+
         self.device = env.resolve_device(device)
         placements = None
         if _mailbox is None and group is not None and tp > 1:

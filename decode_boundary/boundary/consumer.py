@@ -49,7 +49,9 @@ generation, sumsq or prenorm words (:func:`check_early_inputs`).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from numbers import Real
 from typing import NamedTuple
 
 import torch
@@ -281,8 +283,10 @@ def _check_mixes(mixes: MhcMixes, mode: int, pre, mix_words, m: int, hc: int, hi
             or mixes.sinkhorn_iters < 1:
         raise ValueError(f"mixes.sinkhorn_iters must be an int >= 1, got "
                          f"{mixes.sinkhorn_iters!r}")
-    if not (isinstance(mixes.hc_eps, (int, float)) and mixes.hc_eps >= 0):
-        raise ValueError(f"mixes.hc_eps must be a real number >= 0, got {mixes.hc_eps!r}")
+    if isinstance(mixes.hc_eps, bool) or not isinstance(mixes.hc_eps, Real) or \
+            not math.isfinite(mixes.hc_eps) or mixes.hc_eps < 0:
+        raise ValueError(f"mixes.hc_eps must be a finite real number >= 0, got "
+                         f"{mixes.hc_eps!r}")
     rows = mix_words.shape[0] if isinstance(mix_words, torch.Tensor) else 0
     _need(mix_words, "mix_words scratch", torch.int64, (max(rows, m), mix_columns(hidden, hc)),
           device)
@@ -443,8 +447,9 @@ def consume(
     mixes_out = None
     if mixes is not None:
         _check_mixes(mixes, mode, pre, mix_words, m, hc, hidden, device)
-        mixes_out = (torch.empty(m, hc, device=device), torch.empty(m, hc, device=device),
-                     torch.empty(m, hc, hc, device=device))
+        f32 = dict(dtype=torch.float32, device=device)
+        mixes_out = (torch.empty(m, hc, **f32), torch.empty(m, hc, **f32),
+                     torch.empty(m, hc, hc, **f32))
     fn, scale, base = (mixes.hc_fn, mixes.hc_scale, mixes.hc_base) if mixes is not None \
         else (None, None, None)
     if mode != PLAIN:

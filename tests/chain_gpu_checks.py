@@ -19,7 +19,12 @@ import torch.distributed as dist
 
 from decode_boundary.bench.harness import verify_rows
 from decode_boundary.launch import RankContext
-from decode_boundary.model.chain import OUTPUT_NAMES, AttentionBoundary, BoundaryInputs
+from decode_boundary.model.chain import (
+    MIX_NAMES,
+    OUTPUT_NAMES,
+    AttentionBoundary,
+    BoundaryInputs,
+)
 from decode_boundary.model.config import MODELS
 
 GRAPH_ROWS = (1, 2, 5, 8, 16)  # 16: above the publishing GEMM's rows, the fallback path
@@ -56,7 +61,7 @@ def _layers_step(layers: list[AttentionBoundary], rows: int, mismatches: torch.T
         partial_plain = ab.produce(inputs, fused=False)
         plain = ab.consume(inputs, partial_plain)
         mismatches.add_(_bits_differ(partial_fused, partial_plain))
-        for name in OUTPUT_NAMES:
+        for name in OUTPUT_NAMES + MIX_NAMES:  # the next mixes too (FP32: as 2 x 16 bits)
             mismatches.add_(_bits_differ(getattr(fused, name), getattr(plain, name)))
         residual = fused.residual_out
     return fused
@@ -98,7 +103,7 @@ def check_chain(ctx: RankContext, model: str, replays: int) -> dict:
     for rows in GRAPH_ROWS:
         out = last[rows]
         digests.append(tuple(int(getattr(out, n).view(torch.int16).float().sum().item())
-                             for n in OUTPUT_NAMES))
+                             for n in OUTPUT_NAMES + MIX_NAMES))
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, digests, group=ctx.group)
     result.update(replays=replays, mismatches=int(mismatches.item()),

@@ -39,25 +39,8 @@ row's units (the same bits in every program, on every rank). Two ways to meet
   twice, the first time keeping ``prenorm`` in a scratch row, the second time
   normalising it.
 
-**The next sublayer's mixes** (``MIXES``, docs/DESIGN.md §5.1; spec:
-``reference.mhc_mixes_ref``). Every program holds its columns of ``hc_fn``
-(FP32, loaded before the grid wait: a weight) and, after writing its
-``residual_out``, publishes its share into the token's mix row of ``mix_ptr``
-(int64 words tagged like the norm's: ``SLOTS`` per chunk, the (2 + HC) * HC
-dots of its columns and streams with ``hc_fn``, then its sum of squares of
-``residual_out``). The chunk-0 program polls the row (bounded, as the norm
-hand-off), sums the shares in one fixed tree (the same bits for a serial and a
-cooperative launch of one ``BLOCK_H``), and computes pre, post and comb:
-sigmoid, softmax and ``SINKHORN_ITERS`` normalisations in FP32 on its own, and
-stores them. ``NEXT_MIXES`` (V4.1): nobody else waits, the collapse uses the
-given ``pre``. ``SAME_PRE`` (V4): chunk 0 also stores the pre as ``HC``
-tagged words (``PRE_OFF``) that the token's other programs poll before their
-collapse; then the norm hand-off as without mixes. Chunk 0 advances the
-generation only after seeing every sumsq unit, which every program writes
-after its mix share: so every program had read the generation before. The
-dots are not the reference's summation order: pre/post/comb match it within
-FP32 rounding, not bit for bit; given those values, everything else is the
-path without mixes, bit for bit.
+**The next sublayer's mixes** (``MIXES``, docs/DESIGN.md §5.1): the
+device side is :mod:`.consumer_mixes` (its docstring gives the protocol).
 
 The FP32 operation order is that of :mod:`.reference` (launch with
 ``enable_fp_fusion=False``): ``reduced`` and ``residual_out`` are bit-exact;
@@ -138,19 +121,26 @@ import triton.language as tl
 from ..common.contract import ABORT_BITS, SENTINEL_BITS, STAGE_ACTIVE, STAGE_NEXT, STAGES
 from ..common.rounding import quantize_groups, swizzled_offset, to_bf16_rne, zero_scale_padding
 from ..common.timeline import END, MARK1, MARK2, START, WAITED, stamp
+from .consumer_mixes import (
+    _NO_MIXES,
+    _SAME_PRE,
+    _combine_mixes,
+    _load_mix_weights,
+    _publish_mix_partials,
+    _scalars,
+    _wait_pre,
+)
+from .consumer_mixes import NEXT_MIXES as NEXT_MIXES  # the MIXES values, re-exported
+from .consumer_mixes import NO_MIXES as NO_MIXES
+from .consumer_mixes import SAME_PRE as SAME_PRE
+from .tagged_words import NORM_TIMEOUT_BIT as NORM_TIMEOUT_BIT  # a status bit, re-exported
+from .tagged_words import _bit_or, _f32_nan, _gave_up, _probe_partials, _spin, _untagged
 
 PLAIN, RESIDUAL_ONLY, FULL = 0, 1, 2  # MODE values (host side)
 _PLAIN, _FULL = tl.constexpr(PLAIN), tl.constexpr(FULL)
-# MIXES values: none; the next sublayer's mixes out, the collapse with the given
-# pre (V4.1); the mixes out and the collapse with the pre just computed (V4).
-NO_MIXES, NEXT_MIXES, SAME_PRE = 0, 1, 2
-_NO_MIXES, _SAME_PRE = tl.constexpr(NO_MIXES), tl.constexpr(SAME_PRE)
 SENTINEL = tl.constexpr(SENTINEL_BITS)  # an unwritten slot element, as int16 bits
 _STAGES = tl.constexpr(STAGES)
 _NEXT, _ACTIVE = tl.constexpr(STAGE_NEXT), tl.constexpr(STAGE_ACTIVE)  # stage_state indices
-# Status bit of a norm hand-off that timed out (bits 0..tp-1 name missing ranks).
-NORM_TIMEOUT_BIT = 1 << 30
-_NORM_TIMEOUT_BIT = tl.constexpr(NORM_TIMEOUT_BIT)
 # Status bit of an aborted step (the sign bit): set with bit p of every rank p
 # whose slot held the abort poison (ABORT_BITS). A wait that gives up or meets
 # the poison yields NaN sums.
@@ -158,37 +148,6 @@ ABORT_BIT = -(1 << 31)
 _ABORT_BIT = tl.constexpr(ABORT_BIT)
 _ABORT = tl.constexpr(ABORT_BITS)
 _NAN = tl.constexpr(0x7FC0)  # BF16 quiet NaN bits
-
-
-@triton.jit
-def _now(spins, like, USE_PTX: tl.constexpr):
-    """Per element of ``like`` (int32): nanoseconds from ``%globaltimer`` on the
-    GPU, read by the thread that holds the element; the spin count otherwise."""
-    if USE_PTX:
-        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [like],
-                                         dtype=tl.int64, is_pure=False, pack=1)
-    return (like * 0 + spins).to(tl.int64)
-
-
-@triton.jit
-def _bit_or(a, b):
-    return a | b
-
-
-@triton.jit
-def _poll_verdict(unwritten, start, spins, wait_bound, status_ptr, CHECK_STATUS: tl.constexpr,
-                  USE_PTX: tl.constexpr):
-    """One verdict per program for a spin loop: bit 0 = some element is still
-    unwritten, bit 1 = give up (the bound has passed, or with ``CHECK_STATUS``
-    another program already reported a failure). Threads read the timer and the
-    status word at different moments, so their own answers can differ; a loop
-    exit they disagreed on would leave warps in different iterations, pairing
-    the barriers of different block reductions. Hence one OR-reduction over every
-    thread's answer decides, and every thread gets the same value."""
-    stop = (_now(spins, unwritten, USE_PTX) - start) > wait_bound
-    if CHECK_STATUS:
-        stop = stop | (tl.load(status_ptr + unwritten * 0, volatile=True) != 0)
-    return tl.reduce(unwritten | tl.where(stop, 2, 0), 0, _bit_or)  # bit 2: the probe's poison
 
 
 @triton.jit
@@ -233,37 +192,6 @@ def _probe_slots(slot, cmask, row_stride, TP: tl.constexpr):
 
 
 @triton.jit
-def _probe_partials(row, live, tag, UNUSED: tl.constexpr):
-    """One volatile poll of a token's sum-of-squares row: (the words, per unit 1
-    where the word does not carry ``tag`` yet)."""
-    words = tl.load(row, mask=live, other=0, volatile=True)
-    return words, tl.where(live & ((words >> 32).to(tl.int32) != tag), 1, 0)
-
-
-@triton.jit
-def _spin(probe, ptr, mask, arg, status_ptr, wait_bound, N: tl.constexpr,
-          CHECK_STATUS: tl.constexpr, USE_PTX: tl.constexpr):
-    """Poll with ``probe(ptr, mask, arg, N)`` -> (value, flags per element: bit
-    0 pending, bit 2 poison) until nothing is pending or the bound passes (with
-    ``CHECK_STATUS``: or another program already reported a failure). Returns
-    (the last value, the OR of the last poll's flags: bit 0 = something is
-    still pending, bit 2 = poison seen)."""
-    value, hole = probe(ptr, mask, arg, N)
-    flags = tl.reduce(hole, 0, _bit_or)
-    if (flags & 1) != 0:
-        spins = 0
-        start = _now(spins, hole, USE_PTX)
-        go = (flags & 1) != 0
-        while go:
-            value, hole = probe(ptr, mask, arg, N)
-            spins += 1
-            flags = _poll_verdict(hole, start, spins, wait_bound, status_ptr, CHECK_STATUS,
-                                  USE_PTX)
-            go = (flags & 3) == 1
-    return value, flags
-
-
-@triton.jit
 def _wait_slots(slot, cmask, row_stride, status_ptr, wait_bound,
                 TP: tl.constexpr, USE_PTX: tl.constexpr):
     """Volatile loads of every rank's slot until no element is the sentinel or
@@ -287,6 +215,8 @@ def _wait_slots(slot, cmask, row_stride, status_ptr, wait_bound,
     for r in tl.static_range(1, TP):
         out = out + (slots[r],)
     return out
+
+
 @triton.jit
 def _load_inputs(residual_ptr, post_ptr, comb_ptr, pre_ptr, gamma_ptr, m, cols, cmask,
                  HC: tl.constexpr, HIDDEN: tl.constexpr, MODE: tl.constexpr,
@@ -312,22 +242,6 @@ def _load_inputs(residual_ptr, post_ptr, comb_ptr, pre_ptr, gamma_ptr, m, cols, 
                 pre = pre + (tl.load(pre_ptr + m * HC + t),)
         gamma = tl.load(gamma_ptr + cols, mask=cmask, other=0.0)
     return res, post, comb, pre, gamma
-
-
-@triton.jit
-def _load_mix_weights(hc_fn_ptr, cols, cmask, HC: tl.constexpr, HIDDEN: tl.constexpr,
-                      SLOTS: tl.constexpr, MIXES: tl.constexpr):
-    """This chunk's columns of ``hc_fn`` FP32 [(2 + HC) * HC, HC * H], one
-    [SLOTS, BLOCK_H] tile per stream t (row j = mix j, rows >= (2 + HC) * HC
-    zero), as a tuple; empty without mixes."""
-    fn = ()
-    if MIXES != _NO_MIXES:
-        NMIX: tl.constexpr = (2 + HC) * HC
-        j = tl.arange(0, SLOTS)[:, None]
-        for t in tl.static_range(HC):
-            fn = fn + (tl.load(hc_fn_ptr + j.to(tl.int64) * (HC * HIDDEN) + t * HIDDEN
-                               + cols[None, :], mask=(j < NMIX) & cmask[None, :], other=0.0),)
-    return fn
 
 
 @triton.jit
@@ -370,130 +284,6 @@ def _collapse(streams, pre, HC: tl.constexpr):
 
 
 @triton.jit
-def _tagged(value, tag):
-    """FP32 ``value`` in the low half of an int64 word, ``tag`` in the high half."""
-    return (tag.to(tl.int64) << 32) | (value.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
-
-
-@triton.jit
-def _untagged(words):
-    return (words & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _publish_mix_partials(mix_ptr, m, chunk, streams, fn, tag, HC: tl.constexpr,
-                          SLOTS: tl.constexpr, MIX_ROW: tl.constexpr):
-    """This chunk's share of the next sublayer's mixes, tagged into token m's
-    mix row at ``chunk * SLOTS``: word j < (2 + HC) * HC = sum over its columns
-    and streams of residual_out * hc_fn[j] (FP32, each product rounded), word
-    (2 + HC) * HC = its sum of squares of residual_out, the rest +0.0."""
-    NMIX: tl.constexpr = (2 + HC) * HC
-    acc = tl.zeros(fn[0].shape, dtype=tl.float32)
-    squares = tl.zeros(streams[0].shape, dtype=tl.float32)
-    for t in tl.static_range(HC):
-        v = streams[t].to(tl.float32)
-        acc = acc + fn[t] * v[None, :]
-        squares = squares + v * v
-    j = tl.arange(0, SLOTS)
-    part = tl.where(j < NMIX, tl.sum(acc, axis=1), tl.where(j == NMIX, tl.sum(squares, axis=0),
-                                                            0.0))
-    tl.store(mix_ptr + m * MIX_ROW + chunk * SLOTS + j, _tagged(part, tag))
-
-
-@triton.jit
-def _probe_mix_row(ptrs, live, tag, UNUSED: tl.constexpr):
-    """One volatile poll of a token's mix row [chunks, SLOTS]: (the words, per
-    chunk 1 where a word does not carry ``tag`` yet)."""
-    words = tl.load(ptrs, mask=live, other=0, volatile=True)
-    hole = tl.where(live & ((words >> 32).to(tl.int32) != tag), 1, 0)
-    return words, tl.reduce(hole, 1, _bit_or)
-
-
-@triton.jit
-def _pick(values, index, i):
-    """values[i] of a register vector, exactly (the others contribute +0.0)."""
-    return tl.sum(tl.where(index == i, values, 0.0), axis=0)
-
-
-@triton.jit
-def _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, post_out_ptr,
-                   comb_out_ptr, m, tag, eps, hc_eps, wait_bound, HC: tl.constexpr,
-                   HIDDEN: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
-                   SLOTS: tl.constexpr, MIX_ROW: tl.constexpr, PRE_OFF: tl.constexpr,
-                   SINKHORN_ITERS: tl.constexpr, MIXES: tl.constexpr, USE_PTX: tl.constexpr):
-    """Wait for every chunk's share of token m's mixes (bounded: a timeout sets
-    ``NORM_TIMEOUT_BIT`` and makes them NaN), sum them in one fixed tree, and
-    compute pre, post and comb as ``reference.mhc_mixes_ref`` does; store them
-    (and with ``SAME_PRE`` the pre, tagged, for the token's other programs).
-    Returns pre as a [HC] vector."""
-    NMIX: tl.constexpr = (2 + HC) * HC
-    c = tl.arange(0, CHUNKS_P2)[:, None]
-    j = tl.arange(0, SLOTS)[None, :]
-    words, flags = _spin(_probe_mix_row, mix_ptr + m * MIX_ROW + c * SLOTS + j,
-                         (c < CHUNKS) & (j < SLOTS), tag, status_ptr, wait_bound, 0, False,
-                         USE_PTX)
-    stale = (flags & 1) != 0
-    if stale:
-        tl.atomic_or(status_ptr, _NORM_TIMEOUT_BIT)
-    totals = tl.sum(_untagged(words), axis=0)  # [SLOTS]
-    nan = tl.full((), 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
-    totals = tl.where(stale, nan, totals)
-    slot = tl.arange(0, SLOTS)
-    rstd = tl.math.rsqrt(_pick(totals, slot, NMIX) / (HC * HIDDEN) + eps)
-    mixes = totals * rstd
-    t = tl.arange(0, HC)
-    # [HC, SLOTS] selections: row t takes mixes[offset + t], exactly.
-    pick_pre = tl.sum(tl.where(slot[None, :] == t[:, None], mixes[None, :], 0.0), axis=1)
-    pick_post = tl.sum(tl.where(slot[None, :] == HC + t[:, None], mixes[None, :], 0.0), axis=1)
-    st = t[:, None] * HC + t[None, :]  # [source, target] -> flat index
-    pick_comb = tl.sum(tl.where(slot[None, None, :] == 2 * HC + st[:, :, None],
-                                mixes[None, None, :], 0.0), axis=2)
-    scale0 = tl.load(hc_scale_ptr)
-    scale1 = tl.load(hc_scale_ptr + 1)
-    scale2 = tl.load(hc_scale_ptr + 2)
-    pre = tl.sigmoid(pick_pre * scale0 + tl.load(hc_base_ptr + t)) + hc_eps
-    post = 2 * tl.sigmoid(pick_post * scale1 + tl.load(hc_base_ptr + HC + t))
-    logits = pick_comb * scale2 + tl.load(hc_base_ptr + 2 * HC + st)
-    e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-    comb = e / tl.sum(e, axis=1)[:, None] + hc_eps
-    comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-    for _ in range(SINKHORN_ITERS - 1):
-        comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
-        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-    tl.store(pre_out_ptr + m * HC + t, pre)
-    tl.store(post_out_ptr + m * HC + t, post)
-    tl.store(comb_out_ptr + m * HC * HC + st, comb)
-    if MIXES == _SAME_PRE:
-        tl.store(mix_ptr + m * MIX_ROW + PRE_OFF + t, _tagged(pre, tag))
-    return pre
-
-
-@triton.jit
-def _wait_pre(mix_ptr, status_ptr, m, tag, wait_bound, HC: tl.constexpr,
-              MIX_ROW: tl.constexpr, PRE_OFF: tl.constexpr, USE_PTX: tl.constexpr):
-    """Poll the pre that token m's chunk-0 program publishes (``SAME_PRE``)
-    until it carries ``tag`` (bounded: then ``NORM_TIMEOUT_BIT`` and NaN)."""
-    t = tl.arange(0, HC)
-    words, flags = _spin(_probe_partials, mix_ptr + m * MIX_ROW + PRE_OFF + t, t < HC, tag,
-                         status_ptr, wait_bound, 0, False, USE_PTX)
-    stale = (flags & 1) != 0
-    if stale:
-        tl.atomic_or(status_ptr, _NORM_TIMEOUT_BIT)
-    nan = tl.full((), 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
-    return tl.where(stale, nan, _untagged(words))
-
-
-@triton.jit
-def _scalars(vector, HC: tl.constexpr):
-    """A [HC] register vector as a tuple of scalars (exact)."""
-    t = tl.arange(0, HC)
-    out = ()
-    for i in tl.static_range(HC):
-        out = out + (_pick(vector, t, i),)
-    return out
-
-
-@triton.jit
 def _publish_partial(sumsq_ptr, m, chunk, partial, tag, UNITS: tl.constexpr,
                      BLOCK_H: tl.constexpr):
     """Write this chunk's units of token m's row, tagged: the first unit holds
@@ -517,12 +307,8 @@ def _wait_partials(sumsq_ptr, status_ptr, m, tag, wait_bound, UNITS: tl.constexp
     units = tl.arange(0, UNITS_P2)
     words, flags = _spin(_probe_partials, sumsq_ptr + m * UNITS + units, units < UNITS, tag,
                          status_ptr, wait_bound, 0, False, USE_PTX)
-    stale = (flags & 1) != 0
-    if stale:
-        tl.atomic_or(status_ptr, _NORM_TIMEOUT_BIT)
-    partials = (words & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
-    nan = tl.full((), 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
-    return tl.where(stale, nan, tl.sum(partials, axis=0))
+    stale = _gave_up(flags, status_ptr)
+    return tl.where(stale, _f32_nan(), tl.sum(_untagged(words), axis=0))
 
 
 @triton.jit

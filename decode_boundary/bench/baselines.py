@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from decode_boundary.boundary.reference import consumer_ref, mhc_mixes_ref
+from decode_boundary.boundary.reference import collapse_norm_ref, consumer_ref, mhc_mixes_ref
 from decode_boundary.env import disable_multicast
 from decode_boundary.model.chain import AttentionBoundary, BoundaryInputs, BoundaryOutputs
 from decode_boundary.mxfp8.format import E4M3_MAX
@@ -96,9 +96,9 @@ def all_reduce_then_mhc(partial, residual, post, comb, pre, norm_weight, eps, gr
     weights, hc_eps, iters, same_pre = mixes
     residual_out, _, _ = consumer_ref([reduced], residual, post, comb, None, None, eps)
     next_mixes = mhc_mixes_ref(residual_out, *weights, eps, hc_eps, iters)
-    out = consumer_ref([reduced], residual, post, comb, next_mixes[0] if same_pre else pre,
-                       norm_weight, eps, quantize=quantize)
-    return (*out, next_mixes)
+    layer_input, quantized = collapse_norm_ref(residual_out, next_mixes[0] if same_pre else pre,
+                                               norm_weight, eps, quantize)
+    return residual_out, layer_input, quantized, next_mixes
 
 
 def mhc_mix(reduced: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,

@@ -42,9 +42,6 @@ raises and asks for :meth:`precompile` (or an eager warm-up call) first.
 
 from __future__ import annotations
 
-import math
-from numbers import Real
-
 import torch
 import torch.distributed as dist
 
@@ -61,6 +58,8 @@ from .consumer import (
     compile_inputs,
     consume,
     consumer_tactic,
+    is_nonnegative_real,
+    is_positive_int,
     mix_columns,
     status_error,
 )
@@ -155,8 +154,7 @@ class BoundaryAllReduce:
             problems.append(f"hc_mult and top_k must be positive, got {hc_mult}, {top_k}")
         if wait_timeout_s <= 0:
             problems.append(f"wait_timeout_s must be positive, got {wait_timeout_s}")
-        if isinstance(hc_eps, bool) or not isinstance(hc_eps, Real) or \
-                not math.isfinite(hc_eps) or hc_eps < 0:
+        if not is_nonnegative_real(hc_eps):
             problems.append(f"hc_eps must be a finite real number >= 0, got {hc_eps!r}")
             hc_eps = 0.0  # (the geometry carries the refusal)
         if collapse_pre is not None:
@@ -165,8 +163,7 @@ class BoundaryAllReduce:
                                 f"{collapse_pre!r}")
             if hc_mult & (hc_mult - 1):
                 problems.append(f"the mixes need a power-of-two hc_mult, got {hc_mult}")
-            if isinstance(hc_sinkhorn_iters, bool) or not isinstance(hc_sinkhorn_iters, int) \
-                    or hc_sinkhorn_iters < 1:
+            if not is_positive_int(hc_sinkhorn_iters):
                 problems.append(f"hc_sinkhorn_iters must be an int >= 1, got "
                                 f"{hc_sinkhorn_iters!r}")
 

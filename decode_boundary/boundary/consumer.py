@@ -135,11 +135,28 @@ def mix_slots(hc: int) -> int:
     return triton.next_power_of_2((2 + hc) * hc + 1)
 
 
+def mix_pre_offset(hidden: int, hc: int) -> int:
+    """Where the handed-over pre starts in a token's mix row: after one share
+    per chunk of >= ``MIX_MIN_BLOCK`` columns."""
+    return triton.cdiv(hidden, MIX_MIN_BLOCK) * mix_slots(hc)
+
+
 def mix_columns(hidden: int, hc: int) -> int:
-    """Row length of the per-token mix scratch (int64 tagged words): one share
-    per chunk of >= ``MIX_MIN_BLOCK`` columns, then hc words for the pre that
-    chunk 0 hands to the token's other programs (``collapse="same"``)."""
-    return triton.cdiv(hidden, MIX_MIN_BLOCK) * mix_slots(hc) + hc
+    """Row length of the per-token mix scratch (int64 tagged words): the shares,
+    then hc words for the pre that chunk 0 hands to the token's other programs
+    (``collapse="same"``)."""
+    return mix_pre_offset(hidden, hc) + hc
+
+
+def is_nonnegative_real(value) -> bool:
+    """A finite real number >= 0 (not a bool): what an eps must be."""
+    return not isinstance(value, bool) and isinstance(value, Real) and math.isfinite(value) \
+        and value >= 0
+
+
+def is_positive_int(value) -> bool:
+    """An int >= 1 (not a bool): a count of rounds."""
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
 
 
 class MhcMixes(NamedTuple):
@@ -279,12 +296,10 @@ def _check_mixes(mixes: MhcMixes, mode: int, pre, mix_words, m: int, hc: int, hi
     _need(mixes.hc_fn, "hc_fn", torch.float32, (n, hc * hidden), device)
     _need(mixes.hc_scale, "hc_scale", torch.float32, (3,), device)
     _need(mixes.hc_base, "hc_base", torch.float32, (n,), device)
-    if isinstance(mixes.sinkhorn_iters, bool) or not isinstance(mixes.sinkhorn_iters, int) \
-            or mixes.sinkhorn_iters < 1:
+    if not is_positive_int(mixes.sinkhorn_iters):
         raise ValueError(f"mixes.sinkhorn_iters must be an int >= 1, got "
                          f"{mixes.sinkhorn_iters!r}")
-    if isinstance(mixes.hc_eps, bool) or not isinstance(mixes.hc_eps, Real) or \
-            not math.isfinite(mixes.hc_eps) or mixes.hc_eps < 0:
+    if not is_nonnegative_real(mixes.hc_eps):
         raise ValueError(f"mixes.hc_eps must be a finite real number >= 0, got "
                          f"{mixes.hc_eps!r}")
     rows = mix_words.shape[0] if isinstance(mix_words, torch.Tensor) else 0
@@ -500,9 +515,8 @@ def _mix_constants(mixes: MhcMixes | None, hc: int, hidden: int, block_h: int) -
     """The kernel's MIXES constexprs (defaults without mixes)."""
     if mixes is None:
         return dict(MIXES=NO_MIXES)
-    slots = mix_slots(hc)
-    return dict(MIXES=COLLAPSES[mixes.collapse], SLOTS=slots, MIX_ROW=mix_columns(hidden, hc),
-                PRE_OFF=triton.cdiv(hidden, MIX_MIN_BLOCK) * slots,
+    return dict(MIXES=COLLAPSES[mixes.collapse], SLOTS=mix_slots(hc),
+                MIX_ROW=mix_columns(hidden, hc), PRE_OFF=mix_pre_offset(hidden, hc),
                 CHUNKS_P2=triton.next_power_of_2(triton.cdiv(hidden, block_h)),
                 SINKHORN_ITERS=mixes.sinkhorn_iters)
 

@@ -134,7 +134,15 @@ from .consumer_mixes import NEXT_MIXES as NEXT_MIXES  # the MIXES values, re-exp
 from .consumer_mixes import NO_MIXES as NO_MIXES
 from .consumer_mixes import SAME_PRE as SAME_PRE
 from .tagged_words import NORM_TIMEOUT_BIT as NORM_TIMEOUT_BIT  # a status bit, re-exported
-from .tagged_words import _bit_or, _f32_nan, _gave_up, _probe_partials, _spin, _untagged
+from .tagged_words import (
+    _bit_or,
+    _f32_nan,
+    _gave_up,
+    _probe_partials,
+    _spin,
+    _tagged,
+    _untagged,
+)
 
 PLAIN, RESIDUAL_ONLY, FULL = 0, 1, 2  # MODE values (host side)
 _PLAIN, _FULL = tl.constexpr(PLAIN), tl.constexpr(FULL)
@@ -293,9 +301,8 @@ def _publish_partial(sumsq_ptr, m, chunk, partial, tag, UNITS: tl.constexpr,
     PER_CHUNK: tl.constexpr = BLOCK_H // 32
     k = tl.arange(0, PER_CHUNK)
     units = chunk * PER_CHUNK + k
-    value = tl.where(k == 0, partial, 0.0).to(tl.int32, bitcast=True)
-    word = (tag.to(tl.int64) << 32) | (value.to(tl.int64) & 0xFFFFFFFF)
-    tl.store(sumsq_ptr + m * UNITS + units, word, mask=units < UNITS)
+    tl.store(sumsq_ptr + m * UNITS + units, _tagged(tl.where(k == 0, partial, 0.0), tag),
+             mask=units < UNITS)
 
 
 @triton.jit
@@ -472,22 +479,16 @@ def consumer_kernel(
             # Every program's share before any program waits for it: chunk 0 sums them
             # (one fixed order), and with SAME_PRE hands the pre to the token's others.
             _publish_mix_partials(mix_ptr, m, chunk, streams, fn, tag, HC, SLOTS, MIX_ROW)
+            if chunk == 0:
+                new_pre = _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr,
+                                         pre_out_ptr, post_out_ptr, comb_out_ptr, m, tag, eps,
+                                         hc_eps, wait_bound, HC, HIDDEN, CHUNKS, CHUNKS_P2,
+                                         SLOTS, MIX_ROW, PRE_OFF, SINKHORN_ITERS, MIXES, USE_PTX)
+            elif MIXES == _SAME_PRE:  # (V4.1: nobody else waits for the mixes)
+                new_pre = _wait_pre(mix_ptr, status_ptr, m, tag, wait_bound, HC, MIX_ROW,
+                                    PRE_OFF, USE_PTX)
             if MIXES == _SAME_PRE:
-                if chunk == 0:
-                    new_pre = _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr,
-                                             pre_out_ptr, post_out_ptr, comb_out_ptr, m, tag, eps,
-                                             hc_eps, wait_bound, HC, HIDDEN, CHUNKS, CHUNKS_P2,
-                                             SLOTS, MIX_ROW, PRE_OFF, SINKHORN_ITERS, MIXES,
-                                             USE_PTX)
-                else:
-                    new_pre = _wait_pre(mix_ptr, status_ptr, m, tag, wait_bound, HC, MIX_ROW,
-                                        PRE_OFF, USE_PTX)
                 prenorm = _collapse(streams, _scalars(new_pre, HC), HC)
-            elif chunk == 0:
-                _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr,
-                               post_out_ptr, comb_out_ptr, m, tag, eps, hc_eps, wait_bound, HC,
-                               HIDDEN, CHUNKS, CHUNKS_P2, SLOTS, MIX_ROW, PRE_OFF,
-                               SINKHORN_ITERS, MIXES, USE_PTX)
         if MODE == _FULL:
             _publish_partial(sumsq_ptr, m, chunk, tl.sum(prenorm * prenorm, axis=0), tag, UNITS,
                              BLOCK_H)

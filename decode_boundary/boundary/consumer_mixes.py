@@ -72,8 +72,7 @@ def _publish_mix_partials(mix_ptr, m, chunk, streams, fn, tag, HC: tl.constexpr,
 def _probe_mix_row(ptrs, live, tag, UNUSED: tl.constexpr):
     """One volatile poll of a token's mix row [chunks, SLOTS]: (the words, per
     chunk 1 where a word does not carry ``tag`` yet)."""
-    words = tl.load(ptrs, mask=live, other=0, volatile=True)
-    hole = tl.where(live & ((words >> 32).to(tl.int32) != tag), 1, 0)
+    words, hole = _probe_partials(ptrs, live, tag, UNUSED)
     return words, tl.reduce(hole, 1, _bit_or)
 
 

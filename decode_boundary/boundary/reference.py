@@ -96,16 +96,24 @@ def consumer_ref(
     residual_out = torch.stack(mixed, dim=1)
     if pre is None:
         return residual_out, None, None
-    acc = torch.zeros_like(reduced)
-    for t in range(hc):
-        acc = acc + mixed[t].float() * pre[:, t, None]
+    return residual_out, *collapse_norm_ref(residual_out, pre, norm_weight, eps, quantize)
+
+
+def collapse_norm_ref(residual_out: torch.Tensor, pre: torch.Tensor, norm_weight: torch.Tensor,
+                      eps: float, quantize: bool = False
+                      ) -> tuple[torch.Tensor, QuantizedActivation | None]:
+    """Steps 3-4 of the module docstring from ``residual_out`` [M, hc, H] bf16:
+    (layer_input [M, H] bf16, its MXFP8 or None). With a pre computed from
+    ``residual_out`` itself this is V4's collapse (docs/DESIGN.md §5.1)."""
+    acc = torch.zeros(residual_out[:, 0].shape, dtype=torch.float32, device=residual_out.device)
+    for t in range(residual_out.shape[1]):
+        acc = acc + residual_out[:, t].float() * pre[:, t, None]
     prenorm = acc.to(torch.bfloat16).float()
     h = prenorm.shape[-1]
     mean_sq = (prenorm * prenorm).sum(dim=-1, keepdim=True) / h
     rstd = torch.rsqrt(mean_sq + eps)
     layer_input = ((prenorm * rstd) * norm_weight.float()).to(torch.bfloat16)
-    quantized = quantize_mxfp8_ref(layer_input) if quantize else None
-    return residual_out, layer_input, quantized
+    return layer_input, quantize_mxfp8_ref(layer_input) if quantize else None
 
 
 def moe_finalize_ref(

@@ -7,14 +7,13 @@ abort that tells the peers when one fails.
 
 from __future__ import annotations
 
-import math
-from numbers import Real
 from typing import TYPE_CHECKING
 
 import torch
 
 from ..common.contract import ABORT_BITS, SENTINEL, STAGE_ACTIVE, STAGE_NEXT, STAGES
 from . import host_wait
+from .consumer import is_nonnegative_real
 from .consumer_kernel import ABORT_BIT, FULL, PLAIN, RESIDUAL_ONLY
 from .publish_kernel import publish
 from .transport import all_gather
@@ -60,8 +59,7 @@ def check_reduce_call(ar: BoundaryAllReduce, x: torch.Tensor, mode: int, inputs:
                          "(collapse_pre=None) or the call is not a full one")
     if mode == FULL:
         eps = inputs.get("eps")
-        if isinstance(eps, bool) or not isinstance(eps, Real) or not math.isfinite(eps) \
-                or eps < 0:
+        if not is_nonnegative_real(eps):
             raise ValueError(f"norm_eps must be a finite real number >= 0, got {eps!r}")
 
 

@@ -4,9 +4,12 @@ the all-reduce over a group of one, DSV4.1-Flash's H = 5120, hc = 4): publish
 both collapses, and the separate mixes a user would run (``torch.compile`` of
 ``mhc_mixes_ref``) on the same residual_out. A quick look at the consumer's
 share of the mixes' cost; ``decode-boundary bench`` times them inside the
-chain (``bench.mixes``).
+chain (``bench.mixes``). ``--sweep`` also times every (tactic, hc_fn held
+early or loaded late) of the fused mixes, each checked first: pre/post/comb
+against the reference of its own residual_out, and (collapse "previous")
+residual_out and layer_input bit-equal to the consumer without mixes.
 
-    PYTHONPATH=. python benchmarks/consumer_mixes.py [--rows 1 16] [--out benchmarks/results]
+    PYTHONPATH=. python benchmarks/consumer_mixes.py [--rows 1 16] [--sweep] [--out DIR]
 """
 
 from __future__ import annotations
@@ -18,12 +21,18 @@ from pathlib import Path
 import torch
 
 from decode_boundary.bench.report import environment, git_commit, new_result, write_json
+from decode_boundary.boundary import consumer
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
 from decode_boundary.boundary.reference import mhc_mixes_ref
 from decode_boundary.common.timing import graph_time_us
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes
 
 H, HC, COPIES, EPS, HC_EPS, ITERS = 5120, 4, 8, 1e-6, 1e-6, 20
+# (columns, warps, hc_fn held early): early only at 128 x 8 (64 registers of hc_fn
+# per thread there; the others would spill).
+SWEEP_VARIANTS = ((128, 8, True), (128, 8, False), (256, 8, False), (128, 4, False),
+                  (256, 4, False))
+MIXES_ATOL = 1e-5  # tests/test_consumer_mixes.py justifies it
 
 
 def _call(ars: dict, step: tuple, collapse: str | None, weights: tuple | None = None):
@@ -37,6 +46,7 @@ def _call(ars: dict, step: tuple, collapse: str | None, weights: tuple | None = 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     dev = torch.device("cuda")
@@ -72,10 +82,53 @@ def main() -> None:
         res_out = _call(ars, step, None)[0]
         us["separate_mixes"] = graph_time_us(
             [functools.partial(separate, res_out, *w, EPS, HC_EPS, ITERS) for w in copies], dev)
-        result["timings"].append({"rows": m, "us": us})
+        row = {"rows": m, "us": us}
+        if args.sweep:
+            row["sweep"] = _sweep(ars, step, copies)
+        result["timings"].append(row)
         print(f"M = {m}: " + ", ".join(f"{k} {v:.2f} µs" for k, v in us.items()))
     name = f"consumer_mixes-{git_commit() or 'nocommit'}.json"
     print("wrote", write_json(result, args.out / name))
+
+
+def _check(ars: dict, step: tuple, weights: tuple, collapse: str) -> str | None:
+    """What is wrong with the fused mixes of this variant, or None."""
+    plain = [t.clone() for t in _call(ars, step, None)]
+    res_out, layer, (pre, post, comb) = _call(ars, step, collapse, weights)
+    want = mhc_mixes_ref(res_out, *weights, EPS, HC_EPS, ITERS)
+    for name, got, ref in zip(("pre", "post", "comb"), (pre, post, comb), want, strict=True):
+        if not torch.allclose(got, ref, rtol=0, atol=MIXES_ATOL):
+            return f"{name} off by {(got - ref).abs().max().item():.3g}"
+    if collapse == "previous" and not (torch.equal(res_out.view(torch.int16),
+                                                   plain[0].view(torch.int16))
+                                       and torch.equal(layer.view(torch.int16),
+                                                       plain[1].view(torch.int16))):
+        return "residual_out / layer_input differ from the consumer without mixes"
+    return None
+
+
+def _sweep(ars: dict, step: tuple, copies: list) -> list:
+    """Every (tactic, early) of the fused mixes, checked, then timed."""
+    rows, tactic, early_max = [], consumer.MIXES_TACTIC, consumer.MIXES_EARLY_MAX_ROWS
+    m = step[0].shape[0]
+    try:
+        for block_h, warps, early in SWEEP_VARIANTS:
+            consumer.MIXES_TACTIC = consumer.ConsumerTactic(block_h, warps)
+            consumer.MIXES_EARLY_MAX_ROWS = m if early else 0
+            entry = {"block_h": block_h, "warps": warps, "early": early}
+            for c in ("previous", "same"):
+                wrong = _check(ars, step, copies[0], c)
+                entry[f"{c}_error"] = wrong
+                entry[f"{c}_us"] = None if wrong else graph_time_us(
+                    [functools.partial(_call, ars, step, c, w) for w in copies], step[0].device)
+            rows.append(entry)
+            print(f"  M = {m} {block_h} x {warps} {'early' if early else 'late '}: "
+                  + ", ".join(f"{c} {entry[c + '_us']:.2f} µs" if entry[c + "_us"]
+                              else f"{c} WRONG {entry[c + '_error']}"
+                              for c in ("previous", "same")))
+    finally:
+        consumer.MIXES_TACTIC, consumer.MIXES_EARLY_MAX_ROWS = tactic, early_max
+    return rows
 
 
 if __name__ == "__main__":

@@ -327,7 +327,7 @@ def test_the_custom_op_checks_before_it_launches():
         torch.ops.decode_boundary.boundary_reduce(
             ars[1].handle, d["xs"][1], True, FULL, d["residual"][:, :1].contiguous(),
             d["post"], d["comb"], d["pre"], d["gamma"], EPS, box.stage_state, box.status,
-            box.generation, box.sumsq, box.prenorm, None, None)
+            box.generation, box.sumsq, box.prenorm, None, None, None, None, None, None)
     # Rank 1's slot in rank 0's mailbox holds the poison, not x.
     slot = ars[0]._box.buffer[0, 1, :CAP].view(torch.int16)
     assert slot.eq(ABORT_BITS).all()

@@ -170,3 +170,18 @@ def test_host_rules_hold_under_compile():
     ar.reset()
     # The rules did not leave a half-done step behind: a correct step works.
     assert torch.equal(compiled(lambda x: ar.plain_sum(x))(x), x)
+
+
+def test_no_custom_op_argument_has_a_default():
+    """The dispatcher drops an argument passed at its schema default, and torch
+    2.11's in-place bookkeeping then indexes past the arguments when that one
+    is mutated (``mix_words=None``: an IndexError while compiling a step
+    without mixes; pytorch#176078). So no op of ours declares a default."""
+    import decode_boundary.boundary.ops  # noqa: F401  (registers the ops)
+
+    names = [n for n in dir(torch.ops.decode_boundary) if n.startswith("boundary_")]
+    assert "boundary_reduce" in names
+    for name in names:
+        schema = getattr(torch.ops.decode_boundary, name).default._schema
+        defaulted = [a.name for a in schema.arguments if a.default_value is not None]
+        assert not defaulted, f"{name}: {defaulted}"

@@ -109,6 +109,11 @@ CONSUMER_TACTICS = (
 # 128 columns x 32 rows x 4 streams over 8 warps is 64 registers per thread.
 # Not yet measured on the GPU (benchmarks/NOTES.md, "V4-family mixes").
 MIXES_TACTIC = ConsumerTactic(128, 8)
+# Up to this many tokens the programs hold their hc_fn columns from before the grid
+# wait (FN_EARLY: the HBM reads overlap the publisher); beyond, the grid would not
+# be resident at once (117 registers: 2 programs per SM, 40 per token at H = 5120),
+# so they load them when needed, from L2 (the token's others share them).
+MIXES_EARLY_MAX_ROWS = 4
 MIX_MIN_BLOCK = 64  # the mix row has one SLOTS-wide share per chunk of >= 64 columns
 
 
@@ -141,11 +146,17 @@ def mix_pre_offset(hidden: int, hc: int) -> int:
     return triton.cdiv(hidden, MIX_MIN_BLOCK) * mix_slots(hc)
 
 
+def mix_totals_offset(hidden: int, hc: int) -> int:
+    """Where chunk 0 puts the shares' sums (``mix_slots`` words: its own
+    scratch, read back as scalars): after the handed-over pre."""
+    return mix_pre_offset(hidden, hc) + hc
+
+
 def mix_columns(hidden: int, hc: int) -> int:
     """Row length of the per-token mix scratch (int64 tagged words): the shares,
     then hc words for the pre that chunk 0 hands to the token's other programs
-    (``collapse="same"``)."""
-    return mix_pre_offset(hidden, hc) + hc
+    (``collapse="same"``), then chunk 0's sums of the shares."""
+    return mix_totals_offset(hidden, hc) + mix_slots(hc)
 
 
 def is_nonnegative_real(value) -> bool:
@@ -502,7 +513,7 @@ def consume(
         UNITS_P2=triton.next_power_of_2(sumsq_columns(hidden)), MODE=mode, QUANT=quant,
         LAMPORT=lamport, COOPERATIVE=tactic.cooperative, USE_PTX=ptx,
         USE_PDL=pdl, TIMELINE=timeline, num_warps=tactic.warps, enable_fp_fusion=False,
-        launch_pdl=pdl, **_mix_constants(mixes, hc, hidden, tactic.block_h), **kwargs,
+        launch_pdl=pdl, **_mix_constants(mixes, m, hc, hidden, tactic.block_h), **kwargs,
     )
     if compile_only:
         load_module(compiled)
@@ -511,14 +522,16 @@ def consume(
     return out, layer_input
 
 
-def _mix_constants(mixes: MhcMixes | None, hc: int, hidden: int, block_h: int) -> dict:
+def _mix_constants(mixes: MhcMixes | None, m: int, hc: int, hidden: int,
+                   block_h: int) -> dict:
     """The kernel's MIXES constexprs (defaults without mixes)."""
     if mixes is None:
         return dict(MIXES=NO_MIXES)
     return dict(MIXES=COLLAPSES[mixes.collapse], SLOTS=mix_slots(hc),
                 MIX_ROW=mix_columns(hidden, hc), PRE_OFF=mix_pre_offset(hidden, hc),
+                TOTALS_OFF=mix_totals_offset(hidden, hc),
                 CHUNKS_P2=triton.next_power_of_2(triton.cdiv(hidden, block_h)),
-                SINKHORN_ITERS=mixes.sinkhorn_iters)
+                SINKHORN_ITERS=mixes.sinkhorn_iters, FN_EARLY=m <= MIXES_EARLY_MAX_ROWS)
 
 
 def _or(t, default):

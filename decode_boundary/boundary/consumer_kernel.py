@@ -127,7 +127,6 @@ from .consumer_mixes import (
     _combine_mixes,
     _load_mix_weights,
     _publish_mix_partials,
-    _scalars,
     _wait_pre,
 )
 from .consumer_mixes import NEXT_MIXES as NEXT_MIXES  # the MIXES values, re-exported
@@ -377,7 +376,8 @@ def consumer_kernel(
     UNITS_P2: tl.constexpr, MODE: tl.constexpr, QUANT: tl.constexpr, LAMPORT: tl.constexpr,
     COOPERATIVE: tl.constexpr, USE_PTX: tl.constexpr, USE_PDL: tl.constexpr,
     MIXES: tl.constexpr = 0, SLOTS: tl.constexpr = 1, MIX_ROW: tl.constexpr = 1,
-    PRE_OFF: tl.constexpr = 0, CHUNKS_P2: tl.constexpr = 1, SINKHORN_ITERS: tl.constexpr = 1,
+    PRE_OFF: tl.constexpr = 0, TOTALS_OFF: tl.constexpr = 0, CHUNKS_P2: tl.constexpr = 1,
+    SINKHORN_ITERS: tl.constexpr = 1, FN_EARLY: tl.constexpr = True,
     TIMELINE: tl.constexpr = False,
 ):
     CHUNKS: tl.constexpr = (HIDDEN + BLOCK_H - 1) // BLOCK_H
@@ -398,7 +398,9 @@ def consumer_kernel(
         res, post, comb, pre, gamma = _load_inputs(residual_ptr, post_ptr, comb_ptr, pre_ptr,
                                                    gamma_ptr, m, cols, cmask, HC, HIDDEN, MODE,
                                                    MIXES)
-        fn = _load_mix_weights(hc_fn_ptr, cols, cmask, HC, HIDDEN, SLOTS, MIXES)
+        fn = ()
+        if FN_EARLY:
+            fn = _load_mix_weights(hc_fn_ptr, cols, cmask, HC, HIDDEN, SLOTS, MIXES)
     if USE_PDL:
         # Released here, not earlier or later: the dependent GEMM's weight stream then
         # overlaps this kernel's body; released before the wait or after the norm
@@ -427,13 +429,16 @@ def consumer_kernel(
             res, post, comb, pre, gamma = _load_inputs(residual_ptr, post_ptr, comb_ptr, pre_ptr,
                                                        gamma_ptr, m, cols, cmask, HC, HIDDEN, MODE,
                                                        MIXES)
-            fn = _load_mix_weights(hc_fn_ptr, cols, cmask, HC, HIDDEN, SLOTS, MIXES)
+            fn = ()
+            if FN_EARLY:
+                fn = _load_mix_weights(hc_fn_ptr, cols, cmask, HC, HIDDEN, SLOTS, MIXES)
             streams, prenorm = _consume_chunk(mailbox_ptr, status_ptr, out_ptr, slot_row,
                                               row_stride, wait_bound, res, post, comb, pre, m,
                                               cols, cmask, TP, HC, HIDDEN, MODE, COLLAPSE,
                                               LAMPORT, USE_PTX)
             if MIXES != _NO_MIXES:
-                _publish_mix_partials(mix_ptr, m, c, streams, fn, tag, HC, SLOTS, MIX_ROW)
+                _publish_mix_partials(mix_ptr, hc_fn_ptr, m, c, cols, cmask, streams, fn, tag, HC,
+                                      HIDDEN, SLOTS, MIX_ROW, MIXES, FN_EARLY)
             if COLLAPSE:
                 _publish_partial(sumsq_ptr, m, c, tl.sum(prenorm * prenorm, axis=0), tag, UNITS,
                                  BLOCK_H)
@@ -443,9 +448,9 @@ def consumer_kernel(
             new_pre = _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr,
                                      post_out_ptr, comb_out_ptr, m, tag, eps, hc_eps, wait_bound,
                                      HC, HIDDEN, CHUNKS, CHUNKS_P2, SLOTS, MIX_ROW, PRE_OFF,
-                                     SINKHORN_ITERS, MIXES, USE_PTX)
+                                     TOTALS_OFF, SINKHORN_ITERS, MIXES, USE_PTX)
             if MIXES == _SAME_PRE:
-                pre = _scalars(new_pre, HC)
+                pre = new_pre
                 for c in range(CHUNKS):
                     cols = c * BLOCK_H + offs
                     cmask = cols < HIDDEN
@@ -477,18 +482,20 @@ def consumer_kernel(
         stamp(stamp_ptr, slot, MARK1, TIMELINE)  # slots in, residual_out stored
         if MIXES != _NO_MIXES:
             # Every program's share before any program waits for it: chunk 0 sums them
-            # (one fixed order), and with SAME_PRE hands the pre to the token's others.
-            _publish_mix_partials(mix_ptr, m, chunk, streams, fn, tag, HC, SLOTS, MIX_ROW)
+            # (one fixed order).
+            _publish_mix_partials(mix_ptr, hc_fn_ptr, m, chunk, cols, cmask, streams, fn, tag,
+                                  HC, HIDDEN, SLOTS, MIX_ROW, MIXES, FN_EARLY)
+        if MIXES == _SAME_PRE:  # the collapse needs the pre chunk 0 computes
             if chunk == 0:
                 new_pre = _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr,
                                          pre_out_ptr, post_out_ptr, comb_out_ptr, m, tag, eps,
                                          hc_eps, wait_bound, HC, HIDDEN, CHUNKS, CHUNKS_P2,
-                                         SLOTS, MIX_ROW, PRE_OFF, SINKHORN_ITERS, MIXES, USE_PTX)
-            elif MIXES == _SAME_PRE:  # (V4.1: nobody else waits for the mixes)
+                                         SLOTS, MIX_ROW, PRE_OFF, TOTALS_OFF, SINKHORN_ITERS,
+                                         MIXES, USE_PTX)
+            else:
                 new_pre = _wait_pre(mix_ptr, status_ptr, m, tag, wait_bound, HC, MIX_ROW,
                                     PRE_OFF, USE_PTX)
-            if MIXES == _SAME_PRE:
-                prenorm = _collapse(streams, _scalars(new_pre, HC), HC)
+            prenorm = _collapse(streams, new_pre, HC)
         if MODE == _FULL:
             _publish_partial(sumsq_ptr, m, chunk, tl.sum(prenorm * prenorm, axis=0), tag, UNITS,
                              BLOCK_H)
@@ -499,4 +506,10 @@ def consumer_kernel(
                 tl.store(generation_ptr + m, tag)
             _norm_chunk(prenorm, gamma, total, eps, layer_ptr, qdata_ptr, qscale_ptr, m, chunk,
                         cols, cmask, HIDDEN, BLOCK_H, QUANT)
+        if (MIXES != _NO_MIXES) and (MIXES != _SAME_PRE):  # noqa: SIM102 (constexpr: pruned)
+            if chunk == 0:  # nobody here waits for the next mixes: after the norm
+                _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr,
+                               post_out_ptr, comb_out_ptr, m, tag, eps, hc_eps, wait_bound, HC,
+                               HIDDEN, CHUNKS, CHUNKS_P2, SLOTS, MIX_ROW, PRE_OFF, TOTALS_OFF,
+                               SINKHORN_ITERS, MIXES, USE_PTX)
     stamp(stamp_ptr, slot, END, TIMELINE)

@@ -5,14 +5,23 @@
 ``residual_out``, publishes its share into the token's mix row of ``mix_ptr``
 (int64 words tagged like the norm's: ``SLOTS`` per chunk, the (2 + HC) * HC
 dots of its columns and streams with ``hc_fn``, then its sum of squares of
-``residual_out``). The chunk-0 program polls the row (bounded, as the norm
-hand-off), sums the shares in one fixed tree (the same bits for a serial and a
-cooperative launch of one ``BLOCK_H``), and computes pre, post and comb:
-sigmoid, softmax and ``SINKHORN_ITERS`` normalisations in FP32 on its own, and
-stores them. ``NEXT_MIXES`` (V4.1): nobody else waits, the collapse uses the
-given ``pre``. ``SAME_PRE`` (V4): chunk 0 also stores the pre as ``HC``
-tagged words (``PRE_OFF``) that the token's other programs poll before their
-collapse; then the norm hand-off as without mixes. Chunk 0 advances the
+``residual_out``). ``FN_EARLY``: the program loads its ``hc_fn`` columns
+before its grid wait and holds them (registers: with many tokens the grid no
+longer fits on the GPU at once); otherwise it loads them when it needs them
+(L2: the token's other programs share them). The chunk-0 program polls the
+row (bounded, as the norm hand-off), sums the shares in one fixed tree (the
+same bits for a serial and a cooperative launch of one ``BLOCK_H``), and
+computes pre, post and comb: sigmoid, softmax and ``SINKHORN_ITERS``
+normalisations in FP32 on its own, and stores them. That arithmetic is on
+*scalars* (every thread computes all of it): on register vectors each sum of
+a 4-wide row would be a block reduction with a barrier, ~40 of them in a
+row. The shares' sums become scalars through ``TOTALS_OFF`` (one store, one
+barrier, broadcast loads). ``NEXT_MIXES`` (V4.1): nobody waits for them, so
+chunk 0 combines after its norm, off the token's critical path; the collapse
+uses the given ``pre``. ``SAME_PRE`` (V4): chunk 0 combines first and stores
+the pre as ``HC`` tagged words (``PRE_OFF``) that the token's other programs
+poll (scalar loads: no block reduction) before their collapse; then the
+norm hand-off as without mixes. Chunk 0 advances the
 generation only after seeing every sumsq unit, which every program writes
 after its mix share: so every program had read the generation before. The
 dots are not the reference's summation order: pre/post/comb match it within
@@ -24,7 +33,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tagged_words import _bit_or, _f32_nan, _gave_up, _probe_partials, _spin, _tagged, _untagged
+from .tagged_words import (
+    _NORM_TIMEOUT_BIT,
+    _bit_or,
+    _f32_nan,
+    _gave_up,
+    _now,
+    _probe_partials,
+    _spin,
+    _tagged,
+    _untagged,
+)
 
 # MIXES values: none; the next sublayer's mixes out, the collapse with the given
 # pre (V4.1); the mixes out and the collapse with the pre just computed (V4).
@@ -49,13 +68,17 @@ def _load_mix_weights(hc_fn_ptr, cols, cmask, HC: tl.constexpr, HIDDEN: tl.const
 
 
 @triton.jit
-def _publish_mix_partials(mix_ptr, m, chunk, streams, fn, tag, HC: tl.constexpr,
-                          SLOTS: tl.constexpr, MIX_ROW: tl.constexpr):
+def _publish_mix_partials(mix_ptr, hc_fn_ptr, m, chunk, cols, cmask, streams, fn, tag,
+                          HC: tl.constexpr, HIDDEN: tl.constexpr, SLOTS: tl.constexpr,
+                          MIX_ROW: tl.constexpr, MIXES: tl.constexpr, FN_EARLY: tl.constexpr):
     """This chunk's share of the next sublayer's mixes, tagged into token m's
     mix row at ``chunk * SLOTS``: word j < (2 + HC) * HC = sum over its columns
     and streams of residual_out * hc_fn[j] (FP32, each product rounded), word
-    (2 + HC) * HC = its sum of squares of residual_out, the rest +0.0."""
+    (2 + HC) * HC = its sum of squares of residual_out, the rest +0.0. ``fn``:
+    the held columns of hc_fn with ``FN_EARLY``, loaded here otherwise."""
     NMIX: tl.constexpr = (2 + HC) * HC
+    if not FN_EARLY:
+        fn = _load_mix_weights(hc_fn_ptr, cols, cmask, HC, HIDDEN, SLOTS, MIXES)
     acc = tl.zeros(fn[0].shape, dtype=tl.float32)
     squares = tl.zeros(streams[0].shape, dtype=tl.float32)
     for t in tl.static_range(HC):
@@ -77,9 +100,33 @@ def _probe_mix_row(ptrs, live, tag, UNUSED: tl.constexpr):
 
 
 @triton.jit
-def _pick(values, index, i):
-    """values[i] of a register vector, exactly (the others contribute +0.0)."""
-    return tl.sum(tl.where(index == i, values, 0.0), axis=0)
+def _normalise_rows(comb, hc_eps, HC: tl.constexpr):
+    """comb[s, t] / (sum_t comb[s, t] + hc_eps), on a flat tuple of scalars."""
+    out = ()
+    for s in tl.static_range(HC):
+        total = comb[s * HC]
+        for t in tl.static_range(1, HC):
+            total = total + comb[s * HC + t]
+        total = total + hc_eps
+        for t in tl.static_range(HC):
+            out = out + (comb[s * HC + t] / total,)
+    return out
+
+
+@triton.jit
+def _normalise_columns(comb, hc_eps, HC: tl.constexpr):
+    """comb[s, t] / (sum_s comb[s, t] + hc_eps), on a flat tuple of scalars."""
+    totals = ()
+    for t in tl.static_range(HC):
+        total = comb[t]
+        for s in tl.static_range(1, HC):
+            total = total + comb[s * HC + t]
+        totals = totals + (total + hc_eps,)
+    out = ()
+    for s in tl.static_range(HC):
+        for t in tl.static_range(HC):
+            out = out + (comb[s * HC + t] / totals[t],)
+    return out
 
 
 @triton.jit
@@ -87,67 +134,104 @@ def _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, 
                    comb_out_ptr, m, tag, eps, hc_eps, wait_bound, HC: tl.constexpr,
                    HIDDEN: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
                    SLOTS: tl.constexpr, MIX_ROW: tl.constexpr, PRE_OFF: tl.constexpr,
-                   SINKHORN_ITERS: tl.constexpr, MIXES: tl.constexpr, USE_PTX: tl.constexpr):
+                   TOTALS_OFF: tl.constexpr, SINKHORN_ITERS: tl.constexpr, MIXES: tl.constexpr,
+                   USE_PTX: tl.constexpr):
     """Wait for every chunk's share of token m's mixes (bounded: a timeout sets
     ``NORM_TIMEOUT_BIT`` and makes them NaN), sum them in one fixed tree, and
     compute pre, post and comb as ``reference.mhc_mixes_ref`` does; store them
     (and with ``SAME_PRE`` the pre, tagged, for the token's other programs).
-    Returns pre as a [HC] vector."""
+    Returns pre as a tuple of HC scalars."""
     NMIX: tl.constexpr = (2 + HC) * HC
     c = tl.arange(0, CHUNKS_P2)[:, None]
     j = tl.arange(0, SLOTS)[None, :]
-    words, flags = _spin(_probe_mix_row, mix_ptr + m * MIX_ROW + c * SLOTS + j,
-                         (c < CHUNKS) & (j < SLOTS), tag, status_ptr, wait_bound, 0, False,
-                         USE_PTX)
+    row = mix_ptr + m * MIX_ROW
+    words, flags = _spin(_probe_mix_row, row + c * SLOTS + j, (c < CHUNKS) & (j < SLOTS), tag,
+                         status_ptr, wait_bound, 0, False, USE_PTX)
     stale = _gave_up(flags, status_ptr)
     totals = tl.where(stale, _f32_nan(), tl.sum(_untagged(words), axis=0))  # [SLOTS]
-    slot = tl.arange(0, SLOTS)
-    rstd = tl.math.rsqrt(_pick(totals, slot, NMIX) / (HC * HIDDEN) + eps)
-    mixes = totals * rstd
-    t = tl.arange(0, HC)
-    # [HC, SLOTS] selections: row t takes mixes[offset + t], exactly.
-    pick_pre = tl.sum(tl.where(slot[None, :] == t[:, None], mixes[None, :], 0.0), axis=1)
-    pick_post = tl.sum(tl.where(slot[None, :] == HC + t[:, None], mixes[None, :], 0.0), axis=1)
-    st = t[:, None] * HC + t[None, :]  # [source, target] -> flat index
-    pick_comb = tl.sum(tl.where(slot[None, None, :] == 2 * HC + st[:, :, None],
-                                mixes[None, None, :], 0.0), axis=2)
+    # The totals live one per thread group; every thread needs all of them.
+    tl.store(row + TOTALS_OFF + tl.arange(0, SLOTS), _tagged(totals, tag))
+    tl.debug_barrier()  # this program's stores precede its loads below
+    total = ()
+    for i in tl.static_range(NMIX + 1):
+        total = total + (_untagged(tl.load(row + TOTALS_OFF + i, volatile=True)),)
+    rstd = tl.math.rsqrt(total[NMIX] / (HC * HIDDEN) + eps)
     scale0 = tl.load(hc_scale_ptr)
     scale1 = tl.load(hc_scale_ptr + 1)
     scale2 = tl.load(hc_scale_ptr + 2)
-    pre = tl.sigmoid(pick_pre * scale0 + tl.load(hc_base_ptr + t)) + hc_eps
-    post = 2 * tl.sigmoid(pick_post * scale1 + tl.load(hc_base_ptr + HC + t))
-    logits = pick_comb * scale2 + tl.load(hc_base_ptr + 2 * HC + st)
-    e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-    comb = e / tl.sum(e, axis=1)[:, None] + hc_eps
-    comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-    for _ in range(SINKHORN_ITERS - 1):
-        comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
-        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-    tl.store(pre_out_ptr + m * HC + t, pre)
-    tl.store(post_out_ptr + m * HC + t, post)
-    tl.store(comb_out_ptr + m * HC * HC + st, comb)
-    if MIXES == _SAME_PRE:
-        tl.store(mix_ptr + m * MIX_ROW + PRE_OFF + t, _tagged(pre, tag))
+    pre = ()
+    for t in tl.static_range(HC):
+        pre = pre + (tl.sigmoid((total[t] * rstd) * scale0 + tl.load(hc_base_ptr + t))
+                     + hc_eps,)
+        post = 2 * tl.sigmoid((total[HC + t] * rstd) * scale1 + tl.load(hc_base_ptr + HC + t))
+        tl.store(pre_out_ptr + m * HC + t, pre[t])
+        tl.store(post_out_ptr + m * HC + t, post)
+        if MIXES == _SAME_PRE:
+            tl.store(row + PRE_OFF + t, _tagged(pre[t], tag))
+    # comb[s, t] (flat s * HC + t): a softmax over t, then Sinkhorn, columns first.
+    e = ()
+    for s in tl.static_range(HC):
+        logits = ()
+        for t in tl.static_range(HC):
+            logits = logits + ((total[2 * HC + s * HC + t] * rstd) * scale2
+                               + tl.load(hc_base_ptr + 2 * HC + s * HC + t),)
+        top = logits[0]
+        for t in tl.static_range(1, HC):
+            top = tl.maximum(top, logits[t])
+        for t in tl.static_range(HC):
+            e = e + (tl.exp(logits[t] - top),)
+    comb = ()
+    for s in tl.static_range(HC):
+        total_e = e[s * HC]
+        for t in tl.static_range(1, HC):
+            total_e = total_e + e[s * HC + t]
+        for t in tl.static_range(HC):
+            comb = comb + (e[s * HC + t] / total_e + hc_eps,)
+    comb = _normalise_columns(comb, hc_eps, HC)
+    for _ in tl.static_range(SINKHORN_ITERS - 1):
+        comb = _normalise_columns(_normalise_rows(comb, hc_eps, HC), hc_eps, HC)
+    for i in tl.static_range(HC * HC):
+        tl.store(comb_out_ptr + m * HC * HC + i, comb[i])
     return pre
+
+
+@triton.jit
+def _probe_pre(row, tag, HC: tl.constexpr):
+    """One volatile poll of the HC handed-over pre words, as scalars: (the
+    words, 1 where one does not carry ``tag`` yet)."""
+    words = ()
+    pending = False
+    for t in tl.static_range(HC):
+        word = tl.load(row + t, volatile=True)
+        words = words + (word,)
+        pending = pending | ((word >> 32).to(tl.int32) != tag)
+    return words, pending
 
 
 @triton.jit
 def _wait_pre(mix_ptr, status_ptr, m, tag, wait_bound, HC: tl.constexpr,
               MIX_ROW: tl.constexpr, PRE_OFF: tl.constexpr, USE_PTX: tl.constexpr):
     """Poll the pre that token m's chunk-0 program publishes (``SAME_PRE``)
-    until it carries ``tag`` (bounded: then ``NORM_TIMEOUT_BIT`` and NaN)."""
-    t = tl.arange(0, HC)
-    words, flags = _spin(_probe_partials, mix_ptr + m * MIX_ROW + PRE_OFF + t, t < HC, tag,
-                         status_ptr, wait_bound, 0, False, USE_PTX)
-    stale = _gave_up(flags, status_ptr)
-    return tl.where(stale, _f32_nan(), _untagged(words))
-
-
-@triton.jit
-def _scalars(vector, HC: tl.constexpr):
-    """A [HC] register vector as a tuple of scalars (exact)."""
-    t = tl.arange(0, HC)
-    out = ()
-    for i in tl.static_range(HC):
-        out = out + (_pick(vector, t, i),)
-    return out
+    until it carries ``tag`` (bounded: then ``NORM_TIMEOUT_BIT`` and NaN).
+    Scalar loads: each thread polls the same HC words on its own, with no block
+    reduction (no barrier in the loop, so threads may leave it at different
+    polls; every one leaves with the published words, which do not change
+    within a launch). Returns pre as a tuple of HC scalars."""
+    row = mix_ptr + m * MIX_ROW + PRE_OFF
+    words, pending = _probe_pre(row, tag, HC)
+    if pending:
+        spins = 0
+        clock = tl.full((1,), 0, tl.int32)
+        start = tl.max(_now(spins, clock, USE_PTX), axis=0)
+        go = pending
+        while go:
+            words, pending = _probe_pre(row, tag, HC)
+            spins += 1
+            late = (tl.max(_now(spins, clock, USE_PTX), axis=0) - start) > wait_bound
+            go = pending & (not late)
+        if pending:
+            tl.atomic_or(status_ptr, _NORM_TIMEOUT_BIT)
+    pre = ()
+    for t in tl.static_range(HC):
+        pre = pre + (tl.where(pending, _f32_nan(), _untagged(words[t])),)
+    return pre

@@ -103,13 +103,16 @@ def _reduce_op(handle: int, x: torch.Tensor, publish: bool, reduce_mode: int,
                norm_weight: torch.Tensor | None, eps: float, stage_state: torch.Tensor,
                status: torch.Tensor, generation: torch.Tensor, sumsq: torch.Tensor,
                prenorm: torch.Tensor, mxfp8_data: torch.Tensor | None,
-               mxfp8_scale: torch.Tensor | None, hc_fn: torch.Tensor | None = None,
-               hc_scale: torch.Tensor | None = None, hc_base: torch.Tensor | None = None,
-               mix_words: torch.Tensor | None = None,
+               mxfp8_scale: torch.Tensor | None, hc_fn: torch.Tensor | None,
+               hc_scale: torch.Tensor | None, hc_base: torch.Tensor | None,
+               mix_words: torch.Tensor | None,
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(plain sum or residual_out, layer_input or an empty tensor, and the next
     mixes pre, post, comb or three empty tensors). (Not ``mode``: the
-    dispatcher passes an argument of that name itself.)"""
+    dispatcher passes an argument of that name itself.) No argument has a
+    default: the dispatcher drops an argument passed at its default, and
+    torch 2.11's in-place bookkeeping then indexes past the arguments of a
+    mutated optional one (``mix_words``; pytorch#176078)."""
     ar = instance(handle)
     inputs = {} if reduce_mode == PLAIN else dict(
         residual=residual, post=post, comb=comb, pre=pre, norm_weight=norm_weight, eps=eps,
@@ -125,8 +128,8 @@ def _reduce_op(handle: int, x: torch.Tensor, publish: bool, reduce_mode: int,
 
 @_reduce_op.register_fake
 def _(handle, x, publish, reduce_mode, residual, post, comb, pre, norm_weight, eps,
-      stage_state, status, generation, sumsq, prenorm, mxfp8_data, mxfp8_scale, hc_fn=None,
-      hc_scale=None, hc_base=None, mix_words=None):
+      stage_state, status, generation, sumsq, prenorm, mxfp8_data, mxfp8_scale, hc_fn,
+      hc_scale, hc_base, mix_words):
     none = _no_mixes(x)
     if reduce_mode == PLAIN:
         return torch.empty_like(x), x.new_empty(0), *none

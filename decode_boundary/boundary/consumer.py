@@ -104,24 +104,26 @@ CONSUMER_TACTICS = (
 )
 
 
-# With the next sublayer's mixes every program holds its columns of hc_fn (FP32,
-# (2 + hc) * hc rows, padded to MIX_SLOTS) in registers from before its grid wait:
-# 128 columns x 32 rows x 4 streams over 8 warps is 64 registers per thread.
-# Not yet measured on the GPU (benchmarks/NOTES.md, "V4-family mixes").
-MIXES_TACTIC = ConsumerTactic(128, 8)
-# Up to this many tokens the programs hold their hc_fn columns from before the grid
-# wait (FN_EARLY: the HBM reads overlap the publisher); beyond, the grid would not
-# be resident at once (117 registers: 2 programs per SM, 40 per token at H = 5120),
-# so they load them when needed, from L2 (the token's others share them).
-MIXES_EARLY_MAX_ROWS = 4
+# With the next sublayer's mixes every program loads its columns of hc_fn (FP32,
+# (2 + hc) * hc rows) after its slots are in, prefetched into L2 before its grid
+# wait. Measured on one H200 (H = 5120, hc = 4, benchmarks/consumer_mixes.py --sweep,
+# results/consumer_mixes-5ad65b0.json): 128 x 4 fastest at M = 1 and 8, 256 x 4 at 4
+# and 16; holding hc_fn in registers from before the wait (128 x 8: 124 registers)
+# lost or tied at every M (2 programs per SM: at M = 16 the grid ran in 3 waves).
+MIXES_TACTICS = (
+    (8, ConsumerTactic(128, 4)),
+    (1 << 30, ConsumerTactic(256, 4)),
+)
 MIX_MIN_BLOCK = 64  # the mix row has one SLOTS-wide share per chunk of >= 64 columns
+MIXES_PREFETCH = True  # prefetch.global.L2 of hc_fn before the wait (with PTX)
 
 
 def consumer_tactic(m: int, hidden: int, mixes: bool = False) -> ConsumerTactic:
-    """The table's tactic for M tokens (``MIXES_TACTIC`` with the next mixes);
+    """The table's tactic for M tokens (``MIXES_TACTICS`` with the next mixes);
     serial in the interpreter (which runs programs one after another, so they
     cannot wait for each other)."""
-    tactic = MIXES_TACTIC if mixes else next(t for limit, t in CONSUMER_TACTICS if m <= limit)
+    table = MIXES_TACTICS if mixes else CONSUMER_TACTICS
+    tactic = next(t for limit, t in table if m <= limit)
     tactic = tactic._replace(block_h=min(tactic.block_h, triton.next_power_of_2(hidden)))
     if env.interpret_mode():
         tactic = tactic._replace(cooperative=False)
@@ -140,23 +142,26 @@ def mix_slots(hc: int) -> int:
     return triton.next_power_of_2((2 + hc) * hc + 1)
 
 
-def mix_pre_offset(hidden: int, hc: int) -> int:
-    """Where the handed-over pre starts in a token's mix row: after one share
-    per chunk of >= ``MIX_MIN_BLOCK`` columns."""
+def mix_totals_offset(hidden: int, hc: int) -> int:
+    """Where chunk 0 puts the shares' sums in a token's mix row (``mix_slots``
+    words, its own scratch, read back as scalars): after one share per chunk
+    of >= ``MIX_MIN_BLOCK`` columns."""
     return triton.cdiv(hidden, MIX_MIN_BLOCK) * mix_slots(hc)
 
 
-def mix_totals_offset(hidden: int, hc: int) -> int:
-    """Where chunk 0 puts the shares' sums (``mix_slots`` words: its own
-    scratch, read back as scalars): after the handed-over pre."""
-    return mix_pre_offset(hidden, hc) + hc
+def mix_pre_offset(hidden: int, hc: int) -> int:
+    """Where the handed-over pre starts in a token's mix row: on its own
+    128-byte line (16 words; rows are whole lines too) after the sums, so
+    its pollers do not share chunk 0's lines."""
+    return triton.cdiv(mix_totals_offset(hidden, hc) + mix_slots(hc), 16) * 16
 
 
 def mix_columns(hidden: int, hc: int) -> int:
-    """Row length of the per-token mix scratch (int64 tagged words): the shares,
-    then hc words for the pre that chunk 0 hands to the token's other programs
-    (``collapse="same"``), then chunk 0's sums of the shares."""
-    return mix_totals_offset(hidden, hc) + mix_slots(hc)
+    """Row length of the per-token mix scratch (int64 tagged words, a multiple
+    of 16: 128-byte lines): the shares, chunk 0's sums of them, then hc words
+    for the pre that chunk 0 hands to the token's other programs
+    (``collapse="same"``)."""
+    return triton.cdiv(mix_pre_offset(hidden, hc) + hc, 16) * 16
 
 
 def is_nonnegative_real(value) -> bool:
@@ -395,7 +400,7 @@ def consume(
     records its timeout there). ``wait_bound``: nanoseconds with PTX
     (``%globaltimer``), spins without; > 0 whenever something may wait; a
     :class:`WaitTimeout` is converted here, with the kernel variant's own PTX
-    decision. ``tactic``: default from ``CONSUMER_TACTICS`` (``MIXES_TACTIC``
+    decision. ``tactic``: default from ``CONSUMER_TACTICS`` (``MIXES_TACTICS``
     with mixes). ``compile_only``: compile this variant, launch nothing (the
     outputs are then unwritten). ``mixes`` (full mode): :class:`MhcMixes`;
     with ``collapse="same"`` ``pre`` is None (the kernel collapses with the pre
@@ -508,12 +513,12 @@ def consume(
         _or(fn, dummy), _or(scale, dummy), _or(base, dummy), _or(mix_words, dummy),
         *(mixes_out or (dummy,) * 3),
         stamps, first_slot, float(eps), float(mixes.hc_eps) if mixes is not None else 0.0,
-        capacity, int(wait_bound),
+        capacity, int(wait_bound), mixes.sinkhorn_iters - 1 if mixes is not None else 0,
         TP=tp, HC=hc, HIDDEN=hidden, BLOCK_H=tactic.block_h,
         UNITS_P2=triton.next_power_of_2(sumsq_columns(hidden)), MODE=mode, QUANT=quant,
         LAMPORT=lamport, COOPERATIVE=tactic.cooperative, USE_PTX=ptx,
         USE_PDL=pdl, TIMELINE=timeline, num_warps=tactic.warps, enable_fp_fusion=False,
-        launch_pdl=pdl, **_mix_constants(mixes, m, hc, hidden, tactic.block_h), **kwargs,
+        launch_pdl=pdl, **_mix_constants(mixes, hc, hidden, tactic.block_h, ptx), **kwargs,
     )
     if compile_only:
         load_module(compiled)
@@ -522,8 +527,8 @@ def consume(
     return out, layer_input
 
 
-def _mix_constants(mixes: MhcMixes | None, m: int, hc: int, hidden: int,
-                   block_h: int) -> dict:
+def _mix_constants(mixes: MhcMixes | None, hc: int, hidden: int, block_h: int,
+                   ptx: bool) -> dict:
     """The kernel's MIXES constexprs (defaults without mixes)."""
     if mixes is None:
         return dict(MIXES=NO_MIXES)
@@ -531,7 +536,7 @@ def _mix_constants(mixes: MhcMixes | None, m: int, hc: int, hidden: int,
                 MIX_ROW=mix_columns(hidden, hc), PRE_OFF=mix_pre_offset(hidden, hc),
                 TOTALS_OFF=mix_totals_offset(hidden, hc),
                 CHUNKS_P2=triton.next_power_of_2(triton.cdiv(hidden, block_h)),
-                SINKHORN_ITERS=mixes.sinkhorn_iters, FN_EARLY=m <= MIXES_EARLY_MAX_ROWS)
+                FN_PREFETCH=ptx and MIXES_PREFETCH)
 
 
 def _or(t, default):

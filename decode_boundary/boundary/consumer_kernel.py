@@ -61,9 +61,10 @@ equal ``quantize_mxfp8_ref`` of the kernel's own ``layer_input``.
   reported a failure with ``atomic_or`` meanwhile).
 * The serial path's ``prenorm`` scratch: volatile reads of the program's own
   stores, which a ``debug_barrier`` orders before them.
-* Residual, post, comb, pre, gamma, and with mixes hc_fn, hc_scale, hc_base:
-  plain loads, issued *before* the grid dependency wait (so they overlap the
-  publisher).
+* Residual, post, comb, pre, gamma: plain loads, issued *before* the grid
+  dependency wait (so they overlap the publisher); with mixes hc_fn is asked
+  into L2 there (``FN_PREFETCH``) and loaded plainly after it, hc_scale and
+  hc_base by chunk 0 when it combines.
 * The mix row and the handed-over pre: volatile polls, as ``sumsq``.
 
 **Stage words.** ACTIVE (``stage_ptr + STAGE_ACTIVE``) is read with a plain
@@ -125,7 +126,7 @@ from .consumer_mixes import (
     _NO_MIXES,
     _SAME_PRE,
     _combine_mixes,
-    _load_mix_weights,
+    _prefetch_mix_weights,
     _publish_mix_partials,
     _wait_pre,
 )
@@ -371,14 +372,13 @@ def consumer_kernel(
     out_ptr, layer_ptr, qdata_ptr, qscale_ptr,
     hc_fn_ptr, hc_scale_ptr, hc_base_ptr, mix_ptr, pre_out_ptr, post_out_ptr, comb_out_ptr,
     stamp_ptr, stamp_base,
-    eps, hc_eps, capacity, wait_bound,
+    eps, hc_eps, capacity, wait_bound, sinkhorn_rounds,
     TP: tl.constexpr, HC: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr,
     UNITS_P2: tl.constexpr, MODE: tl.constexpr, QUANT: tl.constexpr, LAMPORT: tl.constexpr,
     COOPERATIVE: tl.constexpr, USE_PTX: tl.constexpr, USE_PDL: tl.constexpr,
     MIXES: tl.constexpr = 0, SLOTS: tl.constexpr = 1, MIX_ROW: tl.constexpr = 1,
     PRE_OFF: tl.constexpr = 0, TOTALS_OFF: tl.constexpr = 0, CHUNKS_P2: tl.constexpr = 1,
-    SINKHORN_ITERS: tl.constexpr = 1, FN_EARLY: tl.constexpr = True,
-    TIMELINE: tl.constexpr = False,
+    FN_PREFETCH: tl.constexpr = False, TIMELINE: tl.constexpr = False,
 ):
     CHUNKS: tl.constexpr = (HIDDEN + BLOCK_H - 1) // BLOCK_H
     UNITS: tl.constexpr = (HIDDEN + 31) // 32  # sumsq row: one word per 32 columns
@@ -398,9 +398,8 @@ def consumer_kernel(
         res, post, comb, pre, gamma = _load_inputs(residual_ptr, post_ptr, comb_ptr, pre_ptr,
                                                    gamma_ptr, m, cols, cmask, HC, HIDDEN, MODE,
                                                    MIXES)
-        fn = ()
-        if FN_EARLY:
-            fn = _load_mix_weights(hc_fn_ptr, cols, cmask, HC, HIDDEN, SLOTS, MIXES)
+        if (MIXES != _NO_MIXES) and FN_PREFETCH:
+            _prefetch_mix_weights(hc_fn_ptr, chunk, HC, HIDDEN, BLOCK_H, SLOTS)
     if USE_PDL:
         # Released here, not earlier or later: the dependent GEMM's weight stream then
         # overlaps this kernel's body; released before the wait or after the norm
@@ -429,16 +428,13 @@ def consumer_kernel(
             res, post, comb, pre, gamma = _load_inputs(residual_ptr, post_ptr, comb_ptr, pre_ptr,
                                                        gamma_ptr, m, cols, cmask, HC, HIDDEN, MODE,
                                                        MIXES)
-            fn = ()
-            if FN_EARLY:
-                fn = _load_mix_weights(hc_fn_ptr, cols, cmask, HC, HIDDEN, SLOTS, MIXES)
             streams, prenorm = _consume_chunk(mailbox_ptr, status_ptr, out_ptr, slot_row,
                                               row_stride, wait_bound, res, post, comb, pre, m,
                                               cols, cmask, TP, HC, HIDDEN, MODE, COLLAPSE,
                                               LAMPORT, USE_PTX)
             if MIXES != _NO_MIXES:
-                _publish_mix_partials(mix_ptr, hc_fn_ptr, m, c, cols, cmask, streams, fn, tag, HC,
-                                      HIDDEN, SLOTS, MIX_ROW, MIXES, FN_EARLY)
+                _publish_mix_partials(mix_ptr, hc_fn_ptr, m, c, cols, cmask, streams, tag, HC,
+                                      HIDDEN, SLOTS, MIX_ROW, MIXES)
             if COLLAPSE:
                 _publish_partial(sumsq_ptr, m, c, tl.sum(prenorm * prenorm, axis=0), tag, UNITS,
                                  BLOCK_H)
@@ -446,9 +442,9 @@ def consumer_kernel(
         tl.debug_barrier()  # this program's scratch stores precede its reads below
         if MIXES != _NO_MIXES:
             new_pre = _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr,
-                                     post_out_ptr, comb_out_ptr, m, tag, eps, hc_eps, wait_bound,
-                                     HC, HIDDEN, CHUNKS, CHUNKS_P2, SLOTS, MIX_ROW, PRE_OFF,
-                                     TOTALS_OFF, SINKHORN_ITERS, MIXES, USE_PTX)
+                                     post_out_ptr, comb_out_ptr, m, tag, eps, hc_eps,
+                                     sinkhorn_rounds, wait_bound, HC, HIDDEN, CHUNKS, CHUNKS_P2,
+                                     SLOTS, MIX_ROW, PRE_OFF, TOTALS_OFF, MIXES, USE_PTX)
             if MIXES == _SAME_PRE:
                 pre = new_pre
                 for c in range(CHUNKS):
@@ -483,15 +479,15 @@ def consumer_kernel(
         if MIXES != _NO_MIXES:
             # Every program's share before any program waits for it: chunk 0 sums them
             # (one fixed order).
-            _publish_mix_partials(mix_ptr, hc_fn_ptr, m, chunk, cols, cmask, streams, fn, tag,
-                                  HC, HIDDEN, SLOTS, MIX_ROW, MIXES, FN_EARLY)
+            _publish_mix_partials(mix_ptr, hc_fn_ptr, m, chunk, cols, cmask, streams, tag, HC,
+                                  HIDDEN, SLOTS, MIX_ROW, MIXES)
         if MIXES == _SAME_PRE:  # the collapse needs the pre chunk 0 computes
             if chunk == 0:
                 new_pre = _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr,
                                          pre_out_ptr, post_out_ptr, comb_out_ptr, m, tag, eps,
-                                         hc_eps, wait_bound, HC, HIDDEN, CHUNKS, CHUNKS_P2,
-                                         SLOTS, MIX_ROW, PRE_OFF, TOTALS_OFF, SINKHORN_ITERS,
-                                         MIXES, USE_PTX)
+                                         hc_eps, sinkhorn_rounds, wait_bound, HC, HIDDEN, CHUNKS,
+                                         CHUNKS_P2, SLOTS, MIX_ROW, PRE_OFF, TOTALS_OFF, MIXES,
+                                         USE_PTX)
             else:
                 new_pre = _wait_pre(mix_ptr, status_ptr, m, tag, wait_bound, HC, MIX_ROW,
                                     PRE_OFF, USE_PTX)
@@ -509,7 +505,7 @@ def consumer_kernel(
         if (MIXES != _NO_MIXES) and (MIXES != _SAME_PRE):  # noqa: SIM102 (constexpr: pruned)
             if chunk == 0:  # nobody here waits for the next mixes: after the norm
                 _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr,
-                               post_out_ptr, comb_out_ptr, m, tag, eps, hc_eps, wait_bound, HC,
-                               HIDDEN, CHUNKS, CHUNKS_P2, SLOTS, MIX_ROW, PRE_OFF, TOTALS_OFF,
-                               SINKHORN_ITERS, MIXES, USE_PTX)
+                               post_out_ptr, comb_out_ptr, m, tag, eps, hc_eps, sinkhorn_rounds,
+                               wait_bound, HC, HIDDEN, CHUNKS, CHUNKS_P2, SLOTS, MIX_ROW, PRE_OFF,
+                               TOTALS_OFF, MIXES, USE_PTX)
     stamp(stamp_ptr, slot, END, TIMELINE)

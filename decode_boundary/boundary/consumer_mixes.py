@@ -5,18 +5,23 @@
 ``residual_out``, publishes its share into the token's mix row of ``mix_ptr``
 (int64 words tagged like the norm's: ``SLOTS`` per chunk, the (2 + HC) * HC
 dots of its columns and streams with ``hc_fn``, then its sum of squares of
-``residual_out``). ``FN_EARLY``: the program loads its ``hc_fn`` columns
-before its grid wait and holds them (registers: with many tokens the grid no
-longer fits on the GPU at once); otherwise it loads them when it needs them
-(L2: the token's other programs share them). The chunk-0 program polls the
+``residual_out``). The program loads its ``hc_fn`` columns when it needs
+them; ``FN_PREFETCH`` (PTX) asks L2 for them before its grid wait, so the
+HBM reads overlap the publisher without holding registers (held, they cost
+64 per thread and the grid no longer fits on the GPU at once; measured in
+benchmarks/NOTES.md). The chunk-0 program polls the
 row (bounded, as the norm hand-off), sums the shares in one fixed tree (the
 same bits for a serial and a cooperative launch of one ``BLOCK_H``), and
 computes pre, post and comb: sigmoid, softmax and ``SINKHORN_ITERS``
 normalisations in FP32 on its own, and stores them. That arithmetic is on
 *scalars* (every thread computes all of it): on register vectors each sum of
 a 4-wide row would be a block reduction with a barrier, ~40 of them in a
-row. The shares' sums become scalars through ``TOTALS_OFF`` (one store, one
-barrier, broadcast loads). ``NEXT_MIXES`` (V4.1): nobody waits for them, so
+row; the Sinkhorn rounds are a loop with a run-time count (``rounds``), not
+unrolled: the code runs once per launch, cold in the instruction cache. The
+shares' sums become scalars through ``TOTALS_OFF`` (one store, one barrier,
+broadcast loads); the handed-over pre has its own 128-byte line after them
+(``PRE_OFF``), so the programs polling it do not slow chunk 0's round trip,
+and they poll with a back-off. ``NEXT_MIXES`` (V4.1): nobody waits for them, so
 chunk 0 combines after its norm, off the token's critical path; the collapse
 uses the given ``pre``. ``SAME_PRE`` (V4): chunk 0 combines first and stores
 the pre as ``HC`` tagged words (``PRE_OFF``) that the token's other programs
@@ -68,17 +73,33 @@ def _load_mix_weights(hc_fn_ptr, cols, cmask, HC: tl.constexpr, HIDDEN: tl.const
 
 
 @triton.jit
-def _publish_mix_partials(mix_ptr, hc_fn_ptr, m, chunk, cols, cmask, streams, fn, tag,
+def _prefetch_mix_weights(hc_fn_ptr, chunk, HC: tl.constexpr, HIDDEN: tl.constexpr,
+                          BLOCK_H: tl.constexpr, SLOTS: tl.constexpr):
+    """``prefetch.global.L2`` of this chunk's columns of ``hc_fn``: one per
+    128-byte line (32 FP32 columns) of each of its (2 + HC) * HC rows and HC
+    streams. Nothing is held; addresses stay inside the matrix (a partial last
+    chunk re-asks for its first line)."""
+    NMIX: tl.constexpr = (2 + HC) * HC
+    LINES: tl.constexpr = BLOCK_H // 32
+    j = tl.minimum(tl.arange(0, SLOTS), NMIX - 1)[:, None]
+    first = chunk * BLOCK_H + tl.arange(0, LINES)[None, :] * 32
+    first = tl.where(first < HIDDEN, first, chunk * BLOCK_H)
+    for t in tl.static_range(HC):
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
+                                  [hc_fn_ptr + j.to(tl.int64) * (HC * HIDDEN) + t * HIDDEN
+                                   + first], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _publish_mix_partials(mix_ptr, hc_fn_ptr, m, chunk, cols, cmask, streams, tag,
                           HC: tl.constexpr, HIDDEN: tl.constexpr, SLOTS: tl.constexpr,
-                          MIX_ROW: tl.constexpr, MIXES: tl.constexpr, FN_EARLY: tl.constexpr):
+                          MIX_ROW: tl.constexpr, MIXES: tl.constexpr):
     """This chunk's share of the next sublayer's mixes, tagged into token m's
     mix row at ``chunk * SLOTS``: word j < (2 + HC) * HC = sum over its columns
     and streams of residual_out * hc_fn[j] (FP32, each product rounded), word
-    (2 + HC) * HC = its sum of squares of residual_out, the rest +0.0. ``fn``:
-    the held columns of hc_fn with ``FN_EARLY``, loaded here otherwise."""
+    (2 + HC) * HC = its sum of squares of residual_out, the rest +0.0."""
     NMIX: tl.constexpr = (2 + HC) * HC
-    if not FN_EARLY:
-        fn = _load_mix_weights(hc_fn_ptr, cols, cmask, HC, HIDDEN, SLOTS, MIXES)
+    fn = _load_mix_weights(hc_fn_ptr, cols, cmask, HC, HIDDEN, SLOTS, MIXES)
     acc = tl.zeros(fn[0].shape, dtype=tl.float32)
     squares = tl.zeros(streams[0].shape, dtype=tl.float32)
     for t in tl.static_range(HC):
@@ -131,15 +152,15 @@ def _normalise_columns(comb, hc_eps, HC: tl.constexpr):
 
 @triton.jit
 def _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, post_out_ptr,
-                   comb_out_ptr, m, tag, eps, hc_eps, wait_bound, HC: tl.constexpr,
+                   comb_out_ptr, m, tag, eps, hc_eps, rounds, wait_bound, HC: tl.constexpr,
                    HIDDEN: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
                    SLOTS: tl.constexpr, MIX_ROW: tl.constexpr, PRE_OFF: tl.constexpr,
-                   TOTALS_OFF: tl.constexpr, SINKHORN_ITERS: tl.constexpr, MIXES: tl.constexpr,
-                   USE_PTX: tl.constexpr):
+                   TOTALS_OFF: tl.constexpr, MIXES: tl.constexpr, USE_PTX: tl.constexpr):
     """Wait for every chunk's share of token m's mixes (bounded: a timeout sets
     ``NORM_TIMEOUT_BIT`` and makes them NaN), sum them in one fixed tree, and
     compute pre, post and comb as ``reference.mhc_mixes_ref`` does; store them
     (and with ``SAME_PRE`` the pre, tagged, for the token's other programs).
+    ``rounds``: Sinkhorn rounds after the first normalisation (run time).
     Returns pre as a tuple of HC scalars."""
     NMIX: tl.constexpr = (2 + HC) * HC
     c = tl.arange(0, CHUNKS_P2)[:, None]
@@ -188,8 +209,10 @@ def _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, 
         for t in tl.static_range(HC):
             comb = comb + (e[s * HC + t] / total_e + hc_eps,)
     comb = _normalise_columns(comb, hc_eps, HC)
-    for _ in tl.static_range(SINKHORN_ITERS - 1):
+    r = 0
+    while r < rounds:
         comb = _normalise_columns(_normalise_rows(comb, hc_eps, HC), hc_eps, HC)
+        r += 1
     for i in tl.static_range(HC * HC):
         tl.store(comb_out_ptr + m * HC * HC + i, comb[i])
     return pre
@@ -216,7 +239,8 @@ def _wait_pre(mix_ptr, status_ptr, m, tag, wait_bound, HC: tl.constexpr,
     Scalar loads: each thread polls the same HC words on its own, with no block
     reduction (no barrier in the loop, so threads may leave it at different
     polls; every one leaves with the published words, which do not change
-    within a launch). Returns pre as a tuple of HC scalars."""
+    within a launch), and a 64 ns back-off between polls on the GPU. Returns
+    pre as a tuple of HC scalars."""
     row = mix_ptr + m * MIX_ROW + PRE_OFF
     words, pending = _probe_pre(row, tag, HC)
     if pending:
@@ -225,6 +249,9 @@ def _wait_pre(mix_ptr, status_ptr, m, tag, wait_bound, HC: tl.constexpr,
         start = tl.max(_now(spins, clock, USE_PTX), axis=0)
         go = pending
         while go:
+            if USE_PTX:  # back off: 39 programs x every thread poll one line
+                tl.inline_asm_elementwise("nanosleep.u32 64; mov.u32 $0, 0;", "=r,r", [clock],
+                                          dtype=tl.int32, is_pure=False, pack=1)
             words, pending = _probe_pre(row, tag, HC)
             spins += 1
             late = (tl.max(_now(spins, clock, USE_PTX), axis=0) - start) > wait_bound

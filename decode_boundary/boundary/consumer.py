@@ -115,7 +115,7 @@ MIXES_TACTICS = (
     (1 << 30, ConsumerTactic(256, 4)),
 )
 MIX_MIN_BLOCK = 64  # the mix row has one SLOTS-wide share per chunk of >= 64 columns
-MIXES_PREFETCH = True  # prefetch.global.L2 of hc_fn before the wait (with PTX)
+MIXES_PREFETCH = False  # prefetch.global.L2 of hc_fn before the wait: lost (sweep 50d727a)
 
 
 def consumer_tactic(m: int, hidden: int, mixes: bool = False) -> ConsumerTactic:

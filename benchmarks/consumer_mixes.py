@@ -4,9 +4,8 @@ the all-reduce over a group of one, DSV4.1-Flash's H = 5120, hc = 4): publish
 both collapses, and the separate mixes a user would run (``torch.compile`` of
 ``mhc_mixes_ref``) on the same residual_out. A quick look at the consumer's
 share of the mixes' cost; ``decode-boundary bench`` times them inside the
-chain (``bench.mixes``). ``--sweep`` also times every (tactic, hc_fn
-prefetched into L2 before the grid wait or not) of the fused mixes, each
-checked first: pre/post/comb
+chain (``bench.mixes``). ``--sweep`` also times every tactic of
+``SWEEP_TACTICS`` of the fused mixes, each checked first: pre/post/comb
 against the reference of its own residual_out, and (collapse "previous")
 residual_out and layer_input bit-equal to the consumer without mixes.
 
@@ -29,9 +28,7 @@ from decode_boundary.common.timing import graph_time_us
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes
 
 H, HC, COPIES, EPS, HC_EPS, ITERS = 5120, 4, 8, 1e-6, 1e-6, 20
-# (columns, warps, hc_fn prefetched into L2 before the grid wait)
-SWEEP_VARIANTS = ((128, 4, True), (128, 4, False), (256, 4, True), (256, 4, False),
-                  (128, 8, True))
+SWEEP_TACTICS = ((128, 4), (256, 4), (128, 8), (256, 8))  # (columns, warps)
 MIXES_ATOL = 1e-5  # tests/test_consumer_mixes.py justifies it
 
 
@@ -108,26 +105,25 @@ def _check(ars: dict, step: tuple, weights: tuple, collapse: str) -> str | None:
 
 
 def _sweep(ars: dict, step: tuple, copies: list) -> list:
-    """Every (tactic, prefetch) of the fused mixes, checked, then timed."""
-    rows, tactics, prefetch = [], consumer.MIXES_TACTICS, consumer.MIXES_PREFETCH
+    """Every tactic of the fused mixes, checked, then timed."""
+    rows, tactics = [], consumer.MIXES_TACTICS
     m = step[0].shape[0]
     try:
-        for block_h, warps, ahead in SWEEP_VARIANTS:
+        for block_h, warps in SWEEP_TACTICS:
             consumer.MIXES_TACTICS = ((1 << 30, consumer.ConsumerTactic(block_h, warps)),)
-            consumer.MIXES_PREFETCH = ahead
-            entry = {"block_h": block_h, "warps": warps, "prefetch": ahead}
+            entry = {"block_h": block_h, "warps": warps}
             for c in ("previous", "same"):
                 wrong = _check(ars, step, copies[0], c)
                 entry[f"{c}_error"] = wrong
                 entry[f"{c}_us"] = None if wrong else graph_time_us(
                     [functools.partial(_call, ars, step, c, w) for w in copies], step[0].device)
             rows.append(entry)
-            print(f"  M = {m} {block_h} x {warps} {'prefetch' if ahead else 'no prefetch'}: "
+            print(f"  M = {m} {block_h} x {warps}: "
                   + ", ".join(f"{c} {entry[c + '_us']:.2f} µs" if entry[c + "_us"]
                               else f"{c} WRONG {entry[c + '_error']}"
                               for c in ("previous", "same")))
     finally:
-        consumer.MIXES_TACTICS, consumer.MIXES_PREFETCH = tactics, prefetch
+        consumer.MIXES_TACTICS = tactics
     return rows
 
 

@@ -105,17 +105,17 @@ CONSUMER_TACTICS = (
 
 
 # With the next sublayer's mixes every program loads its columns of hc_fn (FP32,
-# (2 + hc) * hc rows) after its slots are in, prefetched into L2 before its grid
-# wait. Measured on one H200 (H = 5120, hc = 4, benchmarks/consumer_mixes.py --sweep,
-# results/consumer_mixes-5ad65b0.json): 128 x 4 fastest at M = 1 and 8, 256 x 4 at 4
-# and 16; holding hc_fn in registers from before the wait (128 x 8: 124 registers)
-# lost or tied at every M (2 programs per SM: at M = 16 the grid ran in 3 waves).
+# (2 + hc) * hc rows) after its slots are in. Measured on one H200 (H = 5120, hc = 4,
+# benchmarks/consumer_mixes.py --sweep, results/consumer_mixes-5ad65b0.json and
+# -50d727a.json): 128 x 4 fastest at M = 1 and 8, 256 x 4 at 4 and 16; holding hc_fn
+# in registers from before the wait (128 x 8: 124 registers) lost or tied at every M
+# (2 programs per SM: at M = 16 the grid ran in 3 waves), and so did an L2 prefetch
+# of it there (0.1-1.6 us slower at M = 1 and 16).
 MIXES_TACTICS = (
     (8, ConsumerTactic(128, 4)),
     (1 << 30, ConsumerTactic(256, 4)),
 )
 MIX_MIN_BLOCK = 64  # the mix row has one SLOTS-wide share per chunk of >= 64 columns
-MIXES_PREFETCH = False  # prefetch.global.L2 of hc_fn before the wait: lost (sweep 50d727a)
 
 
 def consumer_tactic(m: int, hidden: int, mixes: bool = False) -> ConsumerTactic:
@@ -518,7 +518,7 @@ def consume(
         UNITS_P2=triton.next_power_of_2(sumsq_columns(hidden)), MODE=mode, QUANT=quant,
         LAMPORT=lamport, COOPERATIVE=tactic.cooperative, USE_PTX=ptx,
         USE_PDL=pdl, TIMELINE=timeline, num_warps=tactic.warps, enable_fp_fusion=False,
-        launch_pdl=pdl, **_mix_constants(mixes, hc, hidden, tactic.block_h, ptx), **kwargs,
+        launch_pdl=pdl, **_mix_constants(mixes, hc, hidden, tactic.block_h), **kwargs,
     )
     if compile_only:
         load_module(compiled)
@@ -527,16 +527,14 @@ def consume(
     return out, layer_input
 
 
-def _mix_constants(mixes: MhcMixes | None, hc: int, hidden: int, block_h: int,
-                   ptx: bool) -> dict:
+def _mix_constants(mixes: MhcMixes | None, hc: int, hidden: int, block_h: int) -> dict:
     """The kernel's MIXES constexprs (defaults without mixes)."""
     if mixes is None:
         return dict(MIXES=NO_MIXES)
     return dict(MIXES=COLLAPSES[mixes.collapse], SLOTS=mix_slots(hc),
                 MIX_ROW=mix_columns(hidden, hc), PRE_OFF=mix_pre_offset(hidden, hc),
                 TOTALS_OFF=mix_totals_offset(hidden, hc),
-                CHUNKS_P2=triton.next_power_of_2(triton.cdiv(hidden, block_h)),
-                FN_PREFETCH=ptx and MIXES_PREFETCH)
+                CHUNKS_P2=triton.next_power_of_2(triton.cdiv(hidden, block_h)))
 
 
 def _or(t, default):

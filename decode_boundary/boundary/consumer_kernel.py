@@ -62,8 +62,8 @@ equal ``quantize_mxfp8_ref`` of the kernel's own ``layer_input``.
 * The serial path's ``prenorm`` scratch: volatile reads of the program's own
   stores, which a ``debug_barrier`` orders before them.
 * Residual, post, comb, pre, gamma: plain loads, issued *before* the grid
-  dependency wait (so they overlap the publisher); with mixes hc_fn is asked
-  into L2 there (``FN_PREFETCH``) and loaded plainly after it, hc_scale and
+  dependency wait (so they overlap the publisher); with mixes hc_fn after it
+  (plain loads, when the program's residual_out is in registers), hc_scale and
   hc_base by chunk 0 when it combines.
 * The mix row and the handed-over pre: volatile polls, as ``sumsq``.
 
@@ -126,7 +126,6 @@ from .consumer_mixes import (
     _NO_MIXES,
     _SAME_PRE,
     _combine_mixes,
-    _prefetch_mix_weights,
     _publish_mix_partials,
     _wait_pre,
 )
@@ -378,7 +377,7 @@ def consumer_kernel(
     COOPERATIVE: tl.constexpr, USE_PTX: tl.constexpr, USE_PDL: tl.constexpr,
     MIXES: tl.constexpr = 0, SLOTS: tl.constexpr = 1, MIX_ROW: tl.constexpr = 1,
     PRE_OFF: tl.constexpr = 0, TOTALS_OFF: tl.constexpr = 0, CHUNKS_P2: tl.constexpr = 1,
-    FN_PREFETCH: tl.constexpr = False, TIMELINE: tl.constexpr = False,
+    TIMELINE: tl.constexpr = False,
 ):
     CHUNKS: tl.constexpr = (HIDDEN + BLOCK_H - 1) // BLOCK_H
     UNITS: tl.constexpr = (HIDDEN + 31) // 32  # sumsq row: one word per 32 columns
@@ -393,13 +392,10 @@ def consumer_kernel(
     cols = chunk * BLOCK_H + offs
     cmask = cols < HIDDEN
     if not SERIAL:
-        # Inputs that earlier kernels produced, and hc_fn (a weight): load them while
-        # the publisher runs.
+        # Inputs that earlier kernels produced: load them while the publisher runs.
         res, post, comb, pre, gamma = _load_inputs(residual_ptr, post_ptr, comb_ptr, pre_ptr,
                                                    gamma_ptr, m, cols, cmask, HC, HIDDEN, MODE,
                                                    MIXES)
-        if (MIXES != _NO_MIXES) and FN_PREFETCH:
-            _prefetch_mix_weights(hc_fn_ptr, chunk, HC, HIDDEN, BLOCK_H, SLOTS)
     if USE_PDL:
         # Released here, not earlier or later: the dependent GEMM's weight stream then
         # overlaps this kernel's body; released before the wait or after the norm

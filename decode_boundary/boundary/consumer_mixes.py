@@ -5,11 +5,10 @@
 ``residual_out``, publishes its share into the token's mix row of ``mix_ptr``
 (int64 words tagged like the norm's: ``SLOTS`` per chunk, the (2 + HC) * HC
 dots of its columns and streams with ``hc_fn``, then its sum of squares of
-``residual_out``). The program loads its ``hc_fn`` columns when it needs
-them; ``FN_PREFETCH`` (PTX) asks L2 for them before its grid wait, so the
-HBM reads overlap the publisher without holding registers (held, they cost
-64 per thread and the grid no longer fits on the GPU at once; measured in
-benchmarks/NOTES.md). The chunk-0 program polls the
+``residual_out``). The program loads its ``hc_fn`` columns only then, not
+before its grid wait: held from there they cost 64 registers per thread,
+and neither that nor an L2 prefetch there won (benchmarks/NOTES.md, "V4-family
+mixes"). The chunk-0 program polls the
 row (bounded, as the norm hand-off), sums the shares in one fixed tree (the
 same bits for a serial and a cooperative launch of one ``BLOCK_H``), and
 computes pre, post and comb: sigmoid, softmax and ``SINKHORN_ITERS``
@@ -70,24 +69,6 @@ def _load_mix_weights(hc_fn_ptr, cols, cmask, HC: tl.constexpr, HIDDEN: tl.const
             fn = fn + (tl.load(hc_fn_ptr + j.to(tl.int64) * (HC * HIDDEN) + t * HIDDEN
                                + cols[None, :], mask=(j < NMIX) & cmask[None, :], other=0.0),)
     return fn
-
-
-@triton.jit
-def _prefetch_mix_weights(hc_fn_ptr, chunk, HC: tl.constexpr, HIDDEN: tl.constexpr,
-                          BLOCK_H: tl.constexpr, SLOTS: tl.constexpr):
-    """``prefetch.global.L2`` of this chunk's columns of ``hc_fn``: one per
-    128-byte line (32 FP32 columns) of each of its (2 + HC) * HC rows and HC
-    streams. Nothing is held; addresses stay inside the matrix (a partial last
-    chunk re-asks for its first line)."""
-    NMIX: tl.constexpr = (2 + HC) * HC
-    LINES: tl.constexpr = BLOCK_H // 32
-    j = tl.minimum(tl.arange(0, SLOTS), NMIX - 1)[:, None]
-    first = chunk * BLOCK_H + tl.arange(0, LINES)[None, :] * 32
-    first = tl.where(first < HIDDEN, first, chunk * BLOCK_H)
-    for t in tl.static_range(HC):
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
-                                  [hc_fn_ptr + j.to(tl.int64) * (HC * HIDDEN) + t * HIDDEN
-                                   + first], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

@@ -1,8 +1,9 @@
 """The consumer alone with and without the next sublayer's mixes (one rank,
 the all-reduce over a group of one, DSV4.1-Flash's H = 5120, hc = 4): publish
 + consume per call, CUDA-graph replays over rotated hc_fn copies (cold L2),
-both collapses, and the separate mixes a user would run (``torch.compile`` of
-``mhc_mixes_ref``) on the same residual_out. A quick look at the consumer's
+both collapses, V4.1's from our mixes kernel after the consumer
+(``boundary.mixes_kernel``), and the separate mixes a user would run
+(``torch.compile`` of ``mhc_mixes_ref``) on the same residual_out. A quick look at the consumer's
 share of the mixes' cost; ``decode-boundary bench`` times them inside the
 chain (``bench.mixes``). ``--sweep`` also times every tactic of
 ``SWEEP_TACTICS`` of the fused mixes, each checked first: pre/post/comb
@@ -76,6 +77,17 @@ def main() -> None:
         for c in ("previous", "same"):
             us[f"consumer_mixes_{c}"] = graph_time_us(
                 [functools.partial(_call, ars, step, c, w) for w in copies], dev)
+        # V4.1's mixes from our mixes kernel after the consumer (the path beyond
+        # MIXES_FUSED_MAX_ROWS), at this M too.
+        saved, consumer.MIXES_FUSED_MAX_ROWS = consumer.MIXES_FUSED_MAX_ROWS, 0
+        try:
+            wrong = _check(ars, step, copies[0], "previous")
+            us["consumer_then_mixes_kernel"] = None if wrong else graph_time_us(
+                [functools.partial(_call, ars, step, "previous", w) for w in copies], dev)
+            if wrong:
+                print(f"M = {m}: the mixes kernel is WRONG: {wrong}")
+        finally:
+            consumer.MIXES_FUSED_MAX_ROWS = saved
         res_out = _call(ars, step, None)[0]
         us["separate_mixes"] = graph_time_us(
             [functools.partial(separate, res_out, *w, EPS, HC_EPS, ITERS) for w in copies], dev)
@@ -83,7 +95,8 @@ def main() -> None:
         if args.sweep:
             row["sweep"] = _sweep(ars, step, copies)
         result["timings"].append(row)
-        print(f"M = {m}: " + ", ".join(f"{k} {v:.2f} µs" for k, v in us.items()))
+        print(f"M = {m}: " + ", ".join(f"{k} {v:.2f} µs" for k, v in us.items()
+                                      if v is not None))
     name = f"consumer_mixes-{git_commit() or 'nocommit'}.json"
     print("wrote", write_json(result, args.out / name))
 

@@ -32,10 +32,18 @@ def test_both_ways_compute_the_same(collapse, monkeypatch):
     result = mixes.time_mixes(views, [2], torch.device("cpu"), None)
     ab.close()
     assert result["collapse"] == collapse and [r["rows"] for r in result["rows"]] == [2]
-    assert result["rows"][0]["us"] == {"fused": 2.0, "consumer": 3.0, "separate": 4.0,
-                                       "consumer_then_separate": 5.0}
+    want = {"fused": 2.0, "consumer": 3.0, "separate": 4.0, "consumer_then_separate": 5.0}
+    if collapse == "previous":  # V4.1 also times our mixes kernel after the consumer
+        want["mixes_kernel"] = 6.0
+    assert result["rows"][0]["us"] == want
     fused, consumer, separate, both = (ran[i] for i in range(4))
     for copy in range(2):
+        if collapse == "previous":  # the mixes kernel's: the same consumer, mixes in the bar
+            res_out, layer_input, _, kernel_mixes = ran[4][copy]
+            assert torch.equal(res_out, fused[copy][0])
+            assert torch.equal(layer_input, fused[copy][1])
+            for a, b in zip(kernel_mixes, fused[copy][3], strict=True):
+                assert (a - b).abs().max().item() <= MIXES_ATOL
         res_out, layer_input, _, fused_mixes = fused[copy]
         assert torch.equal(consumer[copy][0], res_out)  # the same consumer, mixes aside
         if collapse == "same":
@@ -54,3 +62,4 @@ def test_both_ways_compute_the_same(collapse, monkeypatch):
         "bench", "x", report.environment(False, []), {"model": "tiny", "tp": 1}),
         "mixes": result}))
     assert f"{collapse} pre" in text and "-1.00" in text and "2.50x" in text
+    assert ("6.00" in text) == (collapse == "previous")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import decode_boundary as db
+from decode_boundary.boundary.consumer import fuses_mixes
 from decode_boundary.boundary.reference import consumer_ref, mhc_mixes_ref
 
 H, HC, CAP, TP = 128, 4, 4, 2
@@ -127,27 +128,29 @@ def test_checks():
 @pytest.mark.parametrize("collapse", ["previous", "same"])
 def test_gpu_mixes_cooperative_graphs_and_compile(collapse):
     """On the GPU at DSV4.1-Flash's H = 5120 (the cooperative tactic, PDL,
-    %globaltimer bounds): mixes within the bar of the spec and FP64 for M = 1
-    and 16; layer_input and its MXFP8 bit-equal to the consumer without mixes
-    given the pre the collapse used; a CUDA graph replay and the compiled step
+    %globaltimer bounds): mixes within the bar of the spec and FP64 for M = 1,
+    16 and 48 (V4.1's from the mixes kernel there: mixes_kernel.py); layer_input
+    and its MXFP8 bit-equal to the consumer without mixes given the pre the
+    collapse used; a CUDA graph replay and the compiled step
     (inductor) give the eager bits."""
     from independent_ref import mhc_mixes_fp64
 
     from decode_boundary.mxfp8.format import mxfp8_scale_bytes
 
     h, dev = 5120, "cuda"
-    (ar,) = db.BoundaryAllReduce.simulated(1, h, HC, 16, 2, device=dev, quantize_layer_input=True,
+    (ar,) = db.BoundaryAllReduce.simulated(1, h, HC, 48, 2, device=dev, quantize_layer_input=True,
                                            residual_only=False, collapse_pre=collapse)
-    (plain,) = db.BoundaryAllReduce.simulated(1, h, HC, 16, 2, device=dev,
+    (plain,) = db.BoundaryAllReduce.simulated(1, h, HC, 48, 2, device=dev,
                                               quantize_layer_input=True, residual_only=False)
-    ar.precompile([1, 16])
-    plain.precompile([1, 16])
+    ar.precompile([1, 16, 48])
+    plain.precompile([1, 16, 48])
     g = torch.Generator().manual_seed(21)
     n = (2 + HC) * HC
     weights = tuple(t.to(dev) for t in (torch.randn(n, HC * h, generator=g) * 0.02,
                                          torch.rand(3, generator=g) + 0.5,
                                          torch.randn(n, generator=g) * 0.5))
-    for m in (1, 16):
+    assert fuses_mixes(16, HC, collapse) and fuses_mixes(48, HC, collapse) == (collapse == "same")
+    for m in (1, 16, 48):
         x = torch.randn(m, h, generator=g).bfloat16().to(dev)
         residual = torch.randn(m, HC, h, generator=g).bfloat16().to(dev)
         post, comb, pre = (torch.rand(m, HC, generator=g).to(dev) * 2,

@@ -21,6 +21,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from decode_boundary.boundary.consumer_kernel import consumer_kernel
 from decode_boundary.boundary.finalize_kernel import finalize_publish_kernel
+from decode_boundary.boundary.mixes_kernel import next_mixes_kernel
 from decode_boundary.boundary.publish_kernel import publish_kernel
 
 def ptx(fn, sig, consts, warps):
@@ -56,6 +57,15 @@ mixes = dict(full, BLOCK_H=128, SLOTS=32, MIX_ROW=80 * 32 + 48, PRE_OFF=80 * 32 
 out["consumer_mixes"] = ptx(consumer_kernel, sig, dict(mixes, MIXES=1), 4)
 out["consumer_same_pre"] = ptx(consumer_kernel, sig, dict(mixes, MIXES=2), 4)
 out["consumer_128x4"] = ptx(consumer_kernel, sig, dict(mixes, MIXES=0), 4)  # the same, no mixes
+# The mixes kernel after the consumer (mixes_kernel.py: 128 columns x 16 tokens, 4 warps).
+out["mixes_kernel"] = ptx(next_mixes_kernel, {"streams_ptr": "*bf16", "hc_fn_ptr": "*fp32",
+    "hc_scale_ptr": "*fp32", "hc_base_ptr": "*fp32", "generation_ptr": "*i32",
+    "mix_ptr": "*i64", "status_ptr": "*i32", "pre_out_ptr": "*fp32", "post_out_ptr": "*fp32",
+    "comb_out_ptr": "*fp32", "m_total": "i32", "eps": "fp32", "hc_eps": "fp32",
+    "sinkhorn_rounds": "i32", "wait_bound": "i64"},
+    dict(HC=4, HIDDEN=5120, BLOCK_H=128, TOKENS=16, SLOTS=32, MIX_ROW=80 * 32 + 48,
+         PRE_OFF=80 * 32 + 32, TOTALS_OFF=80 * 32, CHUNKS_P2=64, COOPERATIVE=True,
+         USE_PTX=True, USE_PDL=True), 4)
 out["finalize"] = ptx(finalize_publish_kernel, {"gemm2_ptr": "*bf16", "weights_ptr": "*fp32",
     "idx_ptr": "*i32", "shared_ptr": "*bf16", "partial_ptr": "*bf16", "peer_ptrs_ptr": "*i64",
     "stage_ptr": "*i32", "rank": "i32", "capacity": "i32"},
@@ -131,6 +141,19 @@ def test_consumer_has_no_spills_and_a_short_body(ptx):
     code = ptx["consumer"]
     assert "st.global.b64" in code or "st.global.v2.b64" in code
     assert "ld.volatile.global.v2.b64" in code or "ld.volatile.global.b64" in code
+    assert "fence" not in code and "membar" not in code
+    assert all(".or." in line for line in code.splitlines() if "atom." in line)
+
+
+def test_mixes_kernel_holds_hc_fn_from_before_the_wait_without_spills(ptx):
+    """The mixes kernel loads its hc_fn columns (a weight) before the grid
+    wait, so they overlap the consumer, reads residual_out only after it,
+    stays in registers, and polls the shares volatile, bounded."""
+    code = ptx["mixes_kernel"]
+    wait = code.index("griddepcontrol.wait")
+    assert code[:wait].count("ld.global") >= 4 * 24 * 128 // (32 * 4) // 4  # 16-byte loads
+    assert "ld.local" not in code and "st.local" not in code
+    assert "ld.volatile.global" in code and "%globaltimer" in code
     assert "fence" not in code and "membar" not in code
     assert all(".or." in line for line in code.splitlines() if "atom." in line)
 

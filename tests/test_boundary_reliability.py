@@ -324,10 +324,11 @@ class RecordingKernel:
 
     def __init__(self):
         self.launches = []
+        self.bound_at = consumer_module.consumer_kernel.arg_names.index("wait_bound")
 
     def __getitem__(self, grid):
         def launch_it(*args, **kwargs):
-            self.launches.append((kwargs["USE_PTX"], args[-1]))  # wait_bound is the last
+            self.launches.append((kwargs["USE_PTX"], args[self.bound_at]))
 
         return launch_it
 

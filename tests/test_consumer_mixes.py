@@ -17,10 +17,12 @@ import pytest
 import torch
 from independent_ref import mhc_mixes_fp64
 
+from decode_boundary.boundary import consumer
 from decode_boundary.boundary.consumer import (
     ConsumerTactic,
     MhcMixes,
     consume,
+    fuses_mixes,
     mix_columns,
     sumsq_columns,
 )
@@ -35,45 +37,46 @@ SERIAL = [ConsumerTactic(64, 2, False), ConsumerTactic(128, 4, False),
           ConsumerTactic(256, 4, False)]
 
 
-def step(seed):
+def step(seed, m=M):
     g = torch.Generator().manual_seed(seed)
-    xs = [torch.randn(M, H, generator=g).bfloat16() for _ in range(TP)]
-    residual = torch.randn(M, HC, H, generator=g).bfloat16()
+    xs = [torch.randn(m, H, generator=g).bfloat16() for _ in range(TP)]
+    residual = torch.randn(m, HC, H, generator=g).bfloat16()
     residual[1] = 0  # with a zero partial below: a zero token, only eps keeps rsqrt finite
     for x in xs:
         x[1] = 0
     n = (2 + HC) * HC
-    return dict(xs=xs, residual=residual, post=torch.rand(M, HC, generator=g) * 2,
-                comb=torch.rand(M, HC, HC, generator=g), pre=torch.rand(M, HC, generator=g),
+    return dict(xs=xs, residual=residual, post=torch.rand(m, HC, generator=g) * 2,
+                comb=torch.rand(m, HC, HC, generator=g), pre=torch.rand(m, HC, generator=g),
                 gamma=(1 + 0.1 * torch.randn(H, generator=g)).bfloat16(),
                 hc_fn=torch.randn(n, HC * H, generator=g) * 0.2,
                 hc_scale=torch.rand(3, generator=g) + 0.5,
                 hc_base=torch.randn(n, generator=g) * 0.5)
 
 
-def scratch(poison=True):
+def scratch(poison=True, m=M):
     """The consumer's scratch as a mailbox holds it, poisoned: NaN under an old tag."""
     fill = float("nan") if poison else 0.0
     stale = int(torch.tensor(fill).view(torch.int32).to(torch.int64) & 0xFFFFFFFF)
-    return dict(generation=torch.zeros(M + 1, dtype=torch.int32),
+    return dict(generation=torch.zeros(m + 1, dtype=torch.int32),
                 status=torch.zeros(1, dtype=torch.int32), wait_bound=100_000,
-                sumsq=torch.full((M + 1, sumsq_columns(H)), stale, dtype=torch.int64),
-                prenorm=torch.full((M + 1, H), fill, dtype=torch.bfloat16),
-                mix_words=torch.full((M + 1, mix_columns(H, HC)), stale, dtype=torch.int64))
+                sumsq=torch.full((m + 1, sumsq_columns(H)), stale, dtype=torch.int64),
+                prenorm=torch.full((m + 1, H), fill, dtype=torch.bfloat16),
+                mix_words=torch.full((m + 1, mix_columns(H, HC)), stale, dtype=torch.int64))
 
 
-def mxfp8_buffers():
-    return (torch.full((M, H), float("nan")).to(torch.float8_e4m3fn),
-            torch.full((mxfp8_scale_bytes(M, H),), 0xAB, dtype=torch.uint8))
+def mxfp8_buffers(m=M):
+    return (torch.full((m, H), float("nan")).to(torch.float8_e4m3fn),
+            torch.full((mxfp8_scale_bytes(m, H),), 0xAB, dtype=torch.uint8))
 
 
 def launch(d, s, tactic, collapse=None, hc_eps=0.1, iters=3, pre=None):
     """One gathered consume of step ``d``; with ``collapse``, its mixes."""
+    m = d["residual"].shape[0]
     mixes = None if collapse is None else MhcMixes(d["hc_fn"], d["hc_scale"], d["hc_base"],
                                                    hc_eps, iters, collapse)
     given_pre = pre if pre is not None else (None if collapse == "same" else d["pre"])
-    q = mxfp8_buffers()
-    out = consume(torch.stack(d["xs"]), TP, M, mode=FULL, lamport=False, tactic=tactic,
+    q = mxfp8_buffers(m)
+    out = consume(torch.stack(d["xs"]), TP, m, mode=FULL, lamport=False, tactic=tactic,
                   residual=d["residual"], post=d["post"], comb=d["comb"], pre=given_pre,
                   norm_weight=d["gamma"], eps=EPS, mxfp8_out=q, mixes=mixes, **s)
     return (*out, q)
@@ -154,6 +157,43 @@ def test_cooperative_launches_give_the_serial_bits(collapse, cooperative_in_the_
                               ("residual_out", "layer", "pre", "post", "comb", "q", "scale"),
                               strict=True):
             assert_same_bits(a, b, what)
+
+
+@pytest.mark.parametrize("m", [3, 37])
+def test_mixes_kernel_after_the_consumer(m, monkeypatch):
+    """Beyond ``MIXES_FUSED_MAX_ROWS`` (here 0) V4.1's mixes come from the mixes
+    kernel: within the bar of the spec of the consumer's own residual_out, on
+    one poisoned scratch reused by two steps (the second takes none of the
+    first's shares: they carry the older generation), 3 token groups at M =
+    37; everything else is the consumer without mixes, bit for bit. V4's
+    collapse stays fused (it needs the pre inside the consumer)."""
+    monkeypatch.setattr(consumer, "MIXES_FUSED_MAX_ROWS", 0)
+    assert not fuses_mixes(m, HC, "previous") and fuses_mixes(m, HC, "same")
+    s = scratch(m=m)
+    for launch_no in (1, 2):
+        d = step(20 + launch_no, m)
+        res_out, layer, mixes, q = launch(d, s, SERIAL[1], "previous")
+        assert s["status"].item() == 0 and s["generation"][:m].eq(launch_no).all()
+        check_mixes(res_out, mixes, d, 0.1, 3)
+        plain_res, plain_layer, plain_q = launch(d, scratch(m=m), SERIAL[1])
+        for a, b, what in ((res_out, plain_res, "residual_out"), (layer, plain_layer, "layer"),
+                           (q[0], plain_q[0], "MXFP8 data"), (q[1], plain_q[1], "scales")):
+            assert_same_bits(a, b, what)
+
+
+def test_mixes_kernel_cooperative_gives_the_serial_bits(cooperative_in_the_interpreter,
+                                                        monkeypatch):
+    """The GPU default's grid (a program per 128 columns and 16 tokens; here 2
+    chunks, so each program combines 8 of its group's tokens) gives the
+    serial launch's bits, at M = 20 (two groups, the second partial)."""
+    monkeypatch.setattr(consumer, "MIXES_FUSED_MAX_ROWS", 0)
+    d = step(30, 20)
+    got = launch(d, scratch(m=20), ConsumerTactic(64, 2, True), "previous")
+    want = launch(d, scratch(m=20), ConsumerTactic(64, 2, False), "previous")
+    for a, b, what in zip(got[:2] + got[2], want[:2] + want[2],
+                          ("residual_out", "layer", "pre", "post", "comb"), strict=True):
+        assert_same_bits(a, b, what)
+    check_mixes(got[0], got[2], d, 0.1, 3)
 
 
 def test_argument_checks():

@@ -12,7 +12,10 @@ what a user runs instead, compiled by ``torch.compile``.
 Per M (µs, cold L2 over the boundary's weight copies): ``fused`` (publish +
 consumer with the mixes, as the chain runs it), ``consumer`` (publish +
 today's consumer without them: the issue's yardstick), ``separate`` (the
-user's tail alone) and ``consumer_then_separate`` (what a user runs in all).
+user's tail alone) and ``consumer_then_separate`` (what a user runs in all);
+V4.1 also ``mixes_kernel``: publish + consumer + our own mixes kernel after it
+(``boundary.mixes_kernel``, what the chain runs beyond
+``consumer.MIXES_FUSED_MAX_ROWS``), whatever M.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import functools
 
 import torch
 
+from decode_boundary.boundary import consumer
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
 from decode_boundary.boundary.reference import mhc_mixes_ref
 from decode_boundary.common.timing import graph_time_us
@@ -37,6 +41,15 @@ def _v4_tail(residual_out, norm_weight, eps: float, hc_fn, hc_scale, hc_base, hc
     """V4's separate tail: (layer_input, pre, post, comb) from residual_out."""
     mixes = mhc_mixes_ref(residual_out, hc_fn, hc_scale, hc_base, eps, hc_eps, iters)
     return collapse_rmsnorm(residual_out, mixes[0], norm_weight, eps), *mixes
+
+
+def _with_mixes_kernel(reduce, *args):
+    """``reduce(*args)`` with V4.1's mixes from the mixes kernel at any M."""
+    saved, consumer.MIXES_FUSED_MAX_ROWS = consumer.MIXES_FUSED_MAX_ROWS, 0
+    try:
+        return reduce(*args)
+    finally:
+        consumer.MIXES_FUSED_MAX_ROWS = saved
 
 
 @functools.cache
@@ -82,11 +95,15 @@ class MixesTimer:
 
     def steps(self, inputs) -> dict[str, list]:
         """name -> one callable per weight copy."""
-        out = {name: [] for name in ("fused", "consumer", "separate", "consumer_then_separate")}
+        names = ["fused", "consumer", "separate", "consumer_then_separate"]
+        out = {name: [] for name in names + ([] if self.same else ["mixes_kernel"])}
         for v in self.views:
             partial = mxfp8_mm(v.wo_b, mxfp8_mm(v.wo_a, inputs.attn_out))
             residual_out = v.reduce(inputs, partial)[0]
             out["fused"].append(functools.partial(v.reduce, inputs, partial))
+            if not self.same:
+                out["mixes_kernel"].append(functools.partial(_with_mixes_kernel, v.reduce,
+                                                             inputs, partial))
             out["consumer"].append(functools.partial(self._consumer, v, inputs, partial,
                                                      inputs.pre))
             out["separate"].append(functools.partial(self._tail, v, residual_out))
@@ -101,7 +118,8 @@ class MixesTimer:
 
 def time_mixes(views: list[AttentionBoundary], rows: list[int], device, group) -> dict:
     """``{"collapse", "rows": [{"rows", "us": {fused, consumer, separate,
-    consumer_then_separate}}]}`` for every M of ``rows``, in one run."""
+    consumer_then_separate[, mixes_kernel]}}]}`` for every M of ``rows``, in
+    one run."""
     timer = MixesTimer(views, rows)
     try:
         results = []

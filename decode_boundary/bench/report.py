@@ -177,19 +177,23 @@ def mixes_table(result: dict) -> Table:
     mixes = result["mixes"]
     table = Table(title=_title(result, f"next mixes, collapse with the {mixes['collapse']} "
                                        "pre: µs (median, cold L2)"))
+    kernel = all("mixes_kernel" in row["us"] for row in mixes["rows"])
     for name in ("M", "fused consumer", "consumer", "fused - consumer", "separate tail",
-                 "consumer + separate", "(consumer + separate) / fused"):
+                 "consumer + separate", "(consumer + separate) / fused",
+                 *(("consumer + mixes kernel",) if kernel else ())):
         table.add_column(name, justify="right")
     for row in mixes["rows"]:
         us = row["us"]
         table.add_row(str(row["rows"]), f"{us['fused']:.2f}", f"{us['consumer']:.2f}",
                       f"{us['fused'] - us['consumer']:+.2f}", f"{us['separate']:.2f}",
                       f"{us['consumer_then_separate']:.2f}",
-                      f"{us['consumer_then_separate'] / us['fused']:.2f}x")
+                      f"{us['consumer_then_separate'] / us['fused']:.2f}x",
+                      *((f"{us['mixes_kernel']:.2f}",) if kernel else ()))
     table.caption = ("publish + consumer each; consumer = without the mixes (given pre); "
                      "separate = torch.compile of the user's tail (V4.1: the mixes; V4: the "
                      "mixes, collapse, RMSNorm, then MXFP8); consumer + separate runs the "
-                     "consumer residual-only for V4")
+                     "consumer residual-only for V4; consumer + mixes kernel (V4.1): ours "
+                     "after the consumer, as beyond MIXES_FUSED_MAX_ROWS")
     return table
 
 

@@ -58,6 +58,7 @@ from .consumer import (
     compile_inputs,
     consume,
     consumer_tactic,
+    fuses_mixes,
     is_nonnegative_real,
     is_positive_int,
     mix_columns,
@@ -506,8 +507,9 @@ class BoundaryAllReduce:
 
     def _consumer_key(self, m: int, mode: int, quant: bool) -> tuple:
         mixes = self.collapse_pre if mode == FULL else None
-        return ("consume", mode, quant, mixes,
-                self.tactic or consumer_tactic(m, self.hidden_size, mixes is not None))
+        fused = mixes is not None and fuses_mixes(m, self.hc_mult, mixes)
+        return ("consume", mode, quant, mixes, fused,
+                self.tactic or consumer_tactic(m, self.hidden_size, fused))
 
     def compile_variants(self, compilers: dict, force_barrier: bool = False) -> None:
         """Compile the variants (key -> compile-only call) not compiled yet, then

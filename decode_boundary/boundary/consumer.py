@@ -72,6 +72,7 @@ from .consumer_kernel import (
     SAME_PRE,
     consumer_kernel,
 )
+from .mixes_kernel import launch_next_mixes
 from .publish_kernel import load_module
 
 QUANT_GROUP = 32  # MXFP8 group: a chunk holds whole groups, so it is >= 32 columns
@@ -116,6 +117,11 @@ MIXES_TACTICS = (
     (1 << 30, ConsumerTactic(256, 4)),
 )
 MIX_MIN_BLOCK = 64  # the mix row has one SLOTS-wide share per chunk of >= 64 columns
+# Beyond this many tokens V4.1's next mixes come from the mixes kernel after the
+# consumer (mixes_kernel.py: hc_fn read once per 16 tokens, not once per token); the
+# fused ones cost the chain +14 / +21 us at M = 32 / 64 (bench 5235045). The mixes
+# kernel is not yet measured at M <= 16, where the fused ones were.
+MIXES_FUSED_MAX_ROWS = 16
 
 
 def consumer_tactic(m: int, hidden: int, mixes: bool = False) -> ConsumerTactic:
@@ -128,6 +134,13 @@ def consumer_tactic(m: int, hidden: int, mixes: bool = False) -> ConsumerTactic:
     if env.interpret_mode():
         tactic = tactic._replace(cooperative=False)
     return tactic
+
+
+def fuses_mixes(m: int, hc: int, collapse: str) -> bool:
+    """Whether the consumer computes the next mixes of M tokens itself; else
+    the mixes kernel does, right after it. V4's collapse needs them inside the
+    consumer; the mixes kernel's dot needs >= 16 slots (hc >= 2)."""
+    return collapse == "same" or m <= MIXES_FUSED_MAX_ROWS or mix_slots(hc) < 16
 
 
 def sumsq_columns(hidden: int) -> int:
@@ -405,7 +418,10 @@ def consume(
     outputs are then unwritten). ``mixes`` (full mode): :class:`MhcMixes`;
     with ``collapse="same"`` ``pre`` is None (the kernel collapses with the pre
     it computes); ``mix_words`` int64 [rows, ``mix_columns(H, hc)``] is then its
-    per-token scratch, zeroed together with ``generation`` and ``sumsq``.
+    per-token scratch, zeroed together with ``generation`` and ``sumsq``. The
+    consumer computes the mixes itself where :func:`fuses_mixes` says so, else
+    the mixes kernel (:mod:`.mixes_kernel`) does, launched right after it on
+    the same stream (from the same checked inputs and scratch).
 
     Early inputs (module docstring): ``residual``, ``post``, ``comb``, ``pre``
     and ``norm_weight`` are read before the kernel's grid-dependency wait, i.e.
@@ -439,8 +455,11 @@ def consume(
         raise ValueError(f"M = {m} must be in [1, capacity = {capacity}]")
     if (lamport or mode == FULL) and wait_bound <= 0:
         raise ValueError(f"wait_bound must be > 0 (ns with PTX, spins without), got {wait_bound}")
-    tactic = ConsumerTactic(*(tactic or consumer_tactic(m, hidden, mixes is not None)))
-    _check_tactic(tactic, hidden, mode, mixes is not None)
+    hc = residual.shape[1] if mode != PLAIN and residual is not None and residual.ndim == 3 \
+        else 1
+    fused = isinstance(mixes, MhcMixes) and fuses_mixes(m, hc, mixes.collapse)
+    tactic = ConsumerTactic(*(tactic or consumer_tactic(m, hidden, fused)))
+    _check_tactic(tactic, hidden, mode, fused)
     if mode == PLAIN:
         out = torch.empty(m, hidden, dtype=torch.bfloat16, device=device)
         hc = 1
@@ -518,10 +537,19 @@ def consume(
         UNITS_P2=triton.next_power_of_2(sumsq_columns(hidden)), MODE=mode, QUANT=quant,
         LAMPORT=lamport, COOPERATIVE=tactic.cooperative, USE_PTX=ptx,
         USE_PDL=pdl, TIMELINE=timeline, num_warps=tactic.warps, enable_fp_fusion=False,
-        launch_pdl=pdl, **_mix_constants(mixes, hc, hidden, tactic.block_h), **kwargs,
+        launch_pdl=pdl, **_mix_constants(mixes if fused else None, hc, hidden, tactic.block_h),
+        **kwargs,
     )
     if compile_only:
         load_module(compiled)
+    if mixes is not None and not fused:
+        launch_next_mixes(out, fn, scale, base, eps, mixes.hc_eps, mixes.sinkhorn_iters,
+                          generation, mix_words, status, wait_bound, mixes_out,
+                          slots=mix_slots(hc), mix_row=mix_columns(hidden, hc),
+                          pre_offset=mix_pre_offset(hidden, hc),
+                          totals_offset=mix_totals_offset(hidden, hc),
+                          cooperative=tactic.cooperative, ptx=ptx, pdl=pdl,
+                          compile_only=compile_only)
     if mixes is not None:
         return out, layer_input, mixes_out
     return out, layer_input

@@ -1,0 +1,156 @@
+"""The next sublayer's mHC mixes as a kernel of their own, right after the
+consumer (V4.1's collapse with the previous pre, many tokens; spec:
+``reference.mhc_mixes_ref``; docs/DESIGN.md §5.1). The consumer's fused
+mixes (:mod:`.consumer_mixes`) have every (token, chunk) program read its
+columns of ``hc_fn``: M x 2 MB through L2 at H = 5120, which at M = 32-64
+cost the chain 14-21 µs (benchmarks/NOTES.md). Here a program owns
+``BLOCK_H`` columns of ``TOKENS`` tokens, so ``hc_fn`` is read once per
+token group.
+
+**Layout.** ``streams``: the consumer's ``residual_out`` BF16 ``[M, HC, H]``;
+``hc_fn`` FP32 ``[(2 + HC) * HC, HC * H]``; the mix rows int64 ``[rows,
+MIX_ROW]`` in the consumer's layout (``consumer.mix_columns``: a share of
+``SLOTS`` words per chunk, then chunk 0's sums). Grid: (column chunks, token
+groups), chunks fastest. Program (c, g) holds ``hc_fn``'s columns of chunk c
+(loaded before its grid wait: a weight, overlapping the consumer), then for
+its tokens computes the chunk's (2 + HC) * HC dots as one FP32 ``tl.dot``
+per stream (``input_precision="ieee"``) and the sum of squares, and stores
+them tagged into each token's row at ``c * SLOTS`` — the consumer's shares,
+word for word. Then program (c, g) combines token g * TOKENS + i for every
+i = c mod chunks: the consumer's ``_combine_mixes`` (bounded poll of the
+token's shares, one fixed sum, scalar sigmoid / softmax / Sinkhorn).
+``COOPERATIVE=False`` (the interpreter, whose programs run one by one): one
+program per group walks every chunk, then combines every token.
+
+**Tags and ordering.** A token's tag is ``generation[m]`` as the consumer
+left it: read with a plain load after the grid wait (the consumer has
+completed its grid), it is the tag of this step, which no earlier launch
+used for that token's row (each consumer launch advances it by one, and a
+mixes launch follows exactly one), so a share with the tag is this launch's.
+Nothing here advances it. Only after the full mode's consumer: the
+residual-only one leaves the generation alone (``consume`` never pairs
+them).
+
+**What must not race.** The kernel before this one is the consumer that
+wrote ``streams`` and ``generation``; no other kernel uses the mix rows or
+the outputs meanwhile. The mix rows are zeroed only with the generations.
+The dots are not the reference's summation order: pre/post/comb match it
+within FP32 rounding, as the fused mixes do, not bit for bit.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .consumer_mixes import NEXT_MIXES, _combine_mixes
+from .publish_kernel import load_module
+from .tagged_words import _tagged
+
+_NEXT_MIXES = tl.constexpr(NEXT_MIXES)
+TOKENS = 16  # tokens per program: tl.dot's smallest M
+MIXES_KERNEL_BLOCK_H, MIXES_KERNEL_WARPS = 128, 4  # sm_90: 94 registers (64 x 4: 150)
+
+
+@triton.jit
+def _chunk_weights(hc_fn_ptr, chunk, HC: tl.constexpr, HIDDEN: tl.constexpr,
+                   BLOCK_H: tl.constexpr, SLOTS: tl.constexpr):
+    """hc_fn's columns of this chunk as one [BLOCK_H, SLOTS] tile per stream
+    (k-major: the dot's second operand; slots >= (2 + HC) * HC zero)."""
+    NMIX: tl.constexpr = (2 + HC) * HC
+    k = chunk * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
+    j = tl.arange(0, SLOTS)[None, :]
+    fn = ()
+    for t in tl.static_range(HC):
+        fn = fn + (tl.load(hc_fn_ptr + j.to(tl.int64) * (HC * HIDDEN) + t * HIDDEN + k,
+                           mask=(j < NMIX) & (k < HIDDEN), other=0.0),)
+    return fn
+
+
+@triton.jit
+def _store_shares(streams_ptr, mix_ptr, fn, chunk, tokens, live, tags, HC: tl.constexpr,
+                  HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, SLOTS: tl.constexpr,
+                  MIX_ROW: tl.constexpr):
+    """Chunk ``chunk``'s share of every live token's mixes, tagged into its
+    row: the dots, then the sum of squares (word (2 + HC) * HC), then +0.0."""
+    NMIX: tl.constexpr = (2 + HC) * HC
+    cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)[None, :]
+    rows = tokens[:, None]
+    acc = tl.zeros((rows.shape[0], SLOTS), dtype=tl.float32)
+    squares = tl.zeros((rows.shape[0],), dtype=tl.float32)
+    for t in tl.static_range(HC):
+        s = tl.load(streams_ptr + (rows * HC + t).to(tl.int64) * HIDDEN + cols,
+                    mask=live[:, None] & (cols < HIDDEN), other=0.0).to(tl.float32)
+        acc = tl.dot(s, fn[t], acc, input_precision="ieee")
+        squares = squares + tl.sum(s * s, axis=1)
+    j = tl.arange(0, SLOTS)[None, :]
+    part = tl.where(j < NMIX, acc, tl.where(j == NMIX, squares[:, None], 0.0))
+    tl.store(mix_ptr + rows * MIX_ROW + chunk * SLOTS + j, _tagged(part, tags[:, None]),
+             mask=live[:, None])
+
+
+@triton.jit
+def next_mixes_kernel(
+    streams_ptr, hc_fn_ptr, hc_scale_ptr, hc_base_ptr, generation_ptr, mix_ptr, status_ptr,
+    pre_out_ptr, post_out_ptr, comb_out_ptr, m_total, eps, hc_eps, sinkhorn_rounds, wait_bound,
+    HC: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, TOKENS: tl.constexpr,
+    SLOTS: tl.constexpr, MIX_ROW: tl.constexpr, PRE_OFF: tl.constexpr,
+    TOTALS_OFF: tl.constexpr, CHUNKS_P2: tl.constexpr, COOPERATIVE: tl.constexpr,
+    USE_PTX: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    CHUNKS: tl.constexpr = (HIDDEN + BLOCK_H - 1) // BLOCK_H
+    chunk = tl.program_id(0)  # always 0 without COOPERATIVE: the program walks the chunks
+    group = tl.program_id(1)
+    if COOPERATIVE:
+        fn = _chunk_weights(hc_fn_ptr, chunk, HC, HIDDEN, BLOCK_H, SLOTS)  # overlaps the consumer
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    tokens = group * TOKENS + tl.arange(0, TOKENS)
+    live = tokens < m_total
+    tags = tl.load(generation_ptr + tokens, mask=live, other=0)
+    if COOPERATIVE:
+        _store_shares(streams_ptr, mix_ptr, fn, chunk, tokens, live, tags, HC, HIDDEN, BLOCK_H,
+                      SLOTS, MIX_ROW)
+        first, step = chunk, CHUNKS
+    else:
+        for c in range(CHUNKS):
+            _store_shares(streams_ptr, mix_ptr,
+                          _chunk_weights(hc_fn_ptr, c, HC, HIDDEN, BLOCK_H, SLOTS), c, tokens,
+                          live, tags, HC, HIDDEN, BLOCK_H, SLOTS, MIX_ROW)
+        tl.debug_barrier()  # this program's stores precede its polls below
+        first, step = tl.full((), 0, tl.int32), 1
+    i = first
+    while i < TOKENS:
+        m = group * TOKENS + i
+        if m < m_total:
+            _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr,
+                           post_out_ptr, comb_out_ptr, m, tl.load(generation_ptr + m), eps,
+                           hc_eps, sinkhorn_rounds, wait_bound, HC, HIDDEN, CHUNKS, CHUNKS_P2,
+                           SLOTS, MIX_ROW, PRE_OFF, TOTALS_OFF, _NEXT_MIXES, USE_PTX)
+        i += step
+
+
+def launch_next_mixes(streams: torch.Tensor, hc_fn: torch.Tensor, hc_scale: torch.Tensor,
+                      hc_base: torch.Tensor, eps: float, hc_eps: float, sinkhorn_iters: int,
+                      generation: torch.Tensor, mix_words: torch.Tensor, status: torch.Tensor,
+                      wait_bound: int, outputs: tuple, *, slots: int, mix_row: int,
+                      pre_offset: int, totals_offset: int, cooperative: bool, ptx: bool,
+                      pdl: bool, compile_only: bool = False) -> None:
+    """Launch the kernel on tensors ``consume`` has checked (it is the only
+    caller): ``outputs`` = (pre [M, hc], post [M, hc], comb [M, hc, hc]) FP32,
+    written; the row geometry is ``consume``'s mix-row layout."""
+    m, hc, hidden = streams.shape
+    chunks = triton.cdiv(hidden, MIXES_KERNEL_BLOCK_H)
+    grid = (chunks if cooperative else 1, triton.cdiv(m, TOKENS))
+    kernel = next_mixes_kernel.warmup if compile_only else next_mixes_kernel[grid]
+    compiled = kernel(
+        streams, hc_fn, hc_scale, hc_base, generation, mix_words, status, *outputs, m,
+        float(eps), float(hc_eps), sinkhorn_iters - 1, int(wait_bound),
+        HC=hc, HIDDEN=hidden, BLOCK_H=MIXES_KERNEL_BLOCK_H, TOKENS=TOKENS, SLOTS=slots,
+        MIX_ROW=mix_row, PRE_OFF=pre_offset, TOTALS_OFF=totals_offset,
+        CHUNKS_P2=triton.next_power_of_2(chunks), COOPERATIVE=cooperative, USE_PTX=ptx,
+        USE_PDL=pdl, num_warps=MIXES_KERNEL_WARPS, enable_fp_fusion=False, launch_pdl=pdl,
+        **(dict(grid=grid) if compile_only else {}))
+    if compile_only:
+        load_module(compiled)

@@ -150,3 +150,27 @@ def test_each_models_collapse_with_the_next_mixes():
     assert not torch.equal(a.layer_input, b.layer_input)
     with pytest.raises(ValueError, match="collapse_pre must be"):
         dataclasses.replace(MODELS["tiny"], collapse_pre="next")
+
+
+def test_the_mixes_kernel_in_the_chain(monkeypatch):
+    """V4.1's mixes from the mixes kernel (what the chain runs beyond
+    MIXES_FUSED_MAX_ROWS, here patched to 0): launched right after the
+    consumer, fused and unfused bit-identical, the reference met, the mixes
+    within MIXES_ATOL of the spec of residual_out."""
+    from decode_boundary.boundary import consumer
+    from decode_boundary.model.chain import check_mixes
+
+    monkeypatch.setattr(consumer, "MIXES_FUSED_MAX_ROWS", 0)
+    ab = AttentionBoundary(MODELS["tiny"], 1, 0, None, torch.device("cpu"), capacity=8, seed=4)
+    try:
+        inputs = ab.make_inputs(5, seed=9)
+        launched = _count_launches(monkeypatch)
+        fused = ab(inputs, fused=True)
+        assert launched == ["mxfp8_gemm_kernel", "mxfp8_gemm_kernel", "consumer_kernel",
+                            "next_mixes_kernel", "mxfp8_gemm_kernel"], launched
+        unfused = ab(inputs, fused=False)
+        assert outputs_identical(fused, unfused)
+        assert check_outputs(fused, ab.reference(inputs)) == []
+        assert check_mixes(fused, ab) == []
+    finally:
+        ab.close()

@@ -22,8 +22,7 @@ peers wait on this rank (``compile_only``, see
 ``BoundaryAllReduce.precompile``).
 
 **Early inputs: read before the grid-dependency wait.** ``residual``,
-``post``, ``comb``, ``pre`` and ``norm_weight`` (gamma), and with ``mixes``
-its ``hc_fn``, ``hc_scale`` and ``hc_base``, are loaded *before*
+``post``, ``comb``, ``pre`` and ``norm_weight`` (gamma) are loaded *before*
 the consumer's ``gdc_wait`` (cooperative tactics, the GPU default), so that
 their loads overlap the publisher; the mailbox (or the gathered partials),
 the stage word, the scratch and every store come after the wait. With PDL the
@@ -45,7 +44,11 @@ to and including the first kernel that is not. A kernel launched without PDL
 before it are outside. ``consume`` refuses (``ValueError``) what it can check
 cheaply: an early input whose memory overlaps the partial (``partial=``), the
 mailbox or gathered buffer, an MXFP8 output buffer, or the stage, status,
-generation, sumsq or prenorm words (:func:`check_early_inputs`).
+generation, sumsq or prenorm words (:func:`check_early_inputs`). With
+``mixes``, ``hc_fn``, ``hc_scale`` and ``hc_base`` are held to the same rules
+(and checked so): the consumer reads them after its wait, but the mixes
+kernel after it (beyond ``MIXES_FUSED_MAX_ROWS``) loads ``hc_fn`` before its
+own, while the consumer may still run.
 """
 from __future__ import annotations
 

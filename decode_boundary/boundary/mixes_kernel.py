@@ -89,7 +89,9 @@ def _store_shares(streams_ptr, mix_ptr, fn, chunk, tokens, live, tags, HC: tl.co
              mask=live[:, None])
 
 
-@triton.jit
+# m_total unspecialized: one compiled variant serves every M (precompile and graph
+# capture key the variant without M; M = 1 or a multiple of 16 must not recompile).
+@triton.jit(do_not_specialize=["m_total"])
 def next_mixes_kernel(
     streams_ptr, hc_fn_ptr, hc_scale_ptr, hc_base_ptr, generation_ptr, mix_ptr, status_ptr,
     pre_out_ptr, post_out_ptr, comb_out_ptr, m_total, eps, hc_eps, sinkhorn_rounds, wait_bound,

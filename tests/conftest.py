@@ -48,7 +48,7 @@ def cooperative_in_the_interpreter(monkeypatch):
 
     check = consumer._check_tactic
     monkeypatch.setattr(consumer, "_check_tactic",
-                        lambda tactic, hidden, mode, mixes=False: check(tactic, hidden,
-                                                                        RESIDUAL_ONLY, mixes))
+                        lambda tactic, hidden, mode, mixes=False, mixes_kernel=False: check(
+                            tactic, hidden, RESIDUAL_ONLY, mixes, mixes_kernel))
     with concurrent_programs():
         yield

@@ -123,6 +123,8 @@ def test_consumer_mixes_load_hc_fn_after_the_wait_and_poll_volatile(ptx):
         assert "fence" not in code and "membar" not in code, name
         assert all(".or." in line for line in code.splitlines() if "atom." in line), name
     assert "nanosleep" in ptx["consumer_same_pre"]  # the pre pollers back off
+    # ... and each reports its own give-up (a scalar atomic would be one thread's)
+    assert "red.global.or.b32" in ptx["consumer_same_pre"]
 
 
 def test_consumer_has_no_spills_and_a_short_body(ptx):

@@ -196,6 +196,21 @@ def test_mixes_kernel_cooperative_gives_the_serial_bits(cooperative_in_the_inter
     check_mixes(got[0], got[2], d, 0.1, 3)
 
 
+def test_which_mixes_the_consumer_fuses(monkeypatch):
+    """The mixes kernel only where it can run: V4.1, beyond MIXES_FUSED_MAX_ROWS,
+    hc 2-4 (its dot needs >= 16 slots; hc = 8's tiles would not fit in shared
+    memory); and a cooperative tactic whose mixes kernel would have more than
+    one chunk is refused in the interpreter (its programs run one by one)."""
+    monkeypatch.setattr(consumer, "MIXES_FUSED_MAX_ROWS", 16)
+    assert fuses_mixes(16, 4, "previous") and not fuses_mixes(17, 4, "previous")
+    assert not fuses_mixes(64, 2, "previous") and fuses_mixes(64, 1, "previous")
+    assert fuses_mixes(64, 8, "previous") and fuses_mixes(64, 4, "same")
+    monkeypatch.setattr(consumer, "MIXES_FUSED_MAX_ROWS", 0)
+    d = step(5)
+    with pytest.raises(ValueError, match="cooperative programs wait for each other"):
+        launch(d, scratch(), ConsumerTactic(256, 4, True), "previous")
+
+
 def test_argument_checks():
     d = step(3)
     s = scratch()

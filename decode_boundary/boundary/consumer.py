@@ -75,7 +75,7 @@ from .consumer_kernel import (
     SAME_PRE,
     consumer_kernel,
 )
-from .mixes_kernel import launch_next_mixes
+from .mixes_kernel import MIXES_KERNEL_BLOCK_H, launch_next_mixes
 from .publish_kernel import load_module
 
 QUANT_GROUP = 32  # MXFP8 group: a chunk holds whole groups, so it is >= 32 columns
@@ -142,8 +142,10 @@ def consumer_tactic(m: int, hidden: int, mixes: bool = False) -> ConsumerTactic:
 def fuses_mixes(m: int, hc: int, collapse: str) -> bool:
     """Whether the consumer computes the next mixes of M tokens itself; else
     the mixes kernel does, right after it. V4's collapse needs them inside the
-    consumer; the mixes kernel's dot needs >= 16 slots (hc >= 2)."""
-    return collapse == "same" or m <= MIXES_FUSED_MAX_ROWS or mix_slots(hc) < 16
+    consumer; the mixes kernel's dot needs >= 16 slots, and it holds hc tiles
+    of 128 x slots FP32 (hc = 2-4: 16 or 32 slots; hc = 8's 64 slots would need
+    520 KB of shared memory)."""
+    return collapse == "same" or m <= MIXES_FUSED_MAX_ROWS or not 16 <= mix_slots(hc) <= 32
 
 
 def sumsq_columns(hidden: int) -> int:
@@ -247,9 +249,9 @@ def status_error(status: int, tp: int, timeout_s: float) -> str | None:
         return (f"rank(s) {missing} did not publish within {timeout_s} s; call "
                 "reset(collective=True) on every rank")
     if status & NORM_TIMEOUT_BIT:
-        return (f"the programs of a token did not meet for the RMSNorm within {timeout_s} s "
-                "(cooperative tactic: were they co-resident? a serial consumer tactic needs "
-                "no meeting); call reset(collective=True) on every rank")
+        return (f"the programs of a token did not meet for the RMSNorm or the next mixes "
+                f"within {timeout_s} s (cooperative tactic: were they co-resident? a serial "
+                "consumer tactic needs no meeting); call reset(collective=True) on every rank")
     return None
 
 
@@ -292,7 +294,10 @@ def _need(t, name, dtype, shape, device):
         raise ValueError(f"{name} must be contiguous")
 
 
-def _check_tactic(tactic: ConsumerTactic, hidden: int, mode: int, mixes: bool = False) -> None:
+def _check_tactic(tactic: ConsumerTactic, hidden: int, mode: int, mixes: bool = False,
+                  mixes_kernel: bool = False) -> None:
+    """``mixes``: the consumer computes the next mixes; ``mixes_kernel``: the
+    mixes kernel follows it (cooperative with the tactic, in its own chunks)."""
     block, warps, cooperative = tactic
     if block < QUANT_GROUP or block & (block - 1) or warps < 1 or warps & (warps - 1):
         raise ValueError(f"tactic {tactic}: columns per program must be a power of two "
@@ -301,6 +306,8 @@ def _check_tactic(tactic: ConsumerTactic, hidden: int, mode: int, mixes: bool = 
         raise ValueError(f"tactic {tactic}: with mixes a program takes >= {MIX_MIN_BLOCK} "
                          "columns (one share of the mix row per chunk)")
     chunks = triton.cdiv(hidden, block)
+    if mixes_kernel:
+        chunks = max(chunks, triton.cdiv(hidden, MIXES_KERNEL_BLOCK_H))
     if mode == FULL and cooperative and chunks > 1 and env.interpret_mode():
         raise ValueError(f"tactic {tactic}: cooperative programs wait for each other, which "
                          "the interpreter (programs run one by one) cannot do")
@@ -462,7 +469,7 @@ def consume(
         else 1
     fused = isinstance(mixes, MhcMixes) and fuses_mixes(m, hc, mixes.collapse)
     tactic = ConsumerTactic(*(tactic or consumer_tactic(m, hidden, fused)))
-    _check_tactic(tactic, hidden, mode, fused)
+    _check_tactic(tactic, hidden, mode, fused, isinstance(mixes, MhcMixes) and not fused)
     if mode == PLAIN:
         out = torch.empty(m, hidden, dtype=torch.bfloat16, device=device)
         hc = 1

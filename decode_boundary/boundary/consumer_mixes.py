@@ -213,6 +213,22 @@ def _probe_pre(row, tag, HC: tl.constexpr):
 
 
 @triton.jit
+def _report_own_timeout(status_ptr, gave_up, USE_PTX: tl.constexpr):
+    """``NORM_TIMEOUT_BIT`` into the status word from every thread whose own
+    poll gave up (``gave_up``: its scalar). Triton issues a scalar atomic from
+    one thread only; a thread that gave up while that one did not would leave
+    its NaN unreported, hence a predicated ``red`` per thread on the GPU."""
+    if USE_PTX:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p red.global.or.b32 [$1], $3; "
+            "mov.u32 $0, 0; }", "=r,l,r,r",
+            [status_ptr, gave_up.to(tl.int32), tl.full((), _NORM_TIMEOUT_BIT, tl.int32)],
+            dtype=tl.int32, is_pure=False, pack=1)
+    elif gave_up:  # the interpreter: one thread
+        tl.atomic_or(status_ptr, _NORM_TIMEOUT_BIT)
+
+
+@triton.jit
 def _wait_pre(mix_ptr, status_ptr, m, tag, wait_bound, HC: tl.constexpr,
               MIX_ROW: tl.constexpr, PRE_OFF: tl.constexpr, USE_PTX: tl.constexpr):
     """Poll the pre that token m's chunk-0 program publishes (``SAME_PRE``)
@@ -237,8 +253,7 @@ def _wait_pre(mix_ptr, status_ptr, m, tag, wait_bound, HC: tl.constexpr,
             spins += 1
             late = (tl.max(_now(spins, clock, USE_PTX), axis=0) - start) > wait_bound
             go = pending & (not late)
-        if pending:
-            tl.atomic_or(status_ptr, _NORM_TIMEOUT_BIT)
+        _report_own_timeout(status_ptr, pending, USE_PTX)
     pre = ()
     for t in tl.static_range(HC):
         pre = pre + (tl.where(pending, _f32_nan(), _untagged(words[t])),)

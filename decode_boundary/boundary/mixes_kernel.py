@@ -31,6 +31,12 @@ Nothing here advances it. Only after the full mode's consumer: the
 residual-only one leaves the generation alone (``consume`` never pairs
 them).
 
+**PDL.** The kernel releases its dependents *before* its grid wait, so the
+GEMM after it starts its weight stream while the consumer still runs, as it
+would behind the consumer alone; that GEMM reads nothing of this kernel's
+before its own wait, and every consumer program is resident before this
+kernel starts (it launches once they all released it).
+
 **What must not race.** The kernel before this one is the consumer that
 wrote ``streams`` and ``generation``; no other kernel uses the mix rows or
 the outputs meanwhile. The mix rows are zeroed only with the generations.
@@ -106,8 +112,11 @@ def next_mixes_kernel(
     if COOPERATIVE:
         fn = _chunk_weights(hc_fn_ptr, chunk, HC, HIDDEN, BLOCK_H, SLOTS)  # overlaps the consumer
     if USE_PDL:
-        tl.extra.cuda.gdc_wait()
+        # Released before the wait, so the next GEMM's weight stream still overlaps the
+        # consumer (as behind the consumer alone); it reads nothing of ours before its
+        # own wait, and every consumer program is resident before we start.
         tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     tokens = group * TOKENS + tl.arange(0, TOKENS)
     live = tokens < m_total
     tags = tl.load(generation_ptr + tokens, mask=live, other=0)

@@ -314,7 +314,6 @@ def _check_tactic(tactic: ConsumerTactic, hidden: int, mode: int, mixes: bool = 
 
 
 EARLY_INPUTS = ("residual", "post", "comb", "pre", "norm_weight")  # read before the wait
-EARLY_MIX_WEIGHTS = ("hc_fn", "hc_scale", "hc_base")  # MhcMixes' tensors: before it too
 
 
 def _check_mixes(mixes: MhcMixes, mode: int, pre, mix_words, m: int, hc: int, hidden: int,
@@ -465,11 +464,6 @@ def consume(
         raise ValueError(f"M = {m} must be in [1, capacity = {capacity}]")
     if (lamport or mode == FULL) and wait_bound <= 0:
         raise ValueError(f"wait_bound must be > 0 (ns with PTX, spins without), got {wait_bound}")
-    hc = residual.shape[1] if mode != PLAIN and residual is not None and residual.ndim == 3 \
-        else 1
-    fused = isinstance(mixes, MhcMixes) and fuses_mixes(m, hc, mixes.collapse)
-    tactic = ConsumerTactic(*(tactic or consumer_tactic(m, hidden, fused)))
-    _check_tactic(tactic, hidden, mode, fused, isinstance(mixes, MhcMixes) and not fused)
     if mode == PLAIN:
         out = torch.empty(m, hidden, dtype=torch.bfloat16, device=device)
         hc = 1
@@ -481,6 +475,9 @@ def consume(
         _need(post, "post", torch.float32, (m, hc), device)
         _need(comb, "comb", torch.float32, (m, hc, hc), device)
         out = torch.empty(m, hc, hidden, dtype=torch.bfloat16, device=device)
+    fused = isinstance(mixes, MhcMixes) and fuses_mixes(m, hc, mixes.collapse)
+    tactic = ConsumerTactic(*(tactic or consumer_tactic(m, hidden, fused)))
+    _check_tactic(tactic, hidden, mode, fused, isinstance(mixes, MhcMixes) and not fused)
     layer_input = None
     quant = mxfp8_out is not None
     same_pre = isinstance(mixes, MhcMixes) and mixes.collapse == "same"
@@ -555,23 +552,24 @@ def consume(
     if mixes is not None and not fused:
         launch_next_mixes(out, fn, scale, base, eps, mixes.hc_eps, mixes.sinkhorn_iters,
                           generation, mix_words, status, wait_bound, mixes_out,
-                          slots=mix_slots(hc), mix_row=mix_columns(hidden, hc),
-                          pre_offset=mix_pre_offset(hidden, hc),
-                          totals_offset=mix_totals_offset(hidden, hc),
-                          cooperative=tactic.cooperative, ptx=ptx, pdl=pdl,
+                          _mix_row(hidden, hc), cooperative=tactic.cooperative, ptx=ptx, pdl=pdl,
                           compile_only=compile_only)
     if mixes is not None:
         return out, layer_input, mixes_out
     return out, layer_input
 
 
+def _mix_row(hidden: int, hc: int) -> dict:
+    """The mix row's geometry as the kernels' constexprs (both read the same rows)."""
+    return dict(SLOTS=mix_slots(hc), MIX_ROW=mix_columns(hidden, hc),
+                PRE_OFF=mix_pre_offset(hidden, hc), TOTALS_OFF=mix_totals_offset(hidden, hc))
+
+
 def _mix_constants(mixes: MhcMixes | None, hc: int, hidden: int, block_h: int) -> dict:
-    """The kernel's MIXES constexprs (defaults without mixes)."""
+    """The consumer kernel's MIXES constexprs (defaults without mixes)."""
     if mixes is None:
         return dict(MIXES=NO_MIXES)
-    return dict(MIXES=COLLAPSES[mixes.collapse], SLOTS=mix_slots(hc),
-                MIX_ROW=mix_columns(hidden, hc), PRE_OFF=mix_pre_offset(hidden, hc),
-                TOTALS_OFF=mix_totals_offset(hidden, hc),
+    return dict(MIXES=COLLAPSES[mixes.collapse], **_mix_row(hidden, hc),
                 CHUNKS_P2=triton.next_power_of_2(triton.cdiv(hidden, block_h)))
 
 

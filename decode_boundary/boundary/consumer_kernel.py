@@ -123,6 +123,7 @@ from ..common.contract import ABORT_BITS, SENTINEL_BITS, STAGE_ACTIVE, STAGE_NEX
 from ..common.rounding import quantize_groups, swizzled_offset, to_bf16_rne, zero_scale_padding
 from ..common.timeline import END, MARK1, MARK2, START, WAITED, stamp
 from .consumer_mixes import (
+    _NEXT_MIXES,
     _NO_MIXES,
     _SAME_PRE,
     _combine_mixes,
@@ -430,7 +431,7 @@ def consumer_kernel(
                                               LAMPORT, USE_PTX)
             if MIXES != _NO_MIXES:
                 _publish_mix_partials(mix_ptr, hc_fn_ptr, m, c, cols, cmask, streams, tag, HC,
-                                      HIDDEN, SLOTS, MIX_ROW, MIXES)
+                                      HIDDEN, SLOTS, MIX_ROW)
             if COLLAPSE:
                 _publish_partial(sumsq_ptr, m, c, tl.sum(prenorm * prenorm, axis=0), tag, UNITS,
                                  BLOCK_H)
@@ -476,7 +477,7 @@ def consumer_kernel(
             # Every program's share before any program waits for it: chunk 0 sums them
             # (one fixed order).
             _publish_mix_partials(mix_ptr, hc_fn_ptr, m, chunk, cols, cmask, streams, tag, HC,
-                                  HIDDEN, SLOTS, MIX_ROW, MIXES)
+                                  HIDDEN, SLOTS, MIX_ROW)
         if MIXES == _SAME_PRE:  # the collapse needs the pre chunk 0 computes
             if chunk == 0:
                 new_pre = _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr,
@@ -498,7 +499,7 @@ def consumer_kernel(
                 tl.store(generation_ptr + m, tag)
             _norm_chunk(prenorm, gamma, total, eps, layer_ptr, qdata_ptr, qscale_ptr, m, chunk,
                         cols, cmask, HIDDEN, BLOCK_H, QUANT)
-        if (MIXES != _NO_MIXES) and (MIXES != _SAME_PRE):  # noqa: SIM102 (constexpr: pruned)
+        if MIXES == _NEXT_MIXES:  # noqa: SIM102 (a constexpr test: the branch is pruned)
             if chunk == 0:  # nobody here waits for the next mixes: after the norm
                 _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr,
                                post_out_ptr, comb_out_ptr, m, tag, eps, hc_eps, sinkhorn_rounds,

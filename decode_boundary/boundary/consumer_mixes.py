@@ -52,35 +52,35 @@ from .tagged_words import (
 # MIXES values: none; the next sublayer's mixes out, the collapse with the given
 # pre (V4.1); the mixes out and the collapse with the pre just computed (V4).
 NO_MIXES, NEXT_MIXES, SAME_PRE = 0, 1, 2
-_NO_MIXES, _SAME_PRE = tl.constexpr(NO_MIXES), tl.constexpr(SAME_PRE)
+_NO_MIXES, _NEXT_MIXES, _SAME_PRE = (tl.constexpr(NO_MIXES), tl.constexpr(NEXT_MIXES),
+                                     tl.constexpr(SAME_PRE))
 
 
 @triton.jit
 def _load_mix_weights(hc_fn_ptr, cols, cmask, HC: tl.constexpr, HIDDEN: tl.constexpr,
-                      SLOTS: tl.constexpr, MIXES: tl.constexpr):
-    """This chunk's columns of ``hc_fn`` FP32 [(2 + HC) * HC, HC * H], one
-    [SLOTS, BLOCK_H] tile per stream t (row j = mix j, rows >= (2 + HC) * HC
-    zero), as a tuple; empty without mixes."""
+                      SLOTS: tl.constexpr):
+    """Columns ``cols`` of ``hc_fn`` FP32 [(2 + HC) * HC, HC * H], one [SLOTS,
+    BLOCK_H] tile per stream t (row j = mix j, rows >= (2 + HC) * HC zero), as
+    a tuple (also the mixes kernel's)."""
+    NMIX: tl.constexpr = (2 + HC) * HC
+    j = tl.arange(0, SLOTS)[:, None]
     fn = ()
-    if MIXES != _NO_MIXES:
-        NMIX: tl.constexpr = (2 + HC) * HC
-        j = tl.arange(0, SLOTS)[:, None]
-        for t in tl.static_range(HC):
-            fn = fn + (tl.load(hc_fn_ptr + j.to(tl.int64) * (HC * HIDDEN) + t * HIDDEN
-                               + cols[None, :], mask=(j < NMIX) & cmask[None, :], other=0.0),)
+    for t in tl.static_range(HC):
+        fn = fn + (tl.load(hc_fn_ptr + j.to(tl.int64) * (HC * HIDDEN) + t * HIDDEN
+                           + cols[None, :], mask=(j < NMIX) & cmask[None, :], other=0.0),)
     return fn
 
 
 @triton.jit
 def _publish_mix_partials(mix_ptr, hc_fn_ptr, m, chunk, cols, cmask, streams, tag,
                           HC: tl.constexpr, HIDDEN: tl.constexpr, SLOTS: tl.constexpr,
-                          MIX_ROW: tl.constexpr, MIXES: tl.constexpr):
+                          MIX_ROW: tl.constexpr):
     """This chunk's share of the next sublayer's mixes, tagged into token m's
     mix row at ``chunk * SLOTS``: word j < (2 + HC) * HC = sum over its columns
     and streams of residual_out * hc_fn[j] (FP32, each product rounded), word
     (2 + HC) * HC = its sum of squares of residual_out, the rest +0.0."""
     NMIX: tl.constexpr = (2 + HC) * HC
-    fn = _load_mix_weights(hc_fn_ptr, cols, cmask, HC, HIDDEN, SLOTS, MIXES)
+    fn = _load_mix_weights(hc_fn_ptr, cols, cmask, HC, HIDDEN, SLOTS)
     acc = tl.zeros(fn[0].shape, dtype=tl.float32)
     squares = tl.zeros(streams[0].shape, dtype=tl.float32)
     for t in tl.static_range(HC):
@@ -102,14 +102,20 @@ def _probe_mix_row(ptrs, live, tag, UNUSED: tl.constexpr):
 
 
 @triton.jit
+def _row_sum(x, s, HC: tl.constexpr):
+    """sum_t x[s, t], t in order, of a flat [HC, HC] tuple of scalars."""
+    total = x[s * HC]
+    for t in tl.static_range(1, HC):
+        total = total + x[s * HC + t]
+    return total
+
+
+@triton.jit
 def _normalise_rows(comb, hc_eps, HC: tl.constexpr):
     """comb[s, t] / (sum_t comb[s, t] + hc_eps), on a flat tuple of scalars."""
     out = ()
     for s in tl.static_range(HC):
-        total = comb[s * HC]
-        for t in tl.static_range(1, HC):
-            total = total + comb[s * HC + t]
-        total = total + hc_eps
+        total = _row_sum(comb, s, HC) + hc_eps
         for t in tl.static_range(HC):
             out = out + (comb[s * HC + t] / total,)
     return out
@@ -184,9 +190,7 @@ def _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, 
             e = e + (tl.exp(logits[t] - top),)
     comb = ()
     for s in tl.static_range(HC):
-        total_e = e[s * HC]
-        for t in tl.static_range(1, HC):
-            total_e = total_e + e[s * HC + t]
+        total_e = _row_sum(e, s, HC)
         for t in tl.static_range(HC):
             comb = comb + (e[s * HC + t] / total_e + hc_eps,)
     comb = _normalise_columns(comb, hc_eps, HC)
@@ -246,7 +250,7 @@ def _wait_pre(mix_ptr, status_ptr, m, tag, wait_bound, HC: tl.constexpr,
         start = tl.max(_now(spins, clock, USE_PTX), axis=0)
         go = pending
         while go:
-            if USE_PTX:  # back off: 39 programs x every thread poll one line
+            if USE_PTX:  # back off: the token's other programs x every thread poll one line
                 tl.inline_asm_elementwise("nanosleep.u32 64; mov.u32 $0, 0;", "=r,r", [clock],
                                           dtype=tl.int32, is_pure=False, pack=1)
             words, pending = _probe_pre(row, tag, HC)

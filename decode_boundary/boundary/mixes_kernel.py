@@ -49,28 +49,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .consumer_mixes import NEXT_MIXES, _combine_mixes
+from .consumer_mixes import _NEXT_MIXES, _combine_mixes, _load_mix_weights
 from .publish_kernel import load_module
 from .tagged_words import _tagged
 
-_NEXT_MIXES = tl.constexpr(NEXT_MIXES)
 TOKENS = 16  # tokens per program: tl.dot's smallest M
 MIXES_KERNEL_BLOCK_H, MIXES_KERNEL_WARPS = 128, 4  # sm_90: 94 registers (64 x 4: 150)
-
-
-@triton.jit
-def _chunk_weights(hc_fn_ptr, chunk, HC: tl.constexpr, HIDDEN: tl.constexpr,
-                   BLOCK_H: tl.constexpr, SLOTS: tl.constexpr):
-    """hc_fn's columns of this chunk as one [BLOCK_H, SLOTS] tile per stream
-    (k-major: the dot's second operand; slots >= (2 + HC) * HC zero)."""
-    NMIX: tl.constexpr = (2 + HC) * HC
-    k = chunk * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
-    j = tl.arange(0, SLOTS)[None, :]
-    fn = ()
-    for t in tl.static_range(HC):
-        fn = fn + (tl.load(hc_fn_ptr + j.to(tl.int64) * (HC * HIDDEN) + t * HIDDEN + k,
-                           mask=(j < NMIX) & (k < HIDDEN), other=0.0),)
-    return fn
 
 
 @triton.jit
@@ -78,7 +62,8 @@ def _store_shares(streams_ptr, mix_ptr, fn, chunk, tokens, live, tags, HC: tl.co
                   HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, SLOTS: tl.constexpr,
                   MIX_ROW: tl.constexpr):
     """Chunk ``chunk``'s share of every live token's mixes, tagged into its
-    row: the dots, then the sum of squares (word (2 + HC) * HC), then +0.0."""
+    row: the dots, then the sum of squares (word (2 + HC) * HC), then +0.0.
+    ``fn``: the chunk's hc_fn tiles (``_load_mix_weights``)."""
     NMIX: tl.constexpr = (2 + HC) * HC
     cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)[None, :]
     rows = tokens[:, None]
@@ -87,7 +72,7 @@ def _store_shares(streams_ptr, mix_ptr, fn, chunk, tokens, live, tags, HC: tl.co
     for t in tl.static_range(HC):
         s = tl.load(streams_ptr + (rows * HC + t).to(tl.int64) * HIDDEN + cols,
                     mask=live[:, None] & (cols < HIDDEN), other=0.0).to(tl.float32)
-        acc = tl.dot(s, fn[t], acc, input_precision="ieee")
+        acc = tl.dot(s, tl.trans(fn[t]), acc, input_precision="ieee")
         squares = squares + tl.sum(s * s, axis=1)
     j = tl.arange(0, SLOTS)[None, :]
     part = tl.where(j < NMIX, acc, tl.where(j == NMIX, squares[:, None], 0.0))
@@ -109,8 +94,9 @@ def next_mixes_kernel(
     CHUNKS: tl.constexpr = (HIDDEN + BLOCK_H - 1) // BLOCK_H
     chunk = tl.program_id(0)  # always 0 without COOPERATIVE: the program walks the chunks
     group = tl.program_id(1)
-    if COOPERATIVE:
-        fn = _chunk_weights(hc_fn_ptr, chunk, HC, HIDDEN, BLOCK_H, SLOTS)  # overlaps the consumer
+    if COOPERATIVE:  # a weight: its loads overlap the consumer
+        cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
+        fn = _load_mix_weights(hc_fn_ptr, cols, cols < HIDDEN, HC, HIDDEN, SLOTS)
     if USE_PDL:
         # Released before the wait, so the next GEMM's weight stream still overlaps the
         # consumer (as behind the consumer alone); it reads nothing of ours before its
@@ -126,9 +112,10 @@ def next_mixes_kernel(
         first, step = chunk, CHUNKS
     else:
         for c in range(CHUNKS):
+            cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
             _store_shares(streams_ptr, mix_ptr,
-                          _chunk_weights(hc_fn_ptr, c, HC, HIDDEN, BLOCK_H, SLOTS), c, tokens,
-                          live, tags, HC, HIDDEN, BLOCK_H, SLOTS, MIX_ROW)
+                          _load_mix_weights(hc_fn_ptr, cols, cols < HIDDEN, HC, HIDDEN, SLOTS), c,
+                          tokens, live, tags, HC, HIDDEN, BLOCK_H, SLOTS, MIX_ROW)
         tl.debug_barrier()  # this program's stores precede its polls below
         first, step = tl.full((), 0, tl.int32), 1
     i = first
@@ -145,12 +132,12 @@ def next_mixes_kernel(
 def launch_next_mixes(streams: torch.Tensor, hc_fn: torch.Tensor, hc_scale: torch.Tensor,
                       hc_base: torch.Tensor, eps: float, hc_eps: float, sinkhorn_iters: int,
                       generation: torch.Tensor, mix_words: torch.Tensor, status: torch.Tensor,
-                      wait_bound: int, outputs: tuple, *, slots: int, mix_row: int,
-                      pre_offset: int, totals_offset: int, cooperative: bool, ptx: bool,
-                      pdl: bool, compile_only: bool = False) -> None:
+                      wait_bound: int, outputs: tuple, row: dict, *, cooperative: bool,
+                      ptx: bool, pdl: bool, compile_only: bool = False) -> None:
     """Launch the kernel on tensors ``consume`` has checked (it is the only
     caller): ``outputs`` = (pre [M, hc], post [M, hc], comb [M, hc, hc]) FP32,
-    written; the row geometry is ``consume``'s mix-row layout."""
+    written; ``row``: the mix row's geometry as constexprs (SLOTS, MIX_ROW,
+    PRE_OFF, TOTALS_OFF; ``consumer._mix_row``)."""
     m, hc, hidden = streams.shape
     chunks = triton.cdiv(hidden, MIXES_KERNEL_BLOCK_H)
     grid = (chunks if cooperative else 1, triton.cdiv(m, TOKENS))
@@ -158,8 +145,7 @@ def launch_next_mixes(streams: torch.Tensor, hc_fn: torch.Tensor, hc_scale: torc
     compiled = kernel(
         streams, hc_fn, hc_scale, hc_base, generation, mix_words, status, *outputs, m,
         float(eps), float(hc_eps), sinkhorn_iters - 1, int(wait_bound),
-        HC=hc, HIDDEN=hidden, BLOCK_H=MIXES_KERNEL_BLOCK_H, TOKENS=TOKENS, SLOTS=slots,
-        MIX_ROW=mix_row, PRE_OFF=pre_offset, TOTALS_OFF=totals_offset,
+        HC=hc, HIDDEN=hidden, BLOCK_H=MIXES_KERNEL_BLOCK_H, TOKENS=TOKENS, **row,
         CHUNKS_P2=triton.next_power_of_2(chunks), COOPERATIVE=cooperative, USE_PTX=ptx,
         USE_PDL=pdl, num_warps=MIXES_KERNEL_WARPS, enable_fp_fusion=False, launch_pdl=pdl,
         **(dict(grid=grid) if compile_only else {}))

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from decode_boundary.boundary.reference import collapse_norm_ref, consumer_ref, mhc_mixes_ref
+from decode_boundary.boundary.reference import consumer_mixes_ref, consumer_ref, mhc_mixes_ref
 from decode_boundary.env import disable_multicast
 from decode_boundary.model.chain import AttentionBoundary, BoundaryInputs, BoundaryOutputs
 from decode_boundary.mxfp8.format import E4M3_MAX
@@ -94,11 +94,8 @@ def all_reduce_then_mhc(partial, residual, post, comb, pre, norm_weight, eps, gr
         return consumer_ref([reduced], residual, post, comb, pre, norm_weight, eps,
                             quantize=quantize)
     weights, hc_eps, iters, same_pre = mixes
-    residual_out, _, _ = consumer_ref([reduced], residual, post, comb, None, None, eps)
-    next_mixes = mhc_mixes_ref(residual_out, *weights, eps, hc_eps, iters)
-    layer_input, quantized = collapse_norm_ref(residual_out, next_mixes[0] if same_pre else pre,
-                                               norm_weight, eps, quantize)
-    return residual_out, layer_input, quantized, next_mixes
+    return consumer_mixes_ref([reduced], residual, post, comb, None if same_pre else pre,
+                              norm_weight, eps, weights, hc_eps, iters, quantize=quantize)
 
 
 def mhc_mix(reduced: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,

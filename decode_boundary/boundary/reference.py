@@ -200,3 +200,28 @@ def mhc_mixes_ref(
         comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
     return pre, post, comb
+
+
+def consumer_mixes_ref(
+    partials: list[torch.Tensor],
+    residual: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    pre: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    mix_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    hc_eps: float,
+    sinkhorn_iters: int,
+    quantize: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, QuantizedActivation | None, tuple]:
+    """The consumer with the next sublayer's mixes (docs/DESIGN.md §5.1):
+    residual_out as :func:`consumer_ref`, its mixes (:func:`mhc_mixes_ref`,
+    ``eps`` as their RMS eps), then the collapse and norm with ``pre`` (V4.1)
+    or, ``pre=None``, with the new pre (V4). Returns (residual_out,
+    layer_input, its MXFP8 or None, (pre, post, comb))."""
+    residual_out, _, _ = consumer_ref(partials, residual, post, comb, None, None, eps)
+    mixes = mhc_mixes_ref(residual_out, *mix_weights, eps, hc_eps, sinkhorn_iters)
+    layer_input, quantized = collapse_norm_ref(residual_out, mixes[0] if pre is None else pre,
+                                               norm_weight, eps, quantize)
+    return residual_out, layer_input, quantized, mixes

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from decode_boundary import env
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
-from decode_boundary.boundary.reference import collapse_norm_ref, consumer_ref, mhc_mixes_ref
+from decode_boundary.boundary.reference import consumer_mixes_ref, mhc_mixes_ref
 from decode_boundary.gemm import mxfp8_mm
 from decode_boundary.gemm import precompile as gemm_precompile
 from decode_boundary.gemm.linear import Mxfp8Linear, load_linear
@@ -288,13 +288,10 @@ class AttentionBoundary:
                 partials = [torch.empty_like(partial) for _ in range(ranks)]
                 dist.all_gather(partials, partial, group=self.group)
         c = self.config
-        residual_out, _, _ = consumer_ref(partials, inputs.residual, inputs.post, inputs.comb,
-                                          None, None, c.eps)
-        mixes = mhc_mixes_ref(residual_out, *self.mix_weights, c.eps, c.hc_eps,
-                              c.hc_sinkhorn_iters)
-        pre = inputs.pre if c.collapse_pre == "previous" else mixes[0]
-        layer_input, quantized = collapse_norm_ref(residual_out, pre, self.norm_weight, c.eps,
-                                                   quantize=True)
+        residual_out, layer_input, quantized, mixes = consumer_mixes_ref(
+            partials, inputs.residual, inputs.post, inputs.comb,
+            inputs.pre if c.collapse_pre == "previous" else None, self.norm_weight, c.eps,
+            self.mix_weights, c.hc_eps, c.hc_sinkhorn_iters, quantize=True)
         q = mxfp8_mm_ref(quantized, self.fused_wqa_wkv.weight, self.fused_wqa_wkv.weight_scale)
         return BoundaryOutputs(residual_out, layer_input, q, *mixes)
 

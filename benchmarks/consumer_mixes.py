@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from decode_boundary.bench.mixes import mixes_kernel_everywhere
 from decode_boundary.bench.report import environment, git_commit, new_result, write_json
 from decode_boundary.boundary import consumer
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
@@ -79,15 +80,12 @@ def main() -> None:
                 [functools.partial(_call, ars, step, c, w) for w in copies], dev)
         # V4.1's mixes from our mixes kernel after the consumer (the path beyond
         # MIXES_FUSED_MAX_ROWS), at this M too.
-        saved, consumer.MIXES_FUSED_MAX_ROWS = consumer.MIXES_FUSED_MAX_ROWS, 0
-        try:
+        with mixes_kernel_everywhere():
             wrong = _check(ars, step, copies[0], "previous")
             us["consumer_then_mixes_kernel"] = None if wrong else graph_time_us(
                 [functools.partial(_call, ars, step, "previous", w) for w in copies], dev)
-            if wrong:
-                print(f"M = {m}: the mixes kernel is WRONG: {wrong}")
-        finally:
-            consumer.MIXES_FUSED_MAX_ROWS = saved
+        if wrong:
+            print(f"M = {m}: the mixes kernel is WRONG: {wrong}")
         res_out = _call(ars, step, None)[0]
         us["separate_mixes"] = graph_time_us(
             [functools.partial(separate, res_out, *w, EPS, HC_EPS, ITERS) for w in copies], dev)

@@ -20,6 +20,7 @@ V4.1 also ``mixes_kernel``: publish + consumer + our own mixes kernel after it
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -43,13 +44,21 @@ def _v4_tail(residual_out, norm_weight, eps: float, hc_fn, hc_scale, hc_base, hc
     return collapse_rmsnorm(residual_out, mixes[0], norm_weight, eps), *mixes
 
 
-def _with_mixes_kernel(reduce, *args):
-    """``reduce(*args)`` with V4.1's mixes from the mixes kernel at any M."""
+@contextlib.contextmanager
+def mixes_kernel_everywhere():
+    """Inside, V4.1's mixes come from the mixes kernel at any M
+    (``consumer.MIXES_FUSED_MAX_ROWS`` = 0)."""
     saved, consumer.MIXES_FUSED_MAX_ROWS = consumer.MIXES_FUSED_MAX_ROWS, 0
     try:
-        return reduce(*args)
+        yield
     finally:
         consumer.MIXES_FUSED_MAX_ROWS = saved
+
+
+def _with_mixes_kernel(reduce, *args):
+    """``reduce(*args)`` with V4.1's mixes from the mixes kernel at any M."""
+    with mixes_kernel_everywhere():
+        return reduce(*args)
 
 
 @functools.cache

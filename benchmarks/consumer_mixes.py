@@ -1,36 +1,44 @@
 """The consumer alone with and without the next sublayer's mixes (one rank,
 the all-reduce over a group of one, DSV4.1-Flash's H = 5120, hc = 4): publish
 + consume per call, CUDA-graph replays over rotated hc_fn copies (cold L2),
-both collapses, V4.1's from our mixes kernel after the consumer
-(``boundary.mixes_kernel``), and the separate mixes a user would run
-(``torch.compile`` of ``mhc_mixes_ref``) on the same residual_out. A quick look at the consumer's
-share of the mixes' cost; ``decode-boundary bench`` times them inside the
+both collapses fused at every M, V4.1's also from our mixes kernel after
+the consumer (``boundary.mixes_kernel``; the two set
+``consumer.MIXES_FUSED_MAX_ROWS``), and the separate mixes a user would run
+(``torch.compile`` of ``mhc_mixes_ref``) on the same residual_out. A quick
+look at the consumer's share of the mixes' cost; ``decode-boundary bench`` times them inside the
 chain (``bench.mixes``). ``--sweep`` also times every tactic of
 ``SWEEP_TACTICS`` of the fused mixes, each checked first: pre/post/comb
 against the reference of its own residual_out, and (collapse "previous")
 residual_out and layer_input bit-equal to the consumer without mixes.
+``--timeline`` stamps the consumer -> mixes kernel graph
+(``common.timeline``): when each kernel's programs start, pass the grid wait
+(mixes kernel: mark2 = hc_fn in, mark1 = shares stored) and end.
 
-    PYTHONPATH=. python benchmarks/consumer_mixes.py [--rows 1 16] [--sweep] [--out DIR]
+    PYTHONPATH=. python benchmarks/consumer_mixes.py [--rows 1 16] [--sweep] [--timeline]
+        [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import statistics
 from pathlib import Path
 
 import torch
 
-from decode_boundary.bench.mixes import mixes_kernel_everywhere
+from decode_boundary.bench.mixes import fused_mixes_up_to
 from decode_boundary.bench.report import environment, git_commit, new_result, write_json
 from decode_boundary.boundary import consumer
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
 from decode_boundary.boundary.reference import mhc_mixes_ref
+from decode_boundary.common import timeline
 from decode_boundary.common.timing import graph_time_us
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes
 
 H, HC, COPIES, EPS, HC_EPS, ITERS = 5120, 4, 8, 1e-6, 1e-6, 20
 SWEEP_TACTICS = ((128, 4), (256, 4), (128, 8), (256, 8))  # (columns, warps)
+TIMELINE_STEPS = 16  # graph steps stamped by --timeline
 MIXES_ATOL = 1e-5  # tests/test_consumer_mixes.py justifies it
 
 
@@ -46,6 +54,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--timeline", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     dev = torch.device("cuda")
@@ -75,26 +84,32 @@ def main() -> None:
              torch.empty(mxfp8_scale_bytes(m, H), dtype=torch.uint8, device=dev))
         step = (x, residual, post, comb, pre, gamma, q)
         us = {"consumer": graph_time_us([functools.partial(_call, ars, step, None)], dev)}
-        for c in ("previous", "same"):
-            us[f"consumer_mixes_{c}"] = graph_time_us(
-                [functools.partial(_call, ars, step, c, w) for w in copies], dev)
-        # V4.1's mixes from our mixes kernel after the consumer (the path beyond
-        # MIXES_FUSED_MAX_ROWS), at this M too.
-        with mixes_kernel_everywhere():
+        # V4.1's mixes fused at this M too (beyond MIXES_FUSED_MAX_ROWS the chain
+        # takes the mixes kernel), and from our mixes kernel after the consumer.
+        with fused_mixes_up_to(1 << 30):
+            for c in ("previous", "same"):
+                us[f"consumer_mixes_{c}"] = graph_time_us(
+                    [functools.partial(_call, ars, step, c, w) for w in copies], dev)
+        row = {"rows": m, "us": us}
+        with fused_mixes_up_to(0):
             wrong = _check(ars, step, copies[0], "previous")
-            us["consumer_then_mixes_kernel"] = None if wrong else graph_time_us(
-                [functools.partial(_call, ars, step, "previous", w) for w in copies], dev)
+            then_kernel = [functools.partial(_call, ars, step, "previous", w) for w in copies]
+            us["consumer_then_mixes_kernel"] = None if wrong else graph_time_us(then_kernel, dev)
+            if args.timeline and not wrong:
+                row["timeline"] = _timeline(then_kernel, dev)
         if wrong:
             print(f"M = {m}: the mixes kernel is WRONG: {wrong}")
         res_out = _call(ars, step, None)[0]
         us["separate_mixes"] = graph_time_us(
             [functools.partial(separate, res_out, *w, EPS, HC_EPS, ITERS) for w in copies], dev)
-        row = {"rows": m, "us": us}
         if args.sweep:
-            row["sweep"] = _sweep(ars, step, copies)
+            with fused_mixes_up_to(1 << 30):
+                row["sweep"] = _sweep(ars, step, copies)
         result["timings"].append(row)
         print(f"M = {m}: " + ", ".join(f"{k} {v:.2f} µs" for k, v in us.items()
                                       if v is not None))
+        for name, times in row.get("timeline", {}).items():
+            print(f"  {name:18s} " + " ".join(f"{f} {times[f]:.2f}" for f in timeline.FIELDS))
     name = f"consumer_mixes-{git_commit() or 'nocommit'}.json"
     print("wrote", write_json(result, args.out / name))
 
@@ -113,6 +128,24 @@ def _check(ars: dict, step: tuple, weights: tuple, collapse: str) -> str | None:
                                                        plain[1].view(torch.int16))):
         return "residual_out / layer_input differ from the consumer without mixes"
     return None
+
+
+def _timeline(steps: list, device: torch.device) -> dict:
+    """Per kernel of publish -> consumer -> mixes kernel, the medians over the
+    graph's steps of ``timeline.kernel_times`` from the consumer's first start."""
+    with timeline.recording(device) as rec:
+        graph_time_us(steps, device, min_calls=TIMELINE_STEPS, replays=1)
+        torch.cuda.synchronize(device)
+    stamps, launches, samples = rec.stamps.cpu(), rec.launches, {}
+    for i, (name, first, programs) in enumerate(launches):
+        if name == "consumer_kernel" and i + 1 < len(launches):
+            t0 = int(stamps[first:first + programs, 0].min())
+            for later in launches[i:i + 2]:
+                samples.setdefault(later[0], []).append(timeline.kernel_times(stamps, *later[1:],
+                                                                              t0))
+    return {name: {f: statistics.median(x[f] for x in kept[len(kept) // 4:3 * len(kept) // 4])
+                   for f in timeline.FIELDS}
+            for name, kept in samples.items()}
 
 
 def _sweep(ars: dict, step: tuple, copies: list) -> list:

@@ -33,25 +33,6 @@ from decode_boundary.common.timing import graph_time_us
 from decode_boundary.model.chain import AttentionBoundary
 
 STEPS = 24  # steps in the graph; the first and last few are left out of the medians
-FIELDS = ("first_start", "last_start", "median_waited", "last_waited", "median_mark1",
-          "median_mark2", "median_end", "last_end")
-
-
-def _kernel_times(stamps: torch.Tensor, first: int, programs: int, t0: int) -> dict:
-    s = stamps[first:first + programs].double()
-    start, waited, mark1, mark2, end = ((s[:, i] - t0) / 1e3 for i in range(timeline.STAMPS))
-
-    def median(x):  # a mark a kernel does not set reads 0: reported as NaN
-        return x.median().item() if bool((s[:, 0] > 0).all()) and x.min() > -t0 / 1e3 \
-            else float("nan")
-
-    return {"first_start": start.min().item(), "last_start": start.max().item(),
-            "median_waited": waited.median().item(), "last_waited": waited.max().item(),
-            "median_mark1": median(mark1), "median_mark2": median(mark2),
-            "median_end": end.median().item(), "last_end": end.max().item(),
-            "programs": programs}
-
-
 def profile(ab: AttentionBoundary, views: list, rows: int, device: torch.device) -> dict:
     inputs = ab.make_inputs(rows, seed=rows)
     steps = [functools.partial(v, inputs, fused=True) for v in views]
@@ -78,10 +59,10 @@ def profile(ab: AttentionBoundary, views: list, rows: int, device: torch.device)
     t0s = [int(stamps[first:first + n, 0].min()) for _, first, n in firsts]
     rows_out = []
     for k in range(per_step):
-        samples = [_kernel_times(stamps, launches[s * per_step + k][1],
+        samples = [timeline.kernel_times(stamps, launches[s * per_step + k][1],
                                  launches[s * per_step + k][2], t0s[s]) for s in kept]
         rows_out.append({"kernel": f"{k}: {names[k]}", "programs": samples[0]["programs"],
-                         **{f: statistics.median(x[f] for x in samples) for f in FIELDS}})
+                         **{f: statistics.median(x[f] for x in samples) for f in timeline.FIELDS}})
     step_us = statistics.median((t0s[s + 1] - t0s[s]) / 1e3 for s in kept)
     return {"rows": rows, "graph_us_per_step": plain_us, "stamped_step_us": step_us,
             "kernels": rows_out}
@@ -97,10 +78,10 @@ def main() -> None:
     for p in result["profiles"]:
         print(f"\nM = {p['rows']}: {p['graph_us_per_step']:.2f} µs per step in a graph "
               f"(stamped: {p['stamped_step_us']:.2f}); µs from the step's first program start")
-        print(f"{'kernel':28s} {'progs':>5s} " + " ".join(f"{f:>13s}" for f in FIELDS))
+        print(f"{'kernel':28s} {'progs':>5s} " + " ".join(f"{f:>13s}" for f in timeline.FIELDS))
         for k in p["kernels"]:
             print(f"{k['kernel']:28s} {k['programs']:5d} "
-                  + " ".join(f"{k[f]:13.2f}" for f in FIELDS))
+                  + " ".join(f"{k[f]:13.2f}" for f in timeline.FIELDS))
     print("wrote", one_gpu_write(result, args))
 
 

@@ -61,11 +61,12 @@ out["consumer_128x4"] = ptx(consumer_kernel, sig, dict(mixes, MIXES=0), 4)  # th
 out["mixes_kernel"] = ptx(next_mixes_kernel, {"streams_ptr": "*bf16", "hc_fn_ptr": "*fp32",
     "hc_scale_ptr": "*fp32", "hc_base_ptr": "*fp32", "generation_ptr": "*i32",
     "mix_ptr": "*i64", "status_ptr": "*i32", "pre_out_ptr": "*fp32", "post_out_ptr": "*fp32",
-    "comb_out_ptr": "*fp32", "m_total": "i32", "eps": "fp32", "hc_eps": "fp32",
+    "comb_out_ptr": "*fp32", "stamp_ptr": "*i64", "first_slot": "i32", "m_total": "i32",
+    "eps": "fp32", "hc_eps": "fp32",
     "sinkhorn_rounds": "i32", "wait_bound": "i64"},
     dict(HC=4, HIDDEN=5120, BLOCK_H=128, TOKENS=16, SLOTS=32, MIX_ROW=80 * 32 + 48,
          PRE_OFF=80 * 32 + 32, TOTALS_OFF=80 * 32, CHUNKS_P2=64, COOPERATIVE=True,
-         USE_PTX=True, USE_PDL=True), 4)
+         USE_PTX=True, USE_PDL=True, TIMELINE=False), 4)
 out["finalize"] = ptx(finalize_publish_kernel, {"gemm2_ptr": "*bf16", "weights_ptr": "*fp32",
     "idx_ptr": "*i32", "shared_ptr": "*bf16", "partial_ptr": "*bf16", "peer_ptrs_ptr": "*i64",
     "stage_ptr": "*i32", "rank": "i32", "capacity": "i32"},

@@ -2,6 +2,8 @@
 launch order, a full buffer is an error, and nothing is recorded (TIMELINE
 off, the dummy pointer) outside a recording or in the interpreter."""
 
+import math
+
 import pytest
 import torch
 
@@ -25,3 +27,22 @@ def test_outside_a_recording_launches_are_not_instrumented():
 def test_recording_refuses_the_interpreter():
     with pytest.raises(RuntimeError, match="CUDA device"), timeline.recording("cpu"):
         pass
+
+
+def test_kernel_times_are_microseconds_from_t0_and_unset_marks_read_nan():
+    t0 = 1_000_000
+    start, waited, mark1, mark2, end = range(timeline.STAMPS)  # the stamps' order
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randint(1, 50_000, (3, timeline.STAMPS), generator=g)
+    rows[:, mark2] = -t0  # stored 0: a mark this kernel never sets
+    stamps = torch.cat([torch.zeros(2, timeline.STAMPS, dtype=torch.int64), rows + t0])
+    got = timeline.kernel_times(stamps, 2, 3, t0)
+    us = rows.double() / 1e3
+    assert got["programs"] == 3
+    assert got["first_start"] == us[:, start].min().item()
+    assert got["last_start"] == us[:, start].max().item()
+    assert got["median_waited"] == us[:, waited].median().item()
+    assert got["median_mark1"] == us[:, mark1].median().item()
+    assert got["last_end"] == us[:, end].max().item()
+    assert math.isnan(got["median_mark2"])
+    assert set(timeline.FIELDS) <= set(got)

@@ -45,10 +45,11 @@ def _v4_tail(residual_out, norm_weight, eps: float, hc_fn, hc_scale, hc_base, hc
 
 
 @contextlib.contextmanager
-def mixes_kernel_everywhere():
-    """Inside, V4.1's mixes come from the mixes kernel at any M
-    (``consumer.MIXES_FUSED_MAX_ROWS`` = 0)."""
-    saved, consumer.MIXES_FUSED_MAX_ROWS = consumer.MIXES_FUSED_MAX_ROWS, 0
+def fused_mixes_up_to(rows: int):
+    """Inside, the consumer fuses V4.1's mixes up to ``rows`` tokens and the
+    mixes kernel computes them beyond (``consumer.MIXES_FUSED_MAX_ROWS``): 0,
+    the mixes kernel at any M; ``1 << 30``, fused at any M."""
+    saved, consumer.MIXES_FUSED_MAX_ROWS = consumer.MIXES_FUSED_MAX_ROWS, rows
     try:
         yield
     finally:
@@ -57,7 +58,7 @@ def mixes_kernel_everywhere():
 
 def _with_mixes_kernel(reduce, *args):
     """``reduce(*args)`` with V4.1's mixes from the mixes kernel at any M."""
-    with mixes_kernel_everywhere():
+    with fused_mixes_up_to(0):
         return reduce(*args)
 
 

@@ -13,8 +13,11 @@ MIX_ROW]`` in the consumer's layout (``consumer.mix_columns``: a share of
 ``SLOTS`` words per chunk, then chunk 0's sums). Grid: (column chunks, token
 groups), chunks fastest. Program (c, g) holds ``hc_fn``'s columns of chunk c
 (loaded before its grid wait: a weight, overlapping the consumer), then for
-its tokens computes the chunk's (2 + HC) * HC dots as one FP32 ``tl.dot``
-per stream (``input_precision="ieee"``) and the sum of squares, and stores
+its tokens computes the chunk's (2 + HC) * HC dots as one ``tl.dot`` per
+stream on tensor cores (``input_precision="tf32x3"``: residual_out is BF16,
+exact in TF32, and hc_fn splits into two TF32 parts, 22 of its 24 bits; the
+FP32 FMA dot, ``"ieee"``, took 18 µs at 4 warps, benchmarks/NOTES.md) and the
+sum of squares, and stores
 them tagged into each token's row at ``c * SLOTS`` — the consumer's shares,
 word for word. Then program (c, g) combines token g * TOKENS + i for every
 i = c mod chunks: the consumer's ``_combine_mixes`` (bounded poll of the
@@ -40,8 +43,10 @@ kernel starts (it launches once they all released it).
 **What must not race.** The kernel before this one is the consumer that
 wrote ``streams`` and ``generation``; no other kernel uses the mix rows or
 the outputs meanwhile. The mix rows are zeroed only with the generations.
-The dots are not the reference's summation order: pre/post/comb match it
-within FP32 rounding, as the fused mixes do, not bit for bit.
+The dots are not the reference's summation order, and hc_fn's last 2 bits
+are dropped (relative 2^-22 a product, below the FP32 sum's own rounding of
+a 20480-long dot): pre/post/comb match it within FP32 rounding, as the
+fused mixes do, not bit for bit.
 """
 from __future__ import annotations
 
@@ -49,12 +54,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common.timeline import END, MARK1, MARK2, START, WAITED, launch_args, stamp, stamp_after
 from .consumer_mixes import _NEXT_MIXES, _combine_mixes, _load_mix_weights
 from .publish_kernel import load_module
 from .tagged_words import _tagged
 
 TOKENS = 16  # tokens per program: tl.dot's smallest M
-MIXES_KERNEL_BLOCK_H, MIXES_KERNEL_WARPS = 128, 4  # sm_90: 94 registers (64 x 4: 150)
+# sm_90: 255 registers, no spills, 16 KB shared (64 x 4: 168 registers, twice the shares)
+MIXES_KERNEL_BLOCK_H, MIXES_KERNEL_WARPS = 128, 4
 
 
 @triton.jit
@@ -72,7 +79,7 @@ def _store_shares(streams_ptr, mix_ptr, fn, chunk, tokens, live, tags, HC: tl.co
     for t in tl.static_range(HC):
         s = tl.load(streams_ptr + (rows * HC + t).to(tl.int64) * HIDDEN + cols,
                     mask=live[:, None] & (cols < HIDDEN), other=0.0).to(tl.float32)
-        acc = tl.dot(s, tl.trans(fn[t]), acc, input_precision="ieee")
+        acc = tl.dot(s, tl.trans(fn[t]), acc, input_precision="tf32x3")
         squares = squares + tl.sum(s * s, axis=1)
     j = tl.arange(0, SLOTS)[None, :]
     part = tl.where(j < NMIX, acc, tl.where(j == NMIX, squares[:, None], 0.0))
@@ -85,24 +92,31 @@ def _store_shares(streams_ptr, mix_ptr, fn, chunk, tokens, live, tags, HC: tl.co
 @triton.jit(do_not_specialize=["m_total"])
 def next_mixes_kernel(
     streams_ptr, hc_fn_ptr, hc_scale_ptr, hc_base_ptr, generation_ptr, mix_ptr, status_ptr,
-    pre_out_ptr, post_out_ptr, comb_out_ptr, m_total, eps, hc_eps, sinkhorn_rounds, wait_bound,
-    HC: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, TOKENS: tl.constexpr,
-    SLOTS: tl.constexpr, MIX_ROW: tl.constexpr, PRE_OFF: tl.constexpr,
-    TOTALS_OFF: tl.constexpr, CHUNKS_P2: tl.constexpr, COOPERATIVE: tl.constexpr,
-    USE_PTX: tl.constexpr, USE_PDL: tl.constexpr,
+    pre_out_ptr, post_out_ptr, comb_out_ptr, stamp_ptr, first_slot, m_total, eps, hc_eps,
+    sinkhorn_rounds, wait_bound, HC: tl.constexpr, HIDDEN: tl.constexpr,
+    BLOCK_H: tl.constexpr, TOKENS: tl.constexpr, SLOTS: tl.constexpr, MIX_ROW: tl.constexpr,
+    PRE_OFF: tl.constexpr, TOTALS_OFF: tl.constexpr, CHUNKS_P2: tl.constexpr,
+    COOPERATIVE: tl.constexpr, USE_PTX: tl.constexpr, USE_PDL: tl.constexpr,
+    TIMELINE: tl.constexpr,
 ):
     CHUNKS: tl.constexpr = (HIDDEN + BLOCK_H - 1) // BLOCK_H
     chunk = tl.program_id(0)  # always 0 without COOPERATIVE: the program walks the chunks
     group = tl.program_id(1)
+    slot = first_slot + group * tl.num_programs(0) + chunk
+    stamp(stamp_ptr, slot, START, TIMELINE)
     if COOPERATIVE:  # a weight: its loads overlap the consumer
         cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
         fn = _load_mix_weights(hc_fn_ptr, cols, cols < HIDDEN, HC, HIDDEN, SLOTS)
+        if TIMELINE:  # mark2: hc_fn's columns in
+            stamp_after(stamp_ptr, slot, MARK2, tl.sum(fn[HC - 1], axis=None).to(tl.int32),
+                        TIMELINE)
     if USE_PDL:
         # Released before the wait, so the next GEMM's weight stream still overlaps the
         # consumer (as behind the consumer alone); it reads nothing of ours before its
         # own wait, and every consumer program is resident before we start.
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+    stamp(stamp_ptr, slot, WAITED, TIMELINE)
     tokens = group * TOKENS + tl.arange(0, TOKENS)
     live = tokens < m_total
     tags = tl.load(generation_ptr + tokens, mask=live, other=0)
@@ -110,6 +124,7 @@ def next_mixes_kernel(
         _store_shares(streams_ptr, mix_ptr, fn, chunk, tokens, live, tags, HC, HIDDEN, BLOCK_H,
                       SLOTS, MIX_ROW)
         first, step = chunk, CHUNKS
+        stamp(stamp_ptr, slot, MARK1, TIMELINE)  # mark1: the shares stored
     else:
         for c in range(CHUNKS):
             cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -127,6 +142,7 @@ def next_mixes_kernel(
                            hc_eps, sinkhorn_rounds, wait_bound, HC, HIDDEN, CHUNKS, CHUNKS_P2,
                            SLOTS, MIX_ROW, PRE_OFF, TOTALS_OFF, _NEXT_MIXES, USE_PTX)
         i += step
+    stamp(stamp_ptr, slot, END, TIMELINE)
 
 
 def launch_next_mixes(streams: torch.Tensor, hc_fn: torch.Tensor, hc_scale: torch.Tensor,
@@ -142,12 +158,16 @@ def launch_next_mixes(streams: torch.Tensor, hc_fn: torch.Tensor, hc_scale: torc
     chunks = triton.cdiv(hidden, MIXES_KERNEL_BLOCK_H)
     grid = (chunks if cooperative else 1, triton.cdiv(m, TOKENS))
     kernel = next_mixes_kernel.warmup if compile_only else next_mixes_kernel[grid]
+    stamps, first_slot, timeline = (status, 0, False) if compile_only else \
+        launch_args("next_mixes_kernel", grid[0] * grid[1], streams.device, status)
     compiled = kernel(
-        streams, hc_fn, hc_scale, hc_base, generation, mix_words, status, *outputs, m,
+        streams, hc_fn, hc_scale, hc_base, generation, mix_words, status, *outputs, stamps,
+        first_slot, m,
         float(eps), float(hc_eps), sinkhorn_iters - 1, int(wait_bound),
         HC=hc, HIDDEN=hidden, BLOCK_H=MIXES_KERNEL_BLOCK_H, TOKENS=TOKENS, **row,
         CHUNKS_P2=triton.next_power_of_2(chunks), COOPERATIVE=cooperative, USE_PTX=ptx,
-        USE_PDL=pdl, num_warps=MIXES_KERNEL_WARPS, enable_fp_fusion=False, launch_pdl=pdl,
+        USE_PDL=pdl, TIMELINE=timeline, num_warps=MIXES_KERNEL_WARPS, enable_fp_fusion=False,
+        launch_pdl=pdl,
         **(dict(grid=grid) if compile_only else {}))
     if compile_only:
         load_module(compiled)

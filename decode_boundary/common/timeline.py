@@ -94,3 +94,27 @@ def stamp(stamp_ptr, slot, which: tl.constexpr, TIMELINE: tl.constexpr):
     """Store ``%globaltimer`` as stamp ``which`` of ``slot`` (a no-op unless
     TIMELINE; GPU only: the interpreter has no PTX)."""
     stamp_after(stamp_ptr, slot, which, 0, TIMELINE)
+
+
+# What kernel_times reports of a launch, µs from the caller's t0.
+FIELDS = ("first_start", "last_start", "median_waited", "last_waited", "median_mark1",
+          "median_mark2", "median_end", "last_end")
+
+
+def kernel_times(stamps: torch.Tensor, first: int, programs: int, t0: int) -> dict:
+    """``FIELDS`` (and ``programs``) of the launch whose programs hold slots
+    ``first .. first + programs`` of ``stamps`` (a recording's, on the host),
+    in µs from ``t0`` (ns): first / last start, median / last grid-wait pass,
+    the median marks (NaN where the kernel sets none), median / last end."""
+    s = stamps[first:first + programs].double()
+    start, waited, mark1, mark2, end = ((s[:, i] - t0) / 1e3 for i in range(STAMPS))
+
+    def median(x):  # a mark a kernel does not set reads 0
+        return x.median().item() if bool((s[:, 0] > 0).all()) and x.min() > -t0 / 1e3 \
+            else float("nan")
+
+    return {"first_start": start.min().item(), "last_start": start.max().item(),
+            "median_waited": waited.median().item(), "last_waited": waited.max().item(),
+            "median_mark1": median(mark1), "median_mark2": median(mark2),
+            "median_end": end.median().item(), "last_end": end.max().item(),
+            "programs": programs}

@@ -13,6 +13,7 @@ program start, the median and last pass of the grid wait, the median and last
 end. The same graph without stamps is timed too (the stamps' own cost).
 
     PYTHONPATH=. python benchmarks/timeline.py [--tp-shapes 4] [--rows 1 8]
+        [--fused-mixes-up-to N]
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from decode_boundary.bench.harness import (
     one_gpu_result,
     one_gpu_write,
 )
+from decode_boundary.bench.mixes import fused_mixes_up_to
+from decode_boundary.boundary import consumer
 from decode_boundary.common import timeline
 from decode_boundary.common.timing import graph_time_us
 from decode_boundary.model.chain import AttentionBoundary
@@ -69,12 +72,17 @@ def profile(ab: AttentionBoundary, views: list, rows: int, device: torch.device)
 
 
 def main() -> None:
-    args = one_gpu_parser(__doc__.splitlines()[0]).parse_args()
-    ab, views = one_gpu_boundary(args, seed=3)
-    device = ab.device
-    result = one_gpu_result("timeline", args)
-    result["profiles"] = [profile(ab, views, rows, device) for rows in args.rows]
-    ab.close()
+    parser = one_gpu_parser(__doc__.splitlines()[0])
+    parser.add_argument("--fused-mixes-up-to", type=int, default=consumer.MIXES_FUSED_MAX_ROWS,
+                        help="V4.1's next mixes fused in the consumer up to this many tokens, "
+                             "from the mixes kernel beyond (default: the library's)")
+    args = parser.parse_args()
+    with fused_mixes_up_to(args.fused_mixes_up_to):
+        ab, views = one_gpu_boundary(args, seed=3)
+        device = ab.device
+        result = one_gpu_result("timeline", args)
+        result["profiles"] = [profile(ab, views, rows, device) for rows in args.rows]
+        ab.close()
     for p in result["profiles"]:
         print(f"\nM = {p['rows']}: {p['graph_us_per_step']:.2f} µs per step in a graph "
               f"(stamped: {p['stamped_step_us']:.2f}); µs from the step's first program start")

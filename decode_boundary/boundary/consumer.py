@@ -121,10 +121,12 @@ MIXES_TACTICS = (
 )
 MIX_MIN_BLOCK = 64  # the mix row has one SLOTS-wide share per chunk of >= 64 columns
 # Beyond this many tokens V4.1's next mixes come from the mixes kernel after the
-# consumer (mixes_kernel.py: hc_fn read once per 16 tokens, not once per token); the
-# fused ones cost the chain +14 / +21 us at M = 32 / 64 (bench 5235045). The mixes
-# kernel is not yet measured at M <= 16, where the fused ones were.
-MIXES_FUSED_MAX_ROWS = 16
+# consumer (mixes_kernel.py: hc_fn read once per 16 tokens, not once per token). One
+# H200, TP-4 shapes: the consumer alone + the kernel beats the fused mixes from M = 32
+# (19.1 vs 21.7 us; 20.6 vs 30.0 at 64; 18.1 vs 13.9 at 16: consumer_mixes-58bb314),
+# but in the chain the next GEMM waits for the whole kernel: boundary 60.2 / 78.8 us at
+# M = 32 / 64 with it (bench 58bb314) against 57.0 / 80.4 fused (bench 5235045).
+MIXES_FUSED_MAX_ROWS = 32
 
 
 def consumer_tactic(m: int, hidden: int, mixes: bool = False) -> ConsumerTactic:

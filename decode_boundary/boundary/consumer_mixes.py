@@ -111,29 +111,42 @@ def _row_sum(x, s, HC: tl.constexpr):
 
 
 @triton.jit
-def _normalise_rows(comb, hc_eps, HC: tl.constexpr):
-    """comb[s, t] / (sum_t comb[s, t] + hc_eps), on a flat tuple of scalars."""
+def _reciprocal(x, USE_PTX: tl.constexpr):
+    """1 / x for x > 0 (a normalisation's sum, >= hc_eps): on the GPU one
+    ``rcp.approx.ftz`` (<= 1 ulp), without the range checks of ``div.full``
+    that lengthen every Sinkhorn round's dependent chain; exact otherwise."""
+    if USE_PTX:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    return 1.0 / x
+
+
+@triton.jit
+def _normalise_rows(comb, hc_eps, HC: tl.constexpr, USE_PTX: tl.constexpr):
+    """comb[s, t] / (sum_t comb[s, t] + hc_eps), on a flat tuple of scalars (as
+    comb[s, t] times the sum's reciprocal)."""
     out = ()
     for s in tl.static_range(HC):
-        total = _row_sum(comb, s, HC) + hc_eps
+        inverse = _reciprocal(_row_sum(comb, s, HC) + hc_eps, USE_PTX)
         for t in tl.static_range(HC):
-            out = out + (comb[s * HC + t] / total,)
+            out = out + (comb[s * HC + t] * inverse,)
     return out
 
 
 @triton.jit
-def _normalise_columns(comb, hc_eps, HC: tl.constexpr):
-    """comb[s, t] / (sum_s comb[s, t] + hc_eps), on a flat tuple of scalars."""
-    totals = ()
+def _normalise_columns(comb, hc_eps, HC: tl.constexpr, USE_PTX: tl.constexpr):
+    """comb[s, t] / (sum_s comb[s, t] + hc_eps), on a flat tuple of scalars (as
+    comb[s, t] times the sum's reciprocal)."""
+    inverses = ()
     for t in tl.static_range(HC):
         total = comb[t]
         for s in tl.static_range(1, HC):
             total = total + comb[s * HC + t]
-        totals = totals + (total + hc_eps,)
+        inverses = inverses + (_reciprocal(total + hc_eps, USE_PTX),)
     out = ()
     for s in tl.static_range(HC):
         for t in tl.static_range(HC):
-            out = out + (comb[s * HC + t] / totals[t],)
+            out = out + (comb[s * HC + t] * inverses[t],)
     return out
 
 
@@ -159,10 +172,12 @@ def _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, 
     totals = tl.where(stale, _f32_nan(), tl.sum(_untagged(words), axis=0))  # [SLOTS]
     # The totals live one per thread group; every thread needs all of them.
     tl.store(row + TOTALS_OFF + tl.arange(0, SLOTS), _tagged(totals, tag))
-    tl.debug_barrier()  # this program's stores precede its loads below
+    # This program's own stores, ordered by the CTA barrier: plain loads see them (from
+    # L1; volatile ones would each be a system-scope round trip).
+    tl.debug_barrier()
     total = ()
     for i in tl.static_range(NMIX + 1):
-        total = total + (_untagged(tl.load(row + TOTALS_OFF + i, volatile=True)),)
+        total = total + (_untagged(tl.load(row + TOTALS_OFF + i)),)
     rstd = tl.math.rsqrt(total[NMIX] / (HC * HIDDEN) + eps)
     scale0 = tl.load(hc_scale_ptr)
     scale1 = tl.load(hc_scale_ptr + 1)
@@ -190,13 +205,14 @@ def _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, 
             e = e + (tl.exp(logits[t] - top),)
     comb = ()
     for s in tl.static_range(HC):
-        total_e = _row_sum(e, s, HC)
+        inverse = _reciprocal(_row_sum(e, s, HC), USE_PTX)  # >= 1: the top logit's term
         for t in tl.static_range(HC):
-            comb = comb + (e[s * HC + t] / total_e + hc_eps,)
-    comb = _normalise_columns(comb, hc_eps, HC)
+            comb = comb + (e[s * HC + t] * inverse + hc_eps,)
+    comb = _normalise_columns(comb, hc_eps, HC, USE_PTX)
     r = 0
     while r < rounds:
-        comb = _normalise_columns(_normalise_rows(comb, hc_eps, HC), hc_eps, HC)
+        comb = _normalise_columns(_normalise_rows(comb, hc_eps, HC, USE_PTX), hc_eps, HC,
+                                  USE_PTX)
         r += 1
     for i in tl.static_range(HC * HC):
         tl.store(comb_out_ptr + m * HC * HC + i, comb[i])

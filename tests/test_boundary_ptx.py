@@ -9,6 +9,7 @@ Runs in a subprocess because the suite's ``TRITON_INTERPRET=1`` turns every
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -121,6 +122,8 @@ def test_consumer_mixes_load_hc_fn_after_the_wait_and_poll_volatile(ptx):
         assert loads(name)[0] <= loads("consumer_128x4")[0], name  # none more before (V4: no pre)
         assert loads(name)[1] - loads("consumer_128x4")[1] >= fn_loads, name
         assert 0 < code.count("rcp.approx.ftz.f32") < 100, name
+        # the 25 sums read back behind the CTA barrier: plain loads, not volatile ones
+        assert len(re.findall(r"ld\.global(\.[a-z0-9]+)*\.b64", code)) >= 25, name
         assert code.count("div.full.f32") + code.count("div.rn.f32") < 40, name
         assert "ld.volatile.global.b64" in code or "ld.volatile.global.v2.b64" in code, name
         assert "fence" not in code and "membar" not in code, name

@@ -158,6 +158,10 @@ def test_mixes_kernel_holds_hc_fn_from_before_the_wait_without_spills(ptx):
     wait, so they overlap the consumer, reads residual_out only after it,
     stays in registers, and polls the shares volatile, bounded."""
     code = ptx["mixes_kernel"]
+    # the dots on tensor cores: per warp (a 16 x 8 tile of the 16 x 32 output), hc_fn's
+    # three BF16 parts x 4 streams x 128 / 16 k-steps
+    assert code.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 3 * 4 * 8
+    assert "tf32" not in code
     wait = code.index("griddepcontrol.wait")
     assert code[:wait].count("ld.global") >= 4 * 24 * 128 // (32 * 4) // 4  # 16-byte loads
     assert "ld.local" not in code and "st.local" not in code

@@ -15,6 +15,8 @@ result with one round less misses it)."""
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from independent_ref import mhc_mixes_fp64
 
 from decode_boundary.boundary import consumer
@@ -27,6 +29,7 @@ from decode_boundary.boundary.consumer import (
     sumsq_columns,
 )
 from decode_boundary.boundary.consumer_kernel import FULL, RESIDUAL_ONLY
+from decode_boundary.boundary.mixes_kernel import _split_bf16
 from decode_boundary.boundary.reference import consumer_ref, mhc_mixes_ref
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes
 
@@ -255,3 +258,40 @@ def test_mixes_are_fp32_whatever_the_default_dtype():
     finally:
         torch.set_default_dtype(previous)
     assert all(t.dtype == torch.float32 for t in mixes)
+
+
+@triton.jit
+def _split_kernel(fn_ptr, parts_ptr, HC: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    offs = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+    fn = ()
+    for t in tl.static_range(HC):
+        fn = fn + (tl.load(fn_ptr + t * ROWS * COLS + offs),)
+    parts = _split_bf16(fn, HC)
+    for i in tl.static_range(3 * HC):
+        tl.store(parts_ptr + i * ROWS * COLS + offs, parts[i])
+
+
+def _split_on(device):
+    g = torch.Generator().manual_seed(5)
+    hc, rows, cols = 2, 16, 32
+    fn = torch.randn(hc, rows, cols, generator=g) * 10.0 ** torch.randint(-6, 3, (hc, rows, cols),
+                                                                       generator=g)
+    fn = fn.to(device)
+    parts = torch.full((3 * hc, rows, cols), float("nan"), dtype=torch.bfloat16, device=device)
+    _split_kernel[(1,)](fn, parts, HC=hc, ROWS=rows, COLS=cols)
+    parts = parts.double().view(hc, 3, rows, cols)
+    assert torch.equal(parts.sum(dim=1), fn.double())  # hi + mid + lo, exactly
+    assert bool((parts[:, 1].abs() <= parts[:, 0].abs()).all())  # hi holds the leading bits
+    assert not torch.equal(parts[:, 2], torch.zeros_like(parts[:, 2]))  # lo is used
+
+
+def test_mixes_kernel_splits_hc_fn_into_three_bf16_parts_exactly():
+    """The mixes kernel's dots run on BF16 tensor cores with hc_fn split as hi +
+    mid + lo (``mixes_kernel._split_bf16``): the three parts add up to the FP32
+    value exactly, at magnitudes 1e-6 .. 1e2, whatever rounding the casts do."""
+    _split_on("cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_mixes_kernel_splits_hc_fn_exactly():
+    _split_on("cuda")

@@ -13,15 +13,12 @@ MIX_ROW]`` in the consumer's layout (``consumer.mix_columns``: a share of
 ``SLOTS`` words per chunk, then chunk 0's sums). Grid: (column chunks, token
 groups), chunks fastest. Program (c, g) holds ``hc_fn``'s columns of chunk c
 (loaded before its grid wait: a weight, overlapping the consumer), then for
-its tokens computes the chunk's (2 + HC) * HC dots as one ``tl.dot`` per
-stream on tensor cores (``input_precision="tf32x3"``: residual_out is BF16,
-exact in TF32, and hc_fn splits into two TF32 parts, 22 of its 24 bits; the
-FP32 FMA dot, ``"ieee"``, took 18 µs at 4 warps, benchmarks/NOTES.md) and the
-sum of squares, and stores
-them tagged into each token's row at ``c * SLOTS`` — the consumer's shares,
-word for word. Then program (c, g) combines token g * TOKENS + i for every
-i = c mod chunks: the consumer's ``_combine_mixes`` (bounded poll of the
-token's shares, one fixed sum, scalar sigmoid / softmax / Sinkhorn).
+its tokens computes the chunk's (2 + HC) * HC dots on BF16 tensor cores and
+the sum of squares, and stores them tagged into each token's row at ``c *
+SLOTS`` — the consumer's shares, word for word. Then program (c, g) combines
+token g * TOKENS + i for every i = c mod chunks: the consumer's
+``_combine_mixes`` (bounded poll of the token's shares, one fixed sum, scalar
+sigmoid / softmax / Sinkhorn).
 ``COOPERATIVE=False`` (the interpreter, whose programs run one by one): one
 program per group walks every chunk, then combines every token.
 
@@ -43,10 +40,16 @@ kernel starts (it launches once they all released it).
 **What must not race.** The kernel before this one is the consumer that
 wrote ``streams`` and ``generation``; no other kernel uses the mix rows or
 the outputs meanwhile. The mix rows are zeroed only with the generations.
-The dots are not the reference's summation order, and hc_fn's last 2 bits
-are dropped (relative 2^-22 a product, below the FP32 sum's own rounding of
-a 20480-long dot): pre/post/comb match it within FP32 rounding, as the
-fused mixes do, not bit for bit.
+
+**The dots.** residual_out is BF16; hc_fn's FP32 columns are split (before
+the wait) into three BF16 parts, hi + mid + lo = the value exactly
+(``_split_bf16``), so each product is exact and only the FP32 accumulation
+rounds: three BF16 MMAs per stream (the FP32 FMA dot took 18 µs of the
+kernel's 24 at 4 warps; with ``tf32x3``, six TF32 MMAs a stream and 2 bits
+of hc_fn lost, the shares took ~5 µs; benchmarks/NOTES.md). The interpreter, whose BF16 dot is
+wrong, multiplies the same parts as FP32. The dots are not the reference's
+summation order: pre/post/comb match it within FP32 rounding, as the fused
+mixes do, not bit for bit.
 """
 from __future__ import annotations
 
@@ -60,14 +63,30 @@ from .publish_kernel import load_module
 from .tagged_words import _tagged
 
 TOKENS = 16  # tokens per program: tl.dot's smallest M
-# sm_90: 255 registers, no spills, 16 KB shared (64 x 4: 168 registers, twice the shares)
+# sm_90: 255 registers (hc_fn's parts held), no spills, 16 KB shared (64 x 4: 168, but
+# twice the shares to poll)
 MIXES_KERNEL_BLOCK_H, MIXES_KERNEL_WARPS = 128, 4
+
+
+@triton.jit
+def _split_bf16(fn, HC: tl.constexpr):
+    """hc_fn's FP32 tiles as three BF16 tiles each, hi + mid + lo = the value
+    exactly (8 + 8 + 8 significand bits; each remainder is exact in FP32): the
+    dots' products with residual_out (BF16) are then exact on BF16 tensor
+    cores. Flat tuple: stream t's parts at 3t .. 3t + 2, hi first."""
+    parts = ()
+    for t in tl.static_range(HC):
+        hi = fn[t].to(tl.bfloat16)
+        rest = fn[t] - hi.to(tl.float32)
+        mid = rest.to(tl.bfloat16)
+        parts = parts + (hi, mid, (rest - mid.to(tl.float32)).to(tl.bfloat16))
+    return parts
 
 
 @triton.jit
 def _store_shares(streams_ptr, mix_ptr, fn, chunk, tokens, live, tags, HC: tl.constexpr,
                   HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, SLOTS: tl.constexpr,
-                  MIX_ROW: tl.constexpr):
+                  MIX_ROW: tl.constexpr, USE_PTX: tl.constexpr):
     """Chunk ``chunk``'s share of every live token's mixes, tagged into its
     row: the dots, then the sum of squares (word (2 + HC) * HC), then +0.0.
     ``fn``: the chunk's hc_fn tiles (``_load_mix_weights``)."""
@@ -78,9 +97,15 @@ def _store_shares(streams_ptr, mix_ptr, fn, chunk, tokens, live, tags, HC: tl.co
     squares = tl.zeros((rows.shape[0],), dtype=tl.float32)
     for t in tl.static_range(HC):
         s = tl.load(streams_ptr + (rows * HC + t).to(tl.int64) * HIDDEN + cols,
-                    mask=live[:, None] & (cols < HIDDEN), other=0.0).to(tl.float32)
-        acc = tl.dot(s, tl.trans(fn[t]), acc, input_precision="tf32x3")
-        squares = squares + tl.sum(s * s, axis=1)
+                    mask=live[:, None] & (cols < HIDDEN), other=0.0)
+        for part in tl.static_range(3):  # the smallest first
+            if USE_PTX:
+                acc = tl.dot(s, tl.trans(fn[t * 3 + 2 - part]), acc)
+            else:  # the interpreter's dot multiplies BF16 tiles wrongly: FP32 operands
+                acc = tl.dot(s.to(tl.float32), tl.trans(fn[t * 3 + 2 - part].to(tl.float32)),
+                             acc, input_precision="tf32")  # BF16 values: exact in TF32
+        wide = s.to(tl.float32)
+        squares = squares + tl.sum(wide * wide, axis=1)
     j = tl.arange(0, SLOTS)[None, :]
     part = tl.where(j < NMIX, acc, tl.where(j == NMIX, squares[:, None], 0.0))
     tl.store(mix_ptr + rows * MIX_ROW + chunk * SLOTS + j, _tagged(part, tags[:, None]),
@@ -106,10 +131,11 @@ def next_mixes_kernel(
     stamp(stamp_ptr, slot, START, TIMELINE)
     if COOPERATIVE:  # a weight: its loads overlap the consumer
         cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
-        fn = _load_mix_weights(hc_fn_ptr, cols, cols < HIDDEN, HC, HIDDEN, SLOTS)
+        fn = _split_bf16(_load_mix_weights(hc_fn_ptr, cols, cols < HIDDEN, HC, HIDDEN, SLOTS),
+                         HC)
         if TIMELINE:  # mark2: hc_fn's columns in
-            stamp_after(stamp_ptr, slot, MARK2, tl.sum(fn[HC - 1], axis=None).to(tl.int32),
-                        TIMELINE)
+            last = tl.sum(fn[3 * HC - 1].to(tl.float32), axis=None).to(tl.int32)
+            stamp_after(stamp_ptr, slot, MARK2, last, TIMELINE)
     if USE_PDL:
         # Released before the wait, so the next GEMM's weight stream still overlaps the
         # consumer (as behind the consumer alone); it reads nothing of ours before its
@@ -122,15 +148,16 @@ def next_mixes_kernel(
     tags = tl.load(generation_ptr + tokens, mask=live, other=0)
     if COOPERATIVE:
         _store_shares(streams_ptr, mix_ptr, fn, chunk, tokens, live, tags, HC, HIDDEN, BLOCK_H,
-                      SLOTS, MIX_ROW)
+                      SLOTS, MIX_ROW, USE_PTX)
         first, step = chunk, CHUNKS
         stamp(stamp_ptr, slot, MARK1, TIMELINE)  # mark1: the shares stored
     else:
         for c in range(CHUNKS):
             cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
             _store_shares(streams_ptr, mix_ptr,
-                          _load_mix_weights(hc_fn_ptr, cols, cols < HIDDEN, HC, HIDDEN, SLOTS), c,
-                          tokens, live, tags, HC, HIDDEN, BLOCK_H, SLOTS, MIX_ROW)
+                          _split_bf16(_load_mix_weights(hc_fn_ptr, cols, cols < HIDDEN, HC,
+                                                        HIDDEN, SLOTS), HC), c,
+                          tokens, live, tags, HC, HIDDEN, BLOCK_H, SLOTS, MIX_ROW, USE_PTX)
         tl.debug_barrier()  # this program's stores precede its polls below
         first, step = tl.full((), 0, tl.int32), 1
     i = first

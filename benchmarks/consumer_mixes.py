@@ -131,16 +131,21 @@ def _check(ars: dict, step: tuple, weights: tuple, collapse: str) -> str | None:
 
 
 def _timeline(steps: list, device: torch.device) -> dict:
-    """Per kernel of publish -> consumer -> mixes kernel, the medians over the
-    graph's steps of ``timeline.kernel_times`` from the consumer's first start."""
+    """Per stamped kernel of each step (the consumer, the mixes kernel; publish
+    has no stamps), the medians over the middle half of a CUDA graph's steps of
+    ``timeline.kernel_times`` from the consumer's first start."""
     with timeline.recording(device) as rec:
         graph_time_us(steps, device, min_calls=TIMELINE_STEPS, replays=1)
         torch.cuda.synchronize(device)
-    stamps, launches, samples = rec.stamps.cpu(), rec.launches, {}
-    for i, (name, first, programs) in enumerate(launches):
-        if name == "consumer_kernel" and i + 1 < len(launches):
+    # graph_time_us runs each step once eagerly before capturing: keep the captured
+    # launches only, two (consumer, mixes kernel) per captured call.
+    calls = len(steps) * -(-TIMELINE_STEPS // len(steps))
+    captured = rec.launches[-2 * calls:]
+    stamps, samples = rec.stamps.cpu(), {}
+    for i, (name, first, programs) in enumerate(captured):
+        if name == "consumer_kernel" and i + 1 < len(captured):
             t0 = int(stamps[first:first + programs, 0].min())
-            for later in launches[i:i + 2]:
+            for later in captured[i:i + 2]:
                 samples.setdefault(later[0], []).append(timeline.kernel_times(stamps, *later[1:],
                                                                               t0))
     return {name: {f: statistics.median(x[f] for x in kept[len(kept) // 4:3 * len(kept) // 4])

@@ -104,6 +104,10 @@ def test_checks():
                              device="cpu")
     with pytest.raises(ValueError, match="hc_eps must be a finite real number"):
         db.BoundaryAllReduce(H, HC, CAP, 2, collapse_pre="same", hc_eps=None, device="cpu")
+    for tiny in (0.0, 1e-40):  # the combine's reciprocals need a normal FP32 hc_eps
+        with pytest.raises(ValueError, match=r"hc_eps must be .* >= 2\*\*-126"):
+            db.BoundaryAllReduce(H, HC, CAP, 2, collapse_pre="previous", hc_eps=tiny,
+                                 device="cpu")
     with pytest.raises(ValueError, match="power-of-two hc_mult"):
         db.BoundaryAllReduce(H, 3, CAP, 2, collapse_pre="previous", device="cpu")
     d = inputs(2, seed=8)

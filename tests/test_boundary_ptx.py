@@ -62,7 +62,7 @@ out["consumer_128x4"] = ptx(consumer_kernel, sig, dict(mixes, MIXES=0), 4)  # th
 out["mixes_kernel"] = ptx(next_mixes_kernel, {"streams_ptr": "*bf16", "hc_fn_ptr": "*fp32",
     "hc_scale_ptr": "*fp32", "hc_base_ptr": "*fp32", "generation_ptr": "*i32",
     "mix_ptr": "*i64", "status_ptr": "*i32", "pre_out_ptr": "*fp32", "post_out_ptr": "*fp32",
-    "comb_out_ptr": "*fp32", "stamp_ptr": "*i64", "first_slot": "i32", "m_total": "i32",
+    "comb_out_ptr": "*fp32", "stamp_ptr": "*i64", "stamp_base": "i32", "m_total": "i32",
     "eps": "fp32", "hc_eps": "fp32",
     "sinkhorn_rounds": "i32", "wait_bound": "i64"},
     dict(HC=4, HIDDEN=5120, BLOCK_H=128, TOKENS=16, SLOTS=32, MIX_ROW=80 * 32 + 48,
@@ -177,3 +177,22 @@ def test_no_fma_no_multicast(ptx):
                  "consumer_same_pre"):
         assert "fma.rn.f32" not in ptx[name], name
     assert "fma.rn.f32" not in ptx["finalize"]
+
+
+def test_no_register_spills(ptx, tmp_path):
+    """ptxas (the SASS register allocator, which the PTX above never shows)
+    spills nothing in the kernels near the 255-register limit: the mixes
+    kernel holds hc_fn's BF16 parts, the consumers with the next mixes."""
+    import triton.backends.nvidia as nvidia
+
+    ptxas = os.path.join(os.path.dirname(nvidia.__file__), "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("no ptxas")
+    for name in ("mixes_kernel", "consumer_mixes", "consumer_same_pre"):
+        src = tmp_path / f"{name}.ptx"
+        src.write_text(ptx[name])
+        proc = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(src), "-o", os.devnull],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        info = proc.stdout + proc.stderr
+        assert "0 bytes spill stores, 0 bytes spill loads" in info, (name, info[-500:])

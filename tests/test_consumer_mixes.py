@@ -236,6 +236,9 @@ def test_argument_checks():
         call(good._replace(collapse="same"))
     with pytest.raises(ValueError, match="sinkhorn_iters must be an int >= 1"):
         call(good._replace(sinkhorn_iters=0))
+    for tiny in (0.0, 1e-40, -1e-6):  # a subnormal sum's reciprocal would be inf
+        with pytest.raises(ValueError, match=r"hc_eps must be .* >= 2\*\*-126"):
+            call(good._replace(hc_eps=tiny))
     with pytest.raises(ValueError, match="mix_words scratch is required"):
         call(good, mix_words=None)
     with pytest.raises(ValueError, match=">= 64 columns"):

@@ -59,7 +59,7 @@ from .consumer import (
     consume,
     consumer_tactic,
     fuses_mixes,
-    is_nonnegative_real,
+    is_hc_eps,
     is_positive_int,
     mix_columns,
     status_error,
@@ -155,8 +155,9 @@ class BoundaryAllReduce:
             problems.append(f"hc_mult and top_k must be positive, got {hc_mult}, {top_k}")
         if wait_timeout_s <= 0:
             problems.append(f"wait_timeout_s must be positive, got {wait_timeout_s}")
-        if not is_nonnegative_real(hc_eps):
-            problems.append(f"hc_eps must be a finite real number >= 0, got {hc_eps!r}")
+        if not is_hc_eps(hc_eps):
+            problems.append(f"hc_eps must be a finite real number >= 2**-126 (the smallest "
+                            f"normal FP32), got {hc_eps!r}")
             hc_eps = 0.0  # (the geometry carries the refusal)
         if collapse_pre is not None:
             if collapse_pre not in COLLAPSES:

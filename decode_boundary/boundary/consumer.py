@@ -125,7 +125,10 @@ MIX_MIN_BLOCK = 64  # the mix row has one SLOTS-wide share per chunk of >= 64 co
 # H200, TP-4 shapes: the consumer alone + the kernel beats the fused mixes from M = 32
 # (19.1 vs 21.7 us; 20.6 vs 30.0 at 64; 18.1 vs 13.9 at 16: consumer_mixes-58bb314),
 # but in the chain the next GEMM waits for the whole kernel: boundary 60.2 / 78.8 us at
-# M = 32 / 64 with it (bench 58bb314) against 57.0 / 80.4 fused (bench 5235045).
+# M = 32 / 64 with it (bench 58bb314) against 57.0 / 80.4 fused (bench 5235045, another
+# run). Both sides changed since (1d366e0: the combine's tail; 5e44be2: the kernel's dots
+# on BF16 MMAs), not yet measured: re-decide from one chain run of both
+# (benchmarks/timeline.py --fused-mixes-up-to).
 MIXES_FUSED_MAX_ROWS = 32
 
 
@@ -144,9 +147,9 @@ def consumer_tactic(m: int, hidden: int, mixes: bool = False) -> ConsumerTactic:
 def fuses_mixes(m: int, hc: int, collapse: str) -> bool:
     """Whether the consumer computes the next mixes of M tokens itself; else
     the mixes kernel does, right after it. V4's collapse needs them inside the
-    consumer; the mixes kernel's dot needs >= 16 slots, and it holds hc tiles
-    of 128 x slots FP32 (hc = 2-4: 16 or 32 slots; hc = 8's 64 slots would need
-    520 KB of shared memory)."""
+    consumer; the mixes kernel's dot needs >= 16 slots, and it holds hc x 3
+    BF16 parts of 128 x slots (hc = 2-4: 16 or 32 slots; hc = 8's 64 slots
+    did not fit even as one FP32 tile per stream: 520 KB of shared memory)."""
     return collapse == "same" or m <= MIXES_FUSED_MAX_ROWS or not 16 <= mix_slots(hc) <= 32
 
 
@@ -188,6 +191,17 @@ def is_nonnegative_real(value) -> bool:
     """A finite real number >= 0 (not a bool): what an eps must be."""
     return not isinstance(value, bool) and isinstance(value, Real) and math.isfinite(value) \
         and value >= 0
+
+
+# The mixes' hc_eps must be a normal FP32 number: every Sinkhorn sum is >= hc_eps and
+# the combine normalises by its reciprocal (rcp.approx.ftz: a subnormal or zero sum
+# would give inf and NaN where the reference's division stays finite).
+MIN_HC_EPS = 2.0 ** -126
+
+
+def is_hc_eps(value) -> bool:
+    """A finite real number >= ``MIN_HC_EPS`` (not a bool): what hc_eps must be."""
+    return is_nonnegative_real(value) and value >= MIN_HC_EPS
 
 
 def is_positive_int(value) -> bool:
@@ -339,9 +353,9 @@ def _check_mixes(mixes: MhcMixes, mode: int, pre, mix_words, m: int, hc: int, hi
     if not is_positive_int(mixes.sinkhorn_iters):
         raise ValueError(f"mixes.sinkhorn_iters must be an int >= 1, got "
                          f"{mixes.sinkhorn_iters!r}")
-    if not is_nonnegative_real(mixes.hc_eps):
-        raise ValueError(f"mixes.hc_eps must be a finite real number >= 0, got "
-                         f"{mixes.hc_eps!r}")
+    if not is_hc_eps(mixes.hc_eps):
+        raise ValueError(f"mixes.hc_eps must be a finite real number >= 2**-126 (the smallest "
+                         f"normal FP32), got {mixes.hc_eps!r}")
     rows = mix_words.shape[0] if isinstance(mix_words, torch.Tensor) else 0
     _need(mix_words, "mix_words scratch", torch.int64, (max(rows, m), mix_columns(hidden, hc)),
           device)

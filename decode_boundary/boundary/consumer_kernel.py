@@ -65,7 +65,11 @@ equal ``quantize_mxfp8_ref`` of the kernel's own ``layer_input``.
   dependency wait (so they overlap the publisher); with mixes hc_fn after it
   (plain loads, when the program's residual_out is in registers), hc_scale and
   hc_base by chunk 0 when it combines.
-* The mix row and the handed-over pre: volatile polls, as ``sumsq``.
+* The mix row and the handed-over pre: volatile polls, as ``sumsq``. The
+  combining program's sums of the shares (``TOTALS_OFF``): plain loads of its
+  own stores behind a ``debug_barrier`` (the CTA barrier orders them; plain
+  loads stay in L1, where the serial path's prenorm readback above keeps its
+  older volatile form).
 
 **Stage words.** ACTIVE (``stage_ptr + STAGE_ACTIVE``) is read with a plain
 load after the grid dependency wait: the publisher that set it has completed

@@ -112,9 +112,11 @@ def _row_sum(x, s, HC: tl.constexpr):
 
 @triton.jit
 def _reciprocal(x, USE_PTX: tl.constexpr):
-    """1 / x for x > 0 (a normalisation's sum, >= hc_eps): on the GPU one
+    """1 / x for a normalisation's sum (>= hc_eps >= ``MIN_HC_EPS``, a normal
+    FP32 number, so the reciprocal is finite): with ``USE_PTX`` one
     ``rcp.approx.ftz`` (<= 1 ulp), without the range checks of ``div.full``
-    that lengthen every Sinkhorn round's dependent chain; exact otherwise."""
+    that lengthen every Sinkhorn round's dependent chain; else ``1.0 / x``
+    (exact in the interpreter)."""
     if USE_PTX:
         return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x],
                                          dtype=tl.float32, is_pure=True, pack=1)

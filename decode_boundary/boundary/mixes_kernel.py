@@ -42,14 +42,17 @@ wrote ``streams`` and ``generation``; no other kernel uses the mix rows or
 the outputs meanwhile. The mix rows are zeroed only with the generations.
 
 **The dots.** residual_out is BF16; hc_fn's FP32 columns are split (before
-the wait) into three BF16 parts, hi + mid + lo = the value exactly
-(``_split_bf16``), so each product is exact and only the FP32 accumulation
-rounds: three BF16 MMAs per stream (the FP32 FMA dot took 18 µs of the
-kernel's 24 at 4 warps; with ``tf32x3``, six TF32 MMAs a stream and 2 bits
-of hc_fn lost, the shares took ~5 µs; benchmarks/NOTES.md). The interpreter, whose BF16 dot is
-wrong, multiplies the same parts as FP32. The dots are not the reference's
-summation order: pre/post/comb match it within FP32 rounding, as the fused
-mixes do, not bit for bit.
+the wait) into three BF16 parts, hi + mid + lo = the value exactly for 2^-110
+<= |x| < 3.39e38 and 0 (``_split_bf16``; below, lo loses bits under BF16's
+subnormals, <= 2^-134 absolute; above, hi overflows), so each product is
+exact and only the tensor cores' FP32 accumulation rounds: three BF16 MMAs
+per stream (the FP32 FMA dot took 18 µs of the kernel's 24 at 4 warps; with
+``tf32x3``, six TF32 MMAs a stream and 2 bits of hc_fn lost, the shares took
+~5 µs; benchmarks/NOTES.md). Without ``USE_PTX`` (the interpreter, whose BF16
+dot is wrong, or PTX switched off) the same parts are multiplied as FP32 (as
+BF16 values, exact in TF32 too). The dots are not the reference's summation
+order: pre/post/comb match it within FP32 rounding, as the fused mixes do,
+not bit for bit.
 """
 from __future__ import annotations
 
@@ -89,7 +92,7 @@ def _store_shares(streams_ptr, mix_ptr, fn, chunk, tokens, live, tags, HC: tl.co
                   MIX_ROW: tl.constexpr, USE_PTX: tl.constexpr):
     """Chunk ``chunk``'s share of every live token's mixes, tagged into its
     row: the dots, then the sum of squares (word (2 + HC) * HC), then +0.0.
-    ``fn``: the chunk's hc_fn tiles (``_load_mix_weights``)."""
+    ``fn``: the chunk's hc_fn tiles as 3 * HC BF16 parts (``_split_bf16``)."""
     NMIX: tl.constexpr = (2 + HC) * HC
     cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)[None, :]
     rows = tokens[:, None]
@@ -101,7 +104,7 @@ def _store_shares(streams_ptr, mix_ptr, fn, chunk, tokens, live, tags, HC: tl.co
         for part in tl.static_range(3):  # the smallest first
             if USE_PTX:
                 acc = tl.dot(s, tl.trans(fn[t * 3 + 2 - part]), acc)
-            else:  # the interpreter's dot multiplies BF16 tiles wrongly: FP32 operands
+            else:  # the interpreter's BF16 dot is wrong: FP32 operands
                 acc = tl.dot(s.to(tl.float32), tl.trans(fn[t * 3 + 2 - part].to(tl.float32)),
                              acc, input_precision="tf32")  # BF16 values: exact in TF32
         wide = s.to(tl.float32)
@@ -112,12 +115,13 @@ def _store_shares(streams_ptr, mix_ptr, fn, chunk, tokens, live, tags, HC: tl.co
              mask=live[:, None])
 
 
-# m_total unspecialized: one compiled variant serves every M (precompile and graph
-# capture key the variant without M; M = 1 or a multiple of 16 must not recompile).
-@triton.jit(do_not_specialize=["m_total"])
+# m_total and stamp_base unspecialized: one compiled variant serves every M and slot
+# (precompile and graph capture key the variant without them; M = 1 or a multiple of
+# 16 must not recompile).
+@triton.jit(do_not_specialize=["m_total", "stamp_base"])
 def next_mixes_kernel(
     streams_ptr, hc_fn_ptr, hc_scale_ptr, hc_base_ptr, generation_ptr, mix_ptr, status_ptr,
-    pre_out_ptr, post_out_ptr, comb_out_ptr, stamp_ptr, first_slot, m_total, eps, hc_eps,
+    pre_out_ptr, post_out_ptr, comb_out_ptr, stamp_ptr, stamp_base, m_total, eps, hc_eps,
     sinkhorn_rounds, wait_bound, HC: tl.constexpr, HIDDEN: tl.constexpr,
     BLOCK_H: tl.constexpr, TOKENS: tl.constexpr, SLOTS: tl.constexpr, MIX_ROW: tl.constexpr,
     PRE_OFF: tl.constexpr, TOTALS_OFF: tl.constexpr, CHUNKS_P2: tl.constexpr,
@@ -127,7 +131,7 @@ def next_mixes_kernel(
     CHUNKS: tl.constexpr = (HIDDEN + BLOCK_H - 1) // BLOCK_H
     chunk = tl.program_id(0)  # always 0 without COOPERATIVE: the program walks the chunks
     group = tl.program_id(1)
-    slot = first_slot + group * tl.num_programs(0) + chunk
+    slot = stamp_base + group * tl.num_programs(0) + chunk  # common.timeline (a diagnostic)
     stamp(stamp_ptr, slot, START, TIMELINE)
     if COOPERATIVE:  # a weight: its loads overlap the consumer
         cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -185,11 +189,11 @@ def launch_next_mixes(streams: torch.Tensor, hc_fn: torch.Tensor, hc_scale: torc
     chunks = triton.cdiv(hidden, MIXES_KERNEL_BLOCK_H)
     grid = (chunks if cooperative else 1, triton.cdiv(m, TOKENS))
     kernel = next_mixes_kernel.warmup if compile_only else next_mixes_kernel[grid]
-    stamps, first_slot, timeline = (status, 0, False) if compile_only else \
+    stamps, stamp_base, timeline = (status, 0, False) if compile_only else \
         launch_args("next_mixes_kernel", grid[0] * grid[1], streams.device, status)
     compiled = kernel(
         streams, hc_fn, hc_scale, hc_base, generation, mix_words, status, *outputs, stamps,
-        first_slot, m,
+        stamp_base, m,
         float(eps), float(hc_eps), sinkhorn_iters - 1, int(wait_bound),
         HC=hc, HIDDEN=hidden, BLOCK_H=MIXES_KERNEL_BLOCK_H, TOKENS=TOKENS, **row,
         CHUNKS_P2=triton.next_power_of_2(chunks), COOPERATIVE=cooperative, USE_PTX=ptx,

@@ -2,7 +2,8 @@
 :func:`recording` block is active (then kernels compile a ``TIMELINE``
 variant; the default variant's code is unchanged).
 
-Each program of an instrumented kernel (the MXFP8 GEMM, the consumer) writes
+Each program of an instrumented kernel (the MXFP8 GEMM, the consumer, the
+mixes kernel) writes
 ``%globaltimer`` readings (ns) to its slot of the recording's buffer: when it
 starts, when it has passed its grid-dependency wait, when it ends, and up to
 two marks inside its body (``MARK1``, ``MARK2``: each kernel's docstring or
@@ -10,7 +11,9 @@ stamp call says where; 0 where a kernel sets none).
 Launchers reserve the slots on the host at launch (or capture) time, in
 launch order, so a CUDA graph captured inside the block records every replay
 into the same slots. ``benchmarks/timeline.py`` turns them into the
-where-does-the-time-go table of a chain.
+where-does-the-time-go table of a chain (``benchmarks/consumer_mixes.py
+--timeline``: of the consumer and the mixes kernel), both through
+:func:`kernel_times`.
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ _active: Recording | None = None
 
 @contextlib.contextmanager
 def recording(device: torch.device | str, slots: int = 1 << 16) -> Iterator[Recording]:
-    """Instrument every GEMM / consumer launch inside the block (GPU only)."""
+    """Instrument every GEMM / consumer / mixes kernel launch inside the block
+    (GPU only)."""
     global _active
     if interpret_mode() or torch.device(device).type != "cuda":
         raise RuntimeError("a timeline reads %globaltimer: it needs a CUDA device and compiled "

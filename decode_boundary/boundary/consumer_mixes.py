@@ -165,6 +165,11 @@ def _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, 
     ``rounds``: Sinkhorn rounds after the first normalisation (run time).
     Returns pre as a tuple of HC scalars."""
     NMIX: tl.constexpr = (2 + HC) * HC
+    # The parameters first: their loads overlap the poll instead of following it.
+    scale = (tl.load(hc_scale_ptr), tl.load(hc_scale_ptr + 1), tl.load(hc_scale_ptr + 2))
+    base = ()
+    for i in tl.static_range(NMIX):
+        base = base + (tl.load(hc_base_ptr + i),)
     c = tl.arange(0, CHUNKS_P2)[:, None]
     j = tl.arange(0, SLOTS)[None, :]
     row = mix_ptr + m * MIX_ROW
@@ -181,14 +186,10 @@ def _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, 
     for i in tl.static_range(NMIX + 1):
         total = total + (_untagged(tl.load(row + TOTALS_OFF + i)),)
     rstd = tl.math.rsqrt(total[NMIX] / (HC * HIDDEN) + eps)
-    scale0 = tl.load(hc_scale_ptr)
-    scale1 = tl.load(hc_scale_ptr + 1)
-    scale2 = tl.load(hc_scale_ptr + 2)
     pre = ()
     for t in tl.static_range(HC):
-        pre = pre + (tl.sigmoid((total[t] * rstd) * scale0 + tl.load(hc_base_ptr + t))
-                     + hc_eps,)
-        post = 2 * tl.sigmoid((total[HC + t] * rstd) * scale1 + tl.load(hc_base_ptr + HC + t))
+        pre = pre + (tl.sigmoid((total[t] * rstd) * scale[0] + base[t]) + hc_eps,)
+        post = 2 * tl.sigmoid((total[HC + t] * rstd) * scale[1] + base[HC + t])
         tl.store(pre_out_ptr + m * HC + t, pre[t])
         tl.store(post_out_ptr + m * HC + t, post)
         if MIXES == _SAME_PRE:
@@ -198,8 +199,8 @@ def _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, 
     for s in tl.static_range(HC):
         logits = ()
         for t in tl.static_range(HC):
-            logits = logits + ((total[2 * HC + s * HC + t] * rstd) * scale2
-                               + tl.load(hc_base_ptr + 2 * HC + s * HC + t),)
+            logits = logits + ((total[2 * HC + s * HC + t] * rstd) * scale[2]
+                               + base[2 * HC + s * HC + t],)
         top = logits[0]
         for t in tl.static_range(1, HC):
             top = tl.maximum(top, logits[t])

@@ -477,6 +477,11 @@ def consumer_kernel(
                                           wait_bound, res, post, comb, pre, m, cols, cmask,
                                           TP, HC, HIDDEN, MODE, COLLAPSE, LAMPORT, USE_PTX)
         stamp(stamp_ptr, slot, MARK1, TIMELINE)  # slots in, residual_out stored
+        if COLLAPSE:
+            # The norm partial first: the token's hand-off, on every program's critical
+            # path, need not wait for this program's hc_fn loads and dots below.
+            _publish_partial(sumsq_ptr, m, chunk, tl.sum(prenorm * prenorm, axis=0), tag, UNITS,
+                             BLOCK_H)
         if MIXES != _NO_MIXES:
             # Every program's share before any program waits for it: chunk 0 sums them
             # (one fixed order).
@@ -493,9 +498,9 @@ def consumer_kernel(
                 new_pre = _wait_pre(mix_ptr, status_ptr, m, tag, wait_bound, HC, MIX_ROW,
                                     PRE_OFF, USE_PTX)
             prenorm = _collapse(streams, new_pre, HC)
-        if MODE == _FULL:
             _publish_partial(sumsq_ptr, m, chunk, tl.sum(prenorm * prenorm, axis=0), tag, UNITS,
                              BLOCK_H)
+        if MODE == _FULL:
             total = _wait_partials(sumsq_ptr, status_ptr, m, tag, wait_bound, UNITS, UNITS_P2,
                                    USE_PTX)
             stamp(stamp_ptr, slot, MARK2, TIMELINE)  # the token's partials met

@@ -21,13 +21,15 @@ shares' sums become scalars through ``TOTALS_OFF`` (one store, one barrier,
 broadcast loads); the handed-over pre has its own 128-byte line after them
 (``PRE_OFF``), so the programs polling it do not slow chunk 0's round trip,
 and they poll with a back-off. ``NEXT_MIXES`` (V4.1): nobody waits for them, so
-chunk 0 combines after its norm, off the token's critical path; the collapse
-uses the given ``pre``. ``SAME_PRE`` (V4): chunk 0 combines first and stores
-the pre as ``HC`` tagged words (``PRE_OFF``) that the token's other programs
-poll (scalar loads: no block reduction) before their collapse; then the
-norm hand-off as without mixes. Chunk 0 advances the
-generation only after seeing every sumsq unit, which every program writes
-after its mix share: so every program had read the generation before. The
+every program publishes its norm partial *before* its mix share (the hand-off
+does not wait for the hc_fn loads and dots) and chunk 0 combines after its
+norm, off the token's critical path; the collapse uses the given ``pre``.
+``SAME_PRE`` (V4): chunk 0 combines first and stores the pre as ``HC`` tagged
+words (``PRE_OFF``) that the token's other programs poll (scalar loads: no
+block reduction) before their collapse; then the norm hand-off as without
+mixes. Chunk 0 advances the generation only after seeing every sumsq unit,
+which every program writes after reading the generation (its tag, read right
+after the grid wait, tags its mix share too). The
 dots are not the reference's summation order: pre/post/comb match it within
 FP32 rounding, not bit for bit; given those values, everything else is the
 path without mixes, bit for bit.

@@ -130,7 +130,10 @@ from .consumer_mixes import (
     _NEXT_MIXES,
     _NO_MIXES,
     _SAME_PRE,
+    _combine_comb,
     _combine_mixes,
+    _combine_pre_post,
+    _no_logits,
     _publish_mix_partials,
     _wait_pre,
 )
@@ -488,15 +491,15 @@ def consumer_kernel(
             _publish_mix_partials(mix_ptr, hc_fn_ptr, m, chunk, cols, cmask, streams, tag, HC,
                                   HIDDEN, SLOTS, MIX_ROW)
         if MIXES == _SAME_PRE:  # the collapse needs the pre chunk 0 computes
-            if chunk == 0:
-                new_pre = _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr,
-                                         pre_out_ptr, post_out_ptr, comb_out_ptr, m, tag, eps,
-                                         hc_eps, sinkhorn_rounds, wait_bound, HC, HIDDEN, CHUNKS,
-                                         CHUNKS_P2, SLOTS, MIX_ROW, PRE_OFF, TOTALS_OFF, MIXES,
-                                         USE_PTX)
+            if chunk == 0:  # comb's Sinkhorn waits until after the norm: nobody needs it here
+                new_pre, logits = _combine_pre_post(
+                    mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, post_out_ptr, m,
+                    tag, eps, hc_eps, wait_bound, HC, HIDDEN, CHUNKS, CHUNKS_P2, SLOTS, MIX_ROW,
+                    PRE_OFF, TOTALS_OFF, MIXES, USE_PTX)
             else:
                 new_pre = _wait_pre(mix_ptr, status_ptr, m, tag, wait_bound, HC, MIX_ROW,
                                     PRE_OFF, USE_PTX)
+                logits = _no_logits(HC)
             prenorm = _collapse(streams, new_pre, HC)
             _publish_partial(sumsq_ptr, m, chunk, tl.sum(prenorm * prenorm, axis=0), tag, UNITS,
                              BLOCK_H)
@@ -508,6 +511,9 @@ def consumer_kernel(
                 tl.store(generation_ptr + m, tag)
             _norm_chunk(prenorm, gamma, total, eps, layer_ptr, qdata_ptr, qscale_ptr, m, chunk,
                         cols, cmask, HIDDEN, BLOCK_H, QUANT)
+        if MIXES == _SAME_PRE:  # noqa: SIM102 (a constexpr test: the branch is pruned)
+            if chunk == 0:  # off the token's critical path: after the norm
+                _combine_comb(logits, comb_out_ptr, m, hc_eps, sinkhorn_rounds, HC, USE_PTX)
         if MIXES == _NEXT_MIXES:  # noqa: SIM102 (a constexpr test: the branch is pruned)
             if chunk == 0:  # nobody here waits for the next mixes: after the norm
                 _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr,

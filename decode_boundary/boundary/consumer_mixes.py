@@ -24,10 +24,12 @@ and they poll with a back-off. ``NEXT_MIXES`` (V4.1): nobody waits for them, so
 every program publishes its norm partial *before* its mix share (the hand-off
 does not wait for the hc_fn loads and dots) and chunk 0 combines after its
 norm, off the token's critical path; the collapse uses the given ``pre``.
-``SAME_PRE`` (V4): chunk 0 combines first and stores the pre as ``HC`` tagged
-words (``PRE_OFF``) that the token's other programs poll (scalar loads: no
-block reduction) before their collapse; then the norm hand-off as without
-mixes. Chunk 0 advances the generation only after seeing every sumsq unit,
+``SAME_PRE`` (V4): chunk 0 sums the shares and computes pre and post first
+(:func:`_combine_pre_post`), stores the pre as ``HC`` tagged words
+(``PRE_OFF``) that the token's other programs poll (scalar loads: no block
+reduction) before their collapse, then the norm hand-off as without mixes;
+comb's softmax and Sinkhorn rounds (:func:`_combine_comb`) follow its norm,
+off the token's critical path. Chunk 0 advances the generation only after seeing every sumsq unit,
 which every program writes after reading the generation (its tag, read right
 after the grid wait, tags its mix share too). The
 dots are not the reference's summation order: pre/post/comb match it within
@@ -160,12 +162,28 @@ def _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, 
                    HIDDEN: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
                    SLOTS: tl.constexpr, MIX_ROW: tl.constexpr, PRE_OFF: tl.constexpr,
                    TOTALS_OFF: tl.constexpr, MIXES: tl.constexpr, USE_PTX: tl.constexpr):
+    """Token m's pre, post and comb from the shares in one go
+    (:func:`_combine_pre_post`, then :func:`_combine_comb`). Returns pre."""
+    pre, logits = _combine_pre_post(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr,
+                                    post_out_ptr, m, tag, eps, hc_eps, wait_bound, HC, HIDDEN,
+                                    CHUNKS, CHUNKS_P2, SLOTS, MIX_ROW, PRE_OFF, TOTALS_OFF, MIXES,
+                                    USE_PTX)
+    _combine_comb(logits, comb_out_ptr, m, hc_eps, rounds, HC, USE_PTX)
+    return pre
+
+
+@triton.jit
+def _combine_pre_post(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, post_out_ptr,
+                      m, tag, eps, hc_eps, wait_bound, HC: tl.constexpr, HIDDEN: tl.constexpr,
+                      CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, SLOTS: tl.constexpr,
+                      MIX_ROW: tl.constexpr, PRE_OFF: tl.constexpr, TOTALS_OFF: tl.constexpr,
+                      MIXES: tl.constexpr, USE_PTX: tl.constexpr):
     """Wait for every chunk's share of token m's mixes (bounded: a timeout sets
     ``NORM_TIMEOUT_BIT`` and makes them NaN), sum them in one fixed tree, and
-    compute pre, post and comb as ``reference.mhc_mixes_ref`` does; store them
-    (and with ``SAME_PRE`` the pre, tagged, for the token's other programs).
-    ``rounds``: Sinkhorn rounds after the first normalisation (run time).
-    Returns pre as a tuple of HC scalars."""
+    compute pre and post as ``reference.mhc_mixes_ref`` does; store them (and
+    with ``SAME_PRE`` the pre, tagged, for the token's other programs).
+    Returns (pre as a tuple of HC scalars, comb's HC * HC logits [source,
+    target] flat, for :func:`_combine_comb`)."""
     NMIX: tl.constexpr = (2 + HC) * HC
     # The parameters first: their loads overlap the poll instead of following it.
     scale = (tl.load(hc_scale_ptr), tl.load(hc_scale_ptr + 1), tl.load(hc_scale_ptr + 2))
@@ -191,23 +209,40 @@ def _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, 
     pre = ()
     for t in tl.static_range(HC):
         pre = pre + (tl.sigmoid((total[t] * rstd) * scale[0] + base[t]) + hc_eps,)
+        if MIXES == _SAME_PRE:  # first: the token's other programs wait for it
+            tl.store(row + PRE_OFF + t, _tagged(pre[t], tag))
+    for t in tl.static_range(HC):
         post = 2 * tl.sigmoid((total[HC + t] * rstd) * scale[1] + base[HC + t])
         tl.store(pre_out_ptr + m * HC + t, pre[t])
         tl.store(post_out_ptr + m * HC + t, post)
-        if MIXES == _SAME_PRE:
-            tl.store(row + PRE_OFF + t, _tagged(pre[t], tag))
-    # comb[s, t] (flat s * HC + t): a softmax over t, then Sinkhorn, columns first.
+    logits = ()
+    for i in tl.static_range(HC * HC):
+        logits = logits + ((total[2 * HC + i] * rstd) * scale[2] + base[2 * HC + i],)
+    return pre, logits
+
+
+@triton.jit
+def _no_logits(HC: tl.constexpr):
+    """HC * HC zeros: the comb logits of a program that does not combine."""
+    logits = ()
+    for _ in tl.static_range(HC * HC):
+        logits = logits + (0.0,)
+    return logits
+
+
+@triton.jit
+def _combine_comb(logits, comb_out_ptr, m, hc_eps, rounds, HC: tl.constexpr,
+                  USE_PTX: tl.constexpr):
+    """comb [source, target] from its logits (flat s * HC + t): a softmax over
+    t, ``+ hc_eps``, the column normalisation, then ``rounds`` Sinkhorn rounds
+    (rows, then columns; run time), as ``reference.mhc_mixes_ref``; stored."""
     e = ()
     for s in tl.static_range(HC):
-        logits = ()
-        for t in tl.static_range(HC):
-            logits = logits + ((total[2 * HC + s * HC + t] * rstd) * scale[2]
-                               + base[2 * HC + s * HC + t],)
-        top = logits[0]
+        top = logits[s * HC]
         for t in tl.static_range(1, HC):
-            top = tl.maximum(top, logits[t])
+            top = tl.maximum(top, logits[s * HC + t])
         for t in tl.static_range(HC):
-            e = e + (tl.exp(logits[t] - top),)
+            e = e + (tl.exp(logits[s * HC + t] - top),)
     comb = ()
     for s in tl.static_range(HC):
         inverse = _reciprocal(_row_sum(e, s, HC), USE_PTX)  # >= 1: the top logit's term
@@ -221,7 +256,6 @@ def _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, 
         r += 1
     for i in tl.static_range(HC * HC):
         tl.store(comb_out_ptr + m * HC * HC + i, comb[i])
-    return pre
 
 
 @triton.jit

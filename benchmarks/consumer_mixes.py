@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 from pathlib import Path
 
 import torch
@@ -38,7 +37,7 @@ from decode_boundary.mxfp8.format import mxfp8_scale_bytes
 
 H, HC, COPIES, EPS, HC_EPS, ITERS = 5120, 4, 8, 1e-6, 1e-6, 20
 SWEEP_TACTICS = ((128, 4), (256, 4), (128, 8), (256, 8))  # (columns, warps)
-TIMELINE_STEPS = 16  # graph steps stamped by --timeline
+TIMELINE_STEPS = 24  # graph steps stamped by --timeline (as benchmarks/timeline.py)
 MIXES_ATOL = 1e-5  # tests/test_consumer_mixes.py justifies it
 
 
@@ -135,25 +134,10 @@ def _check(ars: dict, step: tuple, weights: tuple, collapse: str) -> str | None:
 
 def _timeline(steps: list, device: torch.device) -> dict:
     """Per stamped kernel of each step (the consumer, the mixes kernel; publish
-    has no stamps), the medians over the middle half of a CUDA graph's steps of
-    ``timeline.kernel_times`` from the consumer's first start."""
-    with timeline.recording(device) as rec:
-        graph_time_us(steps, device, min_calls=TIMELINE_STEPS, replays=1)
-        torch.cuda.synchronize(device)
-    # graph_time_us runs each step once eagerly before capturing: keep the captured
-    # launches only, two (consumer, mixes kernel) per captured call.
+    has no stamps): ``timeline.stamped_steps``' medians, from the consumer's
+    first start."""
     calls = len(steps) * -(-TIMELINE_STEPS // len(steps))
-    captured = rec.launches[-2 * calls:]
-    stamps, samples = rec.stamps.cpu(), {}
-    for i, (name, first, programs) in enumerate(captured):
-        if name == "consumer_kernel" and i + 1 < len(captured):
-            t0 = int(stamps[first:first + programs, 0].min())
-            for later in captured[i:i + 2]:
-                samples.setdefault(later[0], []).append(timeline.kernel_times(stamps, *later[1:],
-                                                                              t0))
-    return {name: {f: statistics.median(x[f] for x in kept[len(kept) // 4:3 * len(kept) // 4])
-                   for f in timeline.FIELDS}
-            for name, kept in samples.items()}
+    return {k["kernel"]: k for k in timeline.stamped_steps(steps, device, calls)["kernels"]}
 
 
 def _sweep(ars: dict, step: tuple, copies: list) -> list:

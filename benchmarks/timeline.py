@@ -19,7 +19,6 @@ end. The same graph without stamps is timed too (the stamps' own cost).
 from __future__ import annotations
 
 import functools
-import statistics
 
 import torch
 
@@ -36,39 +35,15 @@ from decode_boundary.common.timing import graph_time_us
 from decode_boundary.model.chain import AttentionBoundary
 
 STEPS = 24  # steps in the graph; the first and last few are left out of the medians
+
+
 def profile(ab: AttentionBoundary, views: list, rows: int, device: torch.device) -> dict:
     inputs = ab.make_inputs(rows, seed=rows)
     steps = [functools.partial(v, inputs, fused=True) for v in views]
     plain_us = graph_time_us(steps, device)
-    calls = len(steps) * -(-STEPS // len(steps))
-    with timeline.recording(device) as rec:
-        for step in steps:  # compiles the stamped variants, outside the capture
-            step()
-        torch.cuda.synchronize(device)
-        eager = len(rec.launches)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(calls):
-                steps[i % len(steps)]()
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize(device)
-        launches = rec.launches[eager:]
-        stamps = rec.stamps.cpu()
-    per_step = len(launches) // calls
-    names = [name for name, _, _ in launches[:per_step]]
-    kept = range(3, calls - 3)
-    firsts = [launches[s * per_step] for s in range(calls)]  # each step's first kernel
-    t0s = [int(stamps[first:first + n, 0].min()) for _, first, n in firsts]
-    rows_out = []
-    for k in range(per_step):
-        samples = [timeline.kernel_times(stamps, launches[s * per_step + k][1],
-                                 launches[s * per_step + k][2], t0s[s]) for s in kept]
-        rows_out.append({"kernel": f"{k}: {names[k]}", "programs": samples[0]["programs"],
-                         **{f: statistics.median(x[f] for x in samples) for f in timeline.FIELDS}})
-    step_us = statistics.median((t0s[s + 1] - t0s[s]) / 1e3 for s in kept)
-    return {"rows": rows, "graph_us_per_step": plain_us, "stamped_step_us": step_us,
-            "kernels": rows_out}
+    stamped = timeline.stamped_steps(steps, device, len(steps) * -(-STEPS // len(steps)))
+    return {"rows": rows, "graph_us_per_step": plain_us, "stamped_step_us": stamped["step_us"],
+            "kernels": stamped["kernels"]}
 
 
 def main() -> None:

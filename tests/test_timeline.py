@@ -46,3 +46,22 @@ def test_kernel_times_are_microseconds_from_t0_and_unset_marks_read_nan():
     assert got["last_end"] == us[:, end].max().item()
     assert math.isnan(got["median_mark2"])
     assert set(timeline.FIELDS) <= set(got)
+
+
+def test_step_medians_group_launches_by_step_from_each_steps_first_start():
+    """Two stamped kernels a step, 8 steps 10 µs apart: each kernel's fields
+    are the medians over the kept steps, counted from its step's first start."""
+    calls, programs, launches, rows = 8, 2, [], []
+    for s in range(calls):
+        for k, name in enumerate(("consumer_kernel", "next_mixes_kernel")):
+            launches.append((name, len(rows), programs))
+            for p in range(programs):
+                start = 1_000_000 + s * 10_000 + k * 3_000 + p * 100
+                rows.append([start, start + 500, start + 700, start + 800, start + 2_000])
+    got = timeline.step_medians(torch.tensor(rows, dtype=torch.int64), launches, calls, skip=2)
+    assert [k["kernel"] for k in got["kernels"]] == ["0: consumer_kernel", "1: next_mixes_kernel"]
+    first, second = got["kernels"]
+    assert first["programs"] == programs and first["first_start"] == 0.0
+    assert first["last_start"] == 0.1 and first["last_end"] == 2.1
+    assert second["first_start"] == 3.0 and second["median_waited"] == 3.5  # the lower middle
+    assert got["step_us"] == 10.0

@@ -1,22 +1,21 @@
 """The consumer's part of the next sublayer's mHC mixes (``MIXES``, docs/DESIGN.md
 §5.1; spec: ``reference.mhc_mixes_ref``), device functions of
-:mod:`.consumer_kernel`. Every program holds its columns of ``hc_fn``
-(FP32, loaded before the grid wait: a weight) and, after writing its
-``residual_out``, publishes its share into the token's mix row of ``mix_ptr``
-(int64 words tagged like the norm's: ``SLOTS`` per chunk, the (2 + HC) * HC
-dots of its columns and streams with ``hc_fn``, then its sum of squares of
-``residual_out``). The program loads its ``hc_fn`` columns only then, not
-before its grid wait: held from there they cost 64 registers per thread,
-and neither that nor an L2 prefetch there won (benchmarks/NOTES.md, "V4-family
-mixes"). The chunk-0 program polls the
-row (bounded, as the norm hand-off), sums the shares in one fixed tree (the
-same bits for a serial and a cooperative launch of one ``BLOCK_H``), and
-computes pre, post and comb: sigmoid, softmax and ``SINKHORN_ITERS``
-normalisations in FP32 on its own, and stores them. That arithmetic is on
-*scalars* (every thread computes all of it): on register vectors each sum of
-a 4-wide row would be a block reduction with a barrier, ~40 of them in a
-row; the Sinkhorn rounds are a loop with a run-time count (``rounds``), not
-unrolled: the code runs once per launch, cold in the instruction cache. The
+:mod:`.consumer_kernel`. Every program, after writing its ``residual_out``,
+loads its columns of ``hc_fn`` (FP32) and publishes its share into the
+token's mix row of ``mix_ptr`` (int64 words tagged like the norm's: ``SLOTS``
+per chunk, the (2 + HC) * HC dots of its columns and streams with ``hc_fn``,
+then its sum of squares of ``residual_out``). It loads ``hc_fn`` only then,
+not before its grid wait: held from there the columns cost 64 registers per
+thread, and neither that nor an L2 prefetch there won (benchmarks/NOTES.md,
+"V4-family mixes"). The chunk-0 program polls the row (bounded, as the norm
+hand-off), sums the shares in one fixed tree (the same bits for a serial and
+a cooperative launch of one ``BLOCK_H``), and computes pre, post and comb:
+sigmoid, softmax and the Sinkhorn normalisations in FP32 on its own, and
+stores them. That arithmetic is on *scalars* (every thread computes all of
+it): on register vectors each sum of a 4-wide row would be a block reduction
+with a barrier, ~40 of them in a row; the Sinkhorn rounds are a loop with a
+run-time count (``rounds``), not unrolled: the code runs once per launch,
+cold in the instruction cache. The
 shares' sums become scalars through ``TOTALS_OFF`` (one store, one barrier,
 broadcast loads); the handed-over pre has its own 128-byte line after them
 (``PRE_OFF``), so the programs polling it do not slow chunk 0's round trip,
@@ -29,10 +28,10 @@ norm, off the token's critical path; the collapse uses the given ``pre``.
 (``PRE_OFF``) that the token's other programs poll (scalar loads: no block
 reduction) before their collapse, then the norm hand-off as without mixes;
 comb's softmax and Sinkhorn rounds (:func:`_combine_comb`) follow its norm,
-off the token's critical path. Chunk 0 advances the generation only after seeing every sumsq unit,
-which every program writes after reading the generation (its tag, read right
-after the grid wait, tags its mix share too). The
-dots are not the reference's summation order: pre/post/comb match it within
+off the token's critical path. Chunk 0 advances the generation only after
+seeing every sumsq unit, which every program writes after reading the
+generation (its tag, read right after the grid wait, tags its mix share too).
+The dots are not the reference's summation order: pre/post/comb match it within
 FP32 rounding, not bit for bit; given those values, everything else is the
 path without mixes, bit for bit.
 """

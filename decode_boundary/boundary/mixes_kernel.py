@@ -87,12 +87,20 @@ def _split_bf16(fn, HC: tl.constexpr):
 
 
 @triton.jit
+def _chunk_parts(hc_fn_ptr, chunk, HC: tl.constexpr, HIDDEN: tl.constexpr,
+                 BLOCK_H: tl.constexpr, SLOTS: tl.constexpr):
+    """Chunk ``chunk``'s columns of hc_fn, loaded and split (``_split_bf16``)."""
+    cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
+    return _split_bf16(_load_mix_weights(hc_fn_ptr, cols, cols < HIDDEN, HC, HIDDEN, SLOTS), HC)
+
+
+@triton.jit
 def _store_shares(streams_ptr, mix_ptr, fn, chunk, tokens, live, tags, HC: tl.constexpr,
                   HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, SLOTS: tl.constexpr,
                   MIX_ROW: tl.constexpr, USE_PTX: tl.constexpr):
     """Chunk ``chunk``'s share of every live token's mixes, tagged into its
     row: the dots, then the sum of squares (word (2 + HC) * HC), then +0.0.
-    ``fn``: the chunk's hc_fn tiles as 3 * HC BF16 parts (``_split_bf16``)."""
+    ``fn``: the chunk's hc_fn tiles as 3 * HC BF16 parts (``_chunk_parts``)."""
     NMIX: tl.constexpr = (2 + HC) * HC
     cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)[None, :]
     rows = tokens[:, None]
@@ -134,9 +142,7 @@ def next_mixes_kernel(
     slot = stamp_base + group * tl.num_programs(0) + chunk  # common.timeline (a diagnostic)
     stamp(stamp_ptr, slot, START, TIMELINE)
     if COOPERATIVE:  # a weight: its loads overlap the consumer
-        cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
-        fn = _split_bf16(_load_mix_weights(hc_fn_ptr, cols, cols < HIDDEN, HC, HIDDEN, SLOTS),
-                         HC)
+        fn = _chunk_parts(hc_fn_ptr, chunk, HC, HIDDEN, BLOCK_H, SLOTS)
         if TIMELINE:  # mark2: hc_fn's columns in
             last = tl.sum(fn[3 * HC - 1].to(tl.float32), axis=None).to(tl.int32)
             stamp_after(stamp_ptr, slot, MARK2, last, TIMELINE)
@@ -157,11 +163,9 @@ def next_mixes_kernel(
         stamp(stamp_ptr, slot, MARK1, TIMELINE)  # mark1: the shares stored
     else:
         for c in range(CHUNKS):
-            cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
             _store_shares(streams_ptr, mix_ptr,
-                          _split_bf16(_load_mix_weights(hc_fn_ptr, cols, cols < HIDDEN, HC,
-                                                        HIDDEN, SLOTS), HC), c,
-                          tokens, live, tags, HC, HIDDEN, BLOCK_H, SLOTS, MIX_ROW, USE_PTX)
+                          _chunk_parts(hc_fn_ptr, c, HC, HIDDEN, BLOCK_H, SLOTS), c, tokens, live,
+                          tags, HC, HIDDEN, BLOCK_H, SLOTS, MIX_ROW, USE_PTX)
         tl.debug_barrier()  # this program's stores precede its polls below
         first, step = tl.full((), 0, tl.int32), 1
     i = first

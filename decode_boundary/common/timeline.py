@@ -19,6 +19,7 @@ where-does-the-time-go table of a chain (``benchmarks/consumer_mixes.py
 from __future__ import annotations
 
 import contextlib
+import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -122,3 +123,44 @@ def kernel_times(stamps: torch.Tensor, first: int, programs: int, t0: int) -> di
             "median_mark1": median(mark1), "median_mark2": median(mark2),
             "median_end": end.median().item(), "last_end": end.max().item(),
             "programs": programs}
+
+
+def stamped_steps(steps, device: torch.device, calls: int, skip: int = 3) -> dict:
+    """Stamp ``calls`` back-to-back calls of ``steps`` (round robin, one per
+    weight copy) captured in one CUDA graph and replayed 3 times (the stamps
+    are the last replay's). ``{"kernels": per stamped kernel of a step, its
+    name, programs and the medians of ``FIELDS`` over the steps but the first
+    and last ``skip``, each step's from its first stamped program start;
+    "step_us": the median period of those steps}``."""
+    with recording(device) as rec:
+        for step in steps:  # compiles the stamped variants, outside the capture
+            step()
+        torch.cuda.synchronize(device)
+        eager = len(rec.launches)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(calls):
+                steps[i % len(steps)]()
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize(device)
+        launches = rec.launches[eager:]
+        stamps = rec.stamps.cpu()
+    return step_medians(stamps, launches, calls, skip)
+
+
+def step_medians(stamps: torch.Tensor, launches: list, calls: int, skip: int = 3) -> dict:
+    """:func:`stamped_steps`' summary of ``calls`` steps' ``launches`` (a
+    recording's, in launch order, the same kernels in every step) and their
+    ``stamps`` (on the host)."""
+    per_step = len(launches) // calls
+    kept = range(skip, calls - skip)
+    t0s = [int(stamps[first:first + n, 0].min())  # each step's first stamped kernel
+           for _, first, n in (launches[s * per_step] for s in range(calls))]
+    kernels = []
+    for k in range(per_step):
+        samples = [kernel_times(stamps, *launches[s * per_step + k][1:], t0s[s]) for s in kept]
+        kernels.append({"kernel": f"{k}: {launches[k][0]}", "programs": samples[0]["programs"],
+                        **{f: statistics.median(x[f] for x in samples) for f in FIELDS}})
+    return {"kernels": kernels,
+            "step_us": statistics.median((t0s[s + 1] - t0s[s]) / 1e3 for s in kept)}

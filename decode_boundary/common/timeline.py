@@ -132,11 +132,14 @@ def stamped_steps(steps, device: torch.device, calls: int, skip: int = 3) -> dic
     name, programs and the medians of ``FIELDS`` over the steps but the first
     and last ``skip``, each step's from its first stamped program start;
     "step_us": the median period of those steps}``."""
-    with recording(device) as rec:
-        for step in steps:  # compiles the stamped variants, outside the capture
+    # One eager round compiles the stamped variants outside the capture and
+    # counts the programs a round stamps, which sizes the graph's buffer.
+    with recording(device, slots=1 << 20) as probe:
+        for step in steps:
             step()
         torch.cuda.synchronize(device)
-        eager = len(rec.launches)
+    rounds = -(-calls // len(steps))
+    with recording(device, slots=probe.used * rounds) as rec:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for i in range(calls):
@@ -144,7 +147,7 @@ def stamped_steps(steps, device: torch.device, calls: int, skip: int = 3) -> dic
         for _ in range(3):
             graph.replay()
         torch.cuda.synchronize(device)
-        launches = rec.launches[eager:]
+        launches = rec.launches
         stamps = rec.stamps.cpu()
     return step_medians(stamps, launches, calls, skip)
 

@@ -130,6 +130,10 @@ MIX_MIN_BLOCK = 64  # the mix row has one SLOTS-wide share per chunk of >= 64 co
 # on BF16 MMAs), not yet measured: re-decide from one chain run of both
 # (benchmarks/timeline.py --fused-mixes-up-to).
 MIXES_FUSED_MAX_ROWS = 32
+# V4's collapse pre in the programs that do not combine: from the shares themselves
+# (True) or handed over by chunk 0 (False). A/B under measurement (benchmarks/NOTES.md,
+# "V4-family mixes" item 9); the loser goes.
+V4_PRE_FROM_SHARES = True
 
 
 def consumer_tactic(m: int, hidden: int, mixes: bool = False) -> ConsumerTactic:
@@ -559,7 +563,8 @@ def consume(
         TP=tp, HC=hc, HIDDEN=hidden, BLOCK_H=tactic.block_h,
         UNITS_P2=triton.next_power_of_2(sumsq_columns(hidden)), MODE=mode, QUANT=quant,
         LAMPORT=lamport, COOPERATIVE=tactic.cooperative, USE_PTX=ptx,
-        USE_PDL=pdl, TIMELINE=timeline, num_warps=tactic.warps, enable_fp_fusion=False,
+        USE_PDL=pdl, TIMELINE=timeline, PRE_FROM_SHARES=V4_PRE_FROM_SHARES,
+        num_warps=tactic.warps, enable_fp_fusion=False,
         launch_pdl=pdl, **_mix_constants(mixes if fused else None, hc, hidden, tactic.block_h),
         **kwargs,
     )

@@ -134,6 +134,7 @@ from .consumer_mixes import (
     _combine_mixes,
     _combine_pre_post,
     _no_logits,
+    _pre_from_shares,
     _publish_mix_partials,
     _wait_pre,
 )
@@ -385,7 +386,7 @@ def consumer_kernel(
     COOPERATIVE: tl.constexpr, USE_PTX: tl.constexpr, USE_PDL: tl.constexpr,
     MIXES: tl.constexpr = 0, SLOTS: tl.constexpr = 1, MIX_ROW: tl.constexpr = 1,
     PRE_OFF: tl.constexpr = 0, TOTALS_OFF: tl.constexpr = 0, CHUNKS_P2: tl.constexpr = 1,
-    TIMELINE: tl.constexpr = False,
+    TIMELINE: tl.constexpr = False, PRE_FROM_SHARES: tl.constexpr = False,
 ):
     CHUNKS: tl.constexpr = (HIDDEN + BLOCK_H - 1) // BLOCK_H
     UNITS: tl.constexpr = (HIDDEN + 31) // 32  # sumsq row: one word per 32 columns
@@ -496,6 +497,10 @@ def consumer_kernel(
                     mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, post_out_ptr, m,
                     tag, eps, hc_eps, wait_bound, HC, HIDDEN, CHUNKS, CHUNKS_P2, SLOTS, MIX_ROW,
                     PRE_OFF, TOTALS_OFF, MIXES, USE_PTX)
+            elif PRE_FROM_SHARES:
+                new_pre = _pre_from_shares(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, m,
+                                           tag, eps, hc_eps, wait_bound, HC, HIDDEN, CHUNKS,
+                                           CHUNKS_P2, SLOTS, MIX_ROW, USE_PTX)
             else:
                 new_pre = _wait_pre(mix_ptr, status_ptr, m, tag, wait_bound, HC, MIX_ROW,
                                     PRE_OFF, USE_PTX)

@@ -204,10 +204,10 @@ def _combine_pre_post(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_pt
     total = ()
     for i in tl.static_range(NMIX + 1):
         total = total + (_untagged(tl.load(row + TOTALS_OFF + i)),)
-    rstd = tl.math.rsqrt(total[NMIX] / (HC * HIDDEN) + eps)
+    rstd = _mix_rstd(total[NMIX], eps, HC, HIDDEN)
     pre = ()
     for t in tl.static_range(HC):
-        pre = pre + (tl.sigmoid((total[t] * rstd) * scale[0] + base[t]) + hc_eps,)
+        pre = pre + (_pre_of(total[t], rstd, scale[0], base[t], hc_eps),)
         if MIXES == _SAME_PRE:  # first: the token's other programs wait for it
             tl.store(row + PRE_OFF + t, _tagged(pre[t], tag))
     for t in tl.static_range(HC):
@@ -218,6 +218,53 @@ def _combine_pre_post(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_pt
     for i in tl.static_range(HC * HC):
         logits = logits + ((total[2 * HC + i] * rstd) * scale[2] + base[2 * HC + i],)
     return pre, logits
+
+
+@triton.jit
+def _mix_rstd(squares, eps, HC: tl.constexpr, HIDDEN: tl.constexpr):
+    """rsqrt(mean(s^2) + eps) of a token's HC * HIDDEN streams, from their sum of
+    squares (one expression for every program that needs it: the same bits)."""
+    return tl.math.rsqrt(squares / (HC * HIDDEN) + eps)
+
+
+@triton.jit
+def _pre_of(total, rstd, scale, base, hc_eps):
+    """One stream's pre from its summed dot (one expression: the same bits in
+    every program that computes it)."""
+    return tl.sigmoid((total * rstd) * scale + base) + hc_eps
+
+
+@triton.jit
+def _pre_from_shares(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, m, tag, eps, hc_eps,
+                     wait_bound, HC: tl.constexpr, HIDDEN: tl.constexpr, CHUNKS: tl.constexpr,
+                     CHUNKS_P2: tl.constexpr, SLOTS: tl.constexpr, MIX_ROW: tl.constexpr,
+                     USE_PTX: tl.constexpr):
+    """``SAME_PRE``: token m's pre computed by a program that does not combine,
+    from the shares themselves (no hand-off from chunk 0, one L2 round trip
+    less on the token's critical path): the same poll and the same sum tree as
+    :func:`_combine_pre_post`, so the same totals; the HC + 1 of them the pre
+    needs come out of the [SLOTS] vector as masked sums (x plus zeros: exact),
+    then the same expressions. Returns pre as a tuple of HC scalars (NaN where
+    the poll gave up)."""
+    NMIX: tl.constexpr = (2 + HC) * HC
+    scale = tl.load(hc_scale_ptr)
+    base = ()
+    for t in tl.static_range(HC):
+        base = base + (tl.load(hc_base_ptr + t),)
+    c = tl.arange(0, CHUNKS_P2)[:, None]
+    j = tl.arange(0, SLOTS)[None, :]
+    row = mix_ptr + m * MIX_ROW
+    words, flags = _spin(_probe_mix_row, row + c * SLOTS + j, (c < CHUNKS) & (j < SLOTS), tag,
+                         status_ptr, wait_bound, 0, False, USE_PTX)
+    stale = _gave_up(flags, status_ptr)
+    totals = tl.where(stale, _f32_nan(), tl.sum(_untagged(words), axis=0))  # [SLOTS]
+    k = tl.arange(0, SLOTS)
+    rstd = _mix_rstd(tl.sum(tl.where(k == NMIX, totals, 0.0), axis=0), eps, HC, HIDDEN)
+    pre = ()
+    for t in tl.static_range(HC):
+        pre = pre + (_pre_of(tl.sum(tl.where(k == t, totals, 0.0), axis=0), rstd, scale,
+                             base[t], hc_eps),)
+    return pre
 
 
 @triton.jit

@@ -57,6 +57,8 @@ mixes = dict(full, BLOCK_H=128, SLOTS=32, MIX_ROW=80 * 32 + 48, PRE_OFF=80 * 32 
              TOTALS_OFF=80 * 32, CHUNKS_P2=64)
 out["consumer_mixes"] = ptx(consumer_kernel, sig, dict(mixes, MIXES=1), 4)
 out["consumer_same_pre"] = ptx(consumer_kernel, sig, dict(mixes, MIXES=2), 4)
+out["consumer_same_pre_from_shares"] = ptx(consumer_kernel, sig,
+                                           dict(mixes, MIXES=2, PRE_FROM_SHARES=True), 4)
 out["consumer_128x4"] = ptx(consumer_kernel, sig, dict(mixes, MIXES=0), 4)  # the same, no mixes
 # The mixes kernel after the consumer (mixes_kernel.py: 128 columns x 16 tokens, 4 warps).
 out["mixes_kernel"] = ptx(next_mixes_kernel, {"streams_ptr": "*bf16", "hc_fn_ptr": "*fp32",

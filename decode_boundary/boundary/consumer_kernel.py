@@ -501,6 +501,7 @@ def consumer_kernel(
                 new_pre = _pre_from_shares(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, m,
                                            tag, eps, hc_eps, wait_bound, HC, HIDDEN, CHUNKS,
                                            CHUNKS_P2, SLOTS, MIX_ROW, USE_PTX)
+                logits = _no_logits(HC)
             else:
                 new_pre = _wait_pre(mix_ptr, status_ptr, m, tag, wait_bound, HC, MIX_ROW,
                                     PRE_OFF, USE_PTX)

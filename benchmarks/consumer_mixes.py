@@ -54,8 +54,6 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--timeline", action="store_true")
-    parser.add_argument("--v4-pre-ab", action="store_true",
-                        help="also time V4 with the other consumer.V4_PRE_FROM_SHARES")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     dev = torch.device("cuda")
@@ -94,8 +92,6 @@ def main() -> None:
                     print(f"M = {m}: the fused mixes ({c}) are WRONG: {wrong}")
                 us[f"consumer_mixes_{c}"] = None if wrong else graph_time_us(
                     [functools.partial(_call, ars, step, c, w) for w in copies], dev)
-            if args.v4_pre_ab:
-                us["consumer_mixes_same_handoff"] = _v4_pre_ab(ars, step, copies)
         row = {"rows": m, "us": us}
         with fused_mixes_up_to(0):
             wrong = _check(ars, step, copies[0], "previous")
@@ -134,36 +130,6 @@ def _check(ars: dict, step: tuple, weights: tuple, collapse: str) -> str | None:
                                                        plain[1].view(torch.int16))):
         return "residual_out / layer_input differ from the consumer without mixes"
     return None
-
-
-def _v4_pre_ab(ars: dict, step: tuple, copies: list) -> float | None:
-    """V4's fused mixes with the pre handed over by chunk 0 (the other side of
-    ``consumer.V4_PRE_FROM_SHARES``): checked, bit-equal to the default side,
-    then timed; None when wrong (printed)."""
-    default = [t.clone() for t in _flat(_call(ars, step, "same", copies[0]))]
-    saved = consumer.V4_PRE_FROM_SHARES
-    consumer.V4_PRE_FROM_SHARES = not saved
-    try:
-        wrong = _check(ars, step, copies[0], "same")
-        other = _flat(_call(ars, step, "same", copies[0]))
-        if wrong is None and not all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-                                     for a, b in zip(default, other, strict=True)):
-            wrong = "differs from the default V4_PRE_FROM_SHARES bit for bit"
-        if wrong:
-            print(f"V4 pre hand-off A/B WRONG: {wrong}")
-            return None
-        return graph_time_us([functools.partial(_call, ars, step, "same", w) for w in copies],
-                             step[0].device)
-    finally:
-        consumer.V4_PRE_FROM_SHARES = saved
-
-
-def _flat(outputs) -> list:
-    """The tensors of a consume call's outputs, nested tuples flattened."""
-    flat = []
-    for o in outputs:
-        flat.extend(_flat(o) if isinstance(o, (tuple, list)) else [o])
-    return flat
 
 
 def _timeline(steps: list, device: torch.device) -> dict:

@@ -47,18 +47,16 @@ sig = {p.split(":")[0]: "*" + p.split(":")[1] for p in ptrs}
 sig.update(stamp_base="i32", eps="fp32", hc_eps="fp32", capacity="i32", wait_bound="i64",
            sinkhorn_rounds="i32")
 full = dict(TP=2, HC=4, HIDDEN=5120, BLOCK_H=512, UNITS_P2=256, MODE=2, QUANT=True, LAMPORT=True,
-    COOPERATIVE=True, USE_PTX=True, USE_PDL=True, MIXES=0, SLOTS=1, MIX_ROW=1, PRE_OFF=0,
+    COOPERATIVE=True, USE_PTX=True, USE_PDL=True, MIXES=0, SLOTS=1, MIX_ROW=1,
     TOTALS_OFF=0, CHUNKS_P2=1, TIMELINE=False)
 out["consumer"] = ptx(consumer_kernel, sig, full, 2)
 out["consumer_serial"] = ptx(consumer_kernel, sig, dict(full, BLOCK_H=1024, COOPERATIVE=False), 4)
 out["consumer_plain"] = ptx(consumer_kernel, sig, dict(full, MODE=0, QUANT=False), 2)
 # The next mixes (consumer.MIXES_TACTICS at M <= 8: 128 columns, 4 warps; H = 5120, hc = 4).
-mixes = dict(full, BLOCK_H=128, SLOTS=32, MIX_ROW=80 * 32 + 48, PRE_OFF=80 * 32 + 32,
+mixes = dict(full, BLOCK_H=128, SLOTS=32, MIX_ROW=80 * 32 + 32,
              TOTALS_OFF=80 * 32, CHUNKS_P2=64)
 out["consumer_mixes"] = ptx(consumer_kernel, sig, dict(mixes, MIXES=1), 4)
 out["consumer_same_pre"] = ptx(consumer_kernel, sig, dict(mixes, MIXES=2), 4)
-out["consumer_same_pre_from_shares"] = ptx(consumer_kernel, sig,
-                                           dict(mixes, MIXES=2, PRE_FROM_SHARES=True), 4)
 out["consumer_128x4"] = ptx(consumer_kernel, sig, dict(mixes, MIXES=0), 4)  # the same, no mixes
 # The mixes kernel after the consumer (mixes_kernel.py: 128 columns x 16 tokens, 4 warps).
 out["mixes_kernel"] = ptx(next_mixes_kernel, {"streams_ptr": "*bf16", "hc_fn_ptr": "*fp32",
@@ -67,8 +65,8 @@ out["mixes_kernel"] = ptx(next_mixes_kernel, {"streams_ptr": "*bf16", "hc_fn_ptr
     "comb_out_ptr": "*fp32", "stamp_ptr": "*i64", "stamp_base": "i32", "m_total": "i32",
     "eps": "fp32", "hc_eps": "fp32",
     "sinkhorn_rounds": "i32", "wait_bound": "i64"},
-    dict(HC=4, HIDDEN=5120, BLOCK_H=128, TOKENS=16, SLOTS=32, MIX_ROW=80 * 32 + 48,
-         PRE_OFF=80 * 32 + 32, TOTALS_OFF=80 * 32, CHUNKS_P2=64, COOPERATIVE=True,
+    dict(HC=4, HIDDEN=5120, BLOCK_H=128, TOKENS=16, SLOTS=32, MIX_ROW=80 * 32 + 32,
+         TOTALS_OFF=80 * 32, CHUNKS_P2=64, COOPERATIVE=True,
          USE_PTX=True, USE_PDL=True, TIMELINE=False), 4)
 out["finalize"] = ptx(finalize_publish_kernel, {"gemm2_ptr": "*bf16", "weights_ptr": "*fp32",
     "idx_ptr": "*i32", "shared_ptr": "*bf16", "partial_ptr": "*bf16", "peer_ptrs_ptr": "*i64",
@@ -109,8 +107,8 @@ def test_consumer_mixes_load_hc_fn_after_the_wait_and_poll_volatile(ptx):
     before it, it cost 64 registers per thread and lost: consumer.py); the
     Sinkhorn rounds are a loop, not unrolled, and normalise by reciprocals
     (``rcp.approx``: a few dozen in the code, not 20 rounds' 8 each; no
-    division's range checks in the rounds); the mix row and the handed-over pre are
-    polled with volatile 64-bit loads; no fences, atomics only for the status
+    division's range checks in the rounds); the mix row is polled with volatile
+    64-bit loads (with V4's same-sublayer pre by every program); no fences, atomics only for the status
     word."""
     fn_loads = 4 * 24 * 128 // (32 * 4) // 4  # 16-byte loads: 4 streams' 24 x 128 FP32
 
@@ -130,9 +128,6 @@ def test_consumer_mixes_load_hc_fn_after_the_wait_and_poll_volatile(ptx):
         assert "ld.volatile.global.b64" in code or "ld.volatile.global.v2.b64" in code, name
         assert "fence" not in code and "membar" not in code, name
         assert all(".or." in line for line in code.splitlines() if "atom." in line), name
-    assert "nanosleep" in ptx["consumer_same_pre"]  # the pre pollers back off
-    # ... and each reports its own give-up (a scalar atomic would be one thread's)
-    assert "red.global.or.b32" in ptx["consumer_same_pre"]
 
 
 def test_consumer_has_no_spills_and_a_short_body(ptx):

@@ -130,10 +130,6 @@ MIX_MIN_BLOCK = 64  # the mix row has one SLOTS-wide share per chunk of >= 64 co
 # on BF16 MMAs), not yet measured: re-decide from one chain run of both
 # (benchmarks/timeline.py --fused-mixes-up-to).
 MIXES_FUSED_MAX_ROWS = 32
-# V4's collapse pre in the programs that do not combine: from the shares themselves
-# (True) or handed over by chunk 0 (False). A/B under measurement (benchmarks/NOTES.md,
-# "V4-family mixes" item 9); the loser goes.
-V4_PRE_FROM_SHARES = True
 
 
 def consumer_tactic(m: int, hidden: int, mixes: bool = False) -> ConsumerTactic:
@@ -176,19 +172,10 @@ def mix_totals_offset(hidden: int, hc: int) -> int:
     return triton.cdiv(hidden, MIX_MIN_BLOCK) * mix_slots(hc)
 
 
-def mix_pre_offset(hidden: int, hc: int) -> int:
-    """Where the handed-over pre starts in a token's mix row: on its own
-    128-byte line (16 words; rows are whole lines too) after the sums, so
-    its pollers do not share chunk 0's lines."""
-    return triton.cdiv(mix_totals_offset(hidden, hc) + mix_slots(hc), 16) * 16
-
-
 def mix_columns(hidden: int, hc: int) -> int:
     """Row length of the per-token mix scratch (int64 tagged words, a multiple
-    of 16: 128-byte lines): the shares, chunk 0's sums of them, then hc words
-    for the pre that chunk 0 hands to the token's other programs
-    (``collapse="same"``)."""
-    return triton.cdiv(mix_pre_offset(hidden, hc) + hc, 16) * 16
+    of 16: 128-byte lines): the shares, then chunk 0's sums of them."""
+    return triton.cdiv(mix_totals_offset(hidden, hc) + mix_slots(hc), 16) * 16
 
 
 def is_nonnegative_real(value) -> bool:
@@ -563,8 +550,7 @@ def consume(
         TP=tp, HC=hc, HIDDEN=hidden, BLOCK_H=tactic.block_h,
         UNITS_P2=triton.next_power_of_2(sumsq_columns(hidden)), MODE=mode, QUANT=quant,
         LAMPORT=lamport, COOPERATIVE=tactic.cooperative, USE_PTX=ptx,
-        USE_PDL=pdl, TIMELINE=timeline, PRE_FROM_SHARES=V4_PRE_FROM_SHARES,
-        num_warps=tactic.warps, enable_fp_fusion=False,
+        USE_PDL=pdl, TIMELINE=timeline, num_warps=tactic.warps, enable_fp_fusion=False,
         launch_pdl=pdl, **_mix_constants(mixes if fused else None, hc, hidden, tactic.block_h),
         **kwargs,
     )
@@ -583,7 +569,7 @@ def consume(
 def _mix_row(hidden: int, hc: int) -> dict:
     """The mix row's geometry as the kernels' constexprs (both read the same rows)."""
     return dict(SLOTS=mix_slots(hc), MIX_ROW=mix_columns(hidden, hc),
-                PRE_OFF=mix_pre_offset(hidden, hc), TOTALS_OFF=mix_totals_offset(hidden, hc))
+                TOTALS_OFF=mix_totals_offset(hidden, hc))
 
 
 def _mix_constants(mixes: MhcMixes | None, hc: int, hidden: int, block_h: int) -> dict:

@@ -64,8 +64,8 @@ equal ``quantize_mxfp8_ref`` of the kernel's own ``layer_input``.
 * Residual, post, comb, pre, gamma: plain loads, issued *before* the grid
   dependency wait (so they overlap the publisher); with mixes hc_fn after it
   (plain loads, when the program's residual_out is in registers), hc_scale and
-  hc_base by chunk 0 when it combines.
-* The mix row and the handed-over pre: volatile polls, as ``sumsq``. The
+  hc_base where a program computes pre (chunk 0; with ``SAME_PRE`` every one).
+* The mix row: volatile polls, as ``sumsq`` (with ``SAME_PRE`` by every program). The
   combining program's sums of the shares (``TOTALS_OFF``): plain loads of its
   own stores behind a ``debug_barrier`` (the CTA barrier orders them; plain
   loads stay in L1, where the serial path's prenorm readback above keeps its
@@ -136,7 +136,6 @@ from .consumer_mixes import (
     _no_logits,
     _pre_from_shares,
     _publish_mix_partials,
-    _wait_pre,
 )
 from .consumer_mixes import NEXT_MIXES as NEXT_MIXES  # the MIXES values, re-exported
 from .consumer_mixes import NO_MIXES as NO_MIXES
@@ -385,8 +384,8 @@ def consumer_kernel(
     UNITS_P2: tl.constexpr, MODE: tl.constexpr, QUANT: tl.constexpr, LAMPORT: tl.constexpr,
     COOPERATIVE: tl.constexpr, USE_PTX: tl.constexpr, USE_PDL: tl.constexpr,
     MIXES: tl.constexpr = 0, SLOTS: tl.constexpr = 1, MIX_ROW: tl.constexpr = 1,
-    PRE_OFF: tl.constexpr = 0, TOTALS_OFF: tl.constexpr = 0, CHUNKS_P2: tl.constexpr = 1,
-    TIMELINE: tl.constexpr = False, PRE_FROM_SHARES: tl.constexpr = False,
+    TOTALS_OFF: tl.constexpr = 0, CHUNKS_P2: tl.constexpr = 1,
+    TIMELINE: tl.constexpr = False,
 ):
     CHUNKS: tl.constexpr = (HIDDEN + BLOCK_H - 1) // BLOCK_H
     UNITS: tl.constexpr = (HIDDEN + 31) // 32  # sumsq row: one word per 32 columns
@@ -449,7 +448,7 @@ def consumer_kernel(
             new_pre = _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr,
                                      post_out_ptr, comb_out_ptr, m, tag, eps, hc_eps,
                                      sinkhorn_rounds, wait_bound, HC, HIDDEN, CHUNKS, CHUNKS_P2,
-                                     SLOTS, MIX_ROW, PRE_OFF, TOTALS_OFF, MIXES, USE_PTX)
+                                     SLOTS, MIX_ROW, TOTALS_OFF, USE_PTX)
             if MIXES == _SAME_PRE:
                 pre = new_pre
                 for c in range(CHUNKS):
@@ -491,20 +490,16 @@ def consumer_kernel(
             # (one fixed order).
             _publish_mix_partials(mix_ptr, hc_fn_ptr, m, chunk, cols, cmask, streams, tag, HC,
                                   HIDDEN, SLOTS, MIX_ROW)
-        if MIXES == _SAME_PRE:  # the collapse needs the pre chunk 0 computes
+        if MIXES == _SAME_PRE:  # the collapse needs the new pre: every program computes it
             if chunk == 0:  # comb's Sinkhorn waits until after the norm: nobody needs it here
                 new_pre, logits = _combine_pre_post(
                     mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, post_out_ptr, m,
                     tag, eps, hc_eps, wait_bound, HC, HIDDEN, CHUNKS, CHUNKS_P2, SLOTS, MIX_ROW,
-                    PRE_OFF, TOTALS_OFF, MIXES, USE_PTX)
-            elif PRE_FROM_SHARES:
+                    TOTALS_OFF, USE_PTX)
+            else:
                 new_pre = _pre_from_shares(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, m,
                                            tag, eps, hc_eps, wait_bound, HC, HIDDEN, CHUNKS,
                                            CHUNKS_P2, SLOTS, MIX_ROW, USE_PTX)
-                logits = _no_logits(HC)
-            else:
-                new_pre = _wait_pre(mix_ptr, status_ptr, m, tag, wait_bound, HC, MIX_ROW,
-                                    PRE_OFF, USE_PTX)
                 logits = _no_logits(HC)
             prenorm = _collapse(streams, new_pre, HC)
             _publish_partial(sumsq_ptr, m, chunk, tl.sum(prenorm * prenorm, axis=0), tag, UNITS,
@@ -524,6 +519,6 @@ def consumer_kernel(
             if chunk == 0:  # nobody here waits for the next mixes: after the norm
                 _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr,
                                post_out_ptr, comb_out_ptr, m, tag, eps, hc_eps, sinkhorn_rounds,
-                               wait_bound, HC, HIDDEN, CHUNKS, CHUNKS_P2, SLOTS, MIX_ROW, PRE_OFF,
-                               TOTALS_OFF, MIXES, USE_PTX)
+                               wait_bound, HC, HIDDEN, CHUNKS, CHUNKS_P2, SLOTS, MIX_ROW,
+                               TOTALS_OFF, USE_PTX)
     stamp(stamp_ptr, slot, END, TIMELINE)

@@ -17,17 +17,17 @@ with a barrier, ~40 of them in a row; the Sinkhorn rounds are a loop with a
 run-time count (``rounds``), not unrolled: the code runs once per launch,
 cold in the instruction cache. The
 shares' sums become scalars through ``TOTALS_OFF`` (one store, one barrier,
-broadcast loads); the handed-over pre has its own 128-byte line after them
-(``PRE_OFF``), so the programs polling it do not slow chunk 0's round trip,
-and they poll with a back-off. ``NEXT_MIXES`` (V4.1): nobody waits for them, so
+broadcast loads). ``NEXT_MIXES`` (V4.1): nobody waits for them, so
 every program publishes its norm partial *before* its mix share (the hand-off
 does not wait for the hc_fn loads and dots) and chunk 0 combines after its
 norm, off the token's critical path; the collapse uses the given ``pre``.
-``SAME_PRE`` (V4): chunk 0 sums the shares and computes pre and post first
-(:func:`_combine_pre_post`), stores the pre as ``HC`` tagged words
-(``PRE_OFF``) that the token's other programs poll (scalar loads: no block
-reduction) before their collapse, then the norm hand-off as without mixes;
-comb's softmax and Sinkhorn rounds (:func:`_combine_comb`) follow its norm,
+``SAME_PRE`` (V4): every program of the token needs the new pre for its
+collapse, so every one polls the shares and sums them in the same tree: chunk
+0 computes pre and post and stores them (:func:`_combine_pre_post`), the
+others only the pre (:func:`_pre_from_shares`, the same bits; a hand-off of
+chunk 0's pre cost one more L2 round trip, 0.4-0.9 µs, benchmarks/NOTES.md
+"V4-family mixes" item 9); then the norm hand-off as without mixes; comb's
+softmax and Sinkhorn rounds (:func:`_combine_comb`) follow chunk 0's norm,
 off the token's critical path. Chunk 0 advances the generation only after
 seeing every sumsq unit, which every program writes after reading the
 generation (its tag, read right after the grid wait, tags its mix share too).
@@ -41,11 +41,9 @@ import triton
 import triton.language as tl
 
 from .tagged_words import (
-    _NORM_TIMEOUT_BIT,
     _bit_or,
     _f32_nan,
     _gave_up,
-    _now,
     _probe_partials,
     _spin,
     _tagged,
@@ -105,6 +103,23 @@ def _probe_mix_row(ptrs, live, tag, UNUSED: tl.constexpr):
 
 
 @triton.jit
+def _share_totals(mix_ptr, status_ptr, m, tag, wait_bound, CHUNKS: tl.constexpr,
+                  CHUNKS_P2: tl.constexpr, SLOTS: tl.constexpr, MIX_ROW: tl.constexpr,
+                  USE_PTX: tl.constexpr):
+    """Poll token m's mix row until every chunk's share carries ``tag``
+    (bounded: a timeout sets ``NORM_TIMEOUT_BIT`` and makes the totals NaN) and
+    sum the shares over the chunks in one fixed tree: [SLOTS] FP32, the same
+    bits in every program that calls it."""
+    c = tl.arange(0, CHUNKS_P2)[:, None]
+    j = tl.arange(0, SLOTS)[None, :]
+    words, flags = _spin(_probe_mix_row, mix_ptr + m * MIX_ROW + c * SLOTS + j,
+                         (c < CHUNKS) & (j < SLOTS), tag, status_ptr, wait_bound, 0, False,
+                         USE_PTX)
+    stale = _gave_up(flags, status_ptr)
+    return tl.where(stale, _f32_nan(), tl.sum(_untagged(words), axis=0))
+
+
+@triton.jit
 def _row_sum(x, s, HC: tl.constexpr):
     """sum_t x[s, t], t in order, of a flat [HC, HC] tuple of scalars."""
     total = x[s * HC]
@@ -159,14 +174,13 @@ def _normalise_columns(comb, hc_eps, HC: tl.constexpr, USE_PTX: tl.constexpr):
 def _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, post_out_ptr,
                    comb_out_ptr, m, tag, eps, hc_eps, rounds, wait_bound, HC: tl.constexpr,
                    HIDDEN: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
-                   SLOTS: tl.constexpr, MIX_ROW: tl.constexpr, PRE_OFF: tl.constexpr,
-                   TOTALS_OFF: tl.constexpr, MIXES: tl.constexpr, USE_PTX: tl.constexpr):
+                   SLOTS: tl.constexpr, MIX_ROW: tl.constexpr, TOTALS_OFF: tl.constexpr,
+                   USE_PTX: tl.constexpr):
     """Token m's pre, post and comb from the shares in one go
     (:func:`_combine_pre_post`, then :func:`_combine_comb`). Returns pre."""
     pre, logits = _combine_pre_post(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr,
                                     post_out_ptr, m, tag, eps, hc_eps, wait_bound, HC, HIDDEN,
-                                    CHUNKS, CHUNKS_P2, SLOTS, MIX_ROW, PRE_OFF, TOTALS_OFF, MIXES,
-                                    USE_PTX)
+                                    CHUNKS, CHUNKS_P2, SLOTS, MIX_ROW, TOTALS_OFF, USE_PTX)
     _combine_comb(logits, comb_out_ptr, m, hc_eps, rounds, HC, USE_PTX)
     return pre
 
@@ -175,12 +189,10 @@ def _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, 
 def _combine_pre_post(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, post_out_ptr,
                       m, tag, eps, hc_eps, wait_bound, HC: tl.constexpr, HIDDEN: tl.constexpr,
                       CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, SLOTS: tl.constexpr,
-                      MIX_ROW: tl.constexpr, PRE_OFF: tl.constexpr, TOTALS_OFF: tl.constexpr,
-                      MIXES: tl.constexpr, USE_PTX: tl.constexpr):
+                      MIX_ROW: tl.constexpr, TOTALS_OFF: tl.constexpr, USE_PTX: tl.constexpr):
     """Wait for every chunk's share of token m's mixes (bounded: a timeout sets
     ``NORM_TIMEOUT_BIT`` and makes them NaN), sum them in one fixed tree, and
-    compute pre and post as ``reference.mhc_mixes_ref`` does; store them (and
-    with ``SAME_PRE`` the pre, tagged, for the token's other programs).
+    compute pre and post as ``reference.mhc_mixes_ref`` does; store them.
     Returns (pre as a tuple of HC scalars, comb's HC * HC logits [source,
     target] flat, for :func:`_combine_comb`)."""
     NMIX: tl.constexpr = (2 + HC) * HC
@@ -189,13 +201,9 @@ def _combine_pre_post(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_pt
     base = ()
     for i in tl.static_range(NMIX):
         base = base + (tl.load(hc_base_ptr + i),)
-    c = tl.arange(0, CHUNKS_P2)[:, None]
-    j = tl.arange(0, SLOTS)[None, :]
+    totals = _share_totals(mix_ptr, status_ptr, m, tag, wait_bound, CHUNKS, CHUNKS_P2, SLOTS,
+                           MIX_ROW, USE_PTX)
     row = mix_ptr + m * MIX_ROW
-    words, flags = _spin(_probe_mix_row, row + c * SLOTS + j, (c < CHUNKS) & (j < SLOTS), tag,
-                         status_ptr, wait_bound, 0, False, USE_PTX)
-    stale = _gave_up(flags, status_ptr)
-    totals = tl.where(stale, _f32_nan(), tl.sum(_untagged(words), axis=0))  # [SLOTS]
     # The totals live one per thread group; every thread needs all of them.
     tl.store(row + TOTALS_OFF + tl.arange(0, SLOTS), _tagged(totals, tag))
     # This program's own stores, ordered by the CTA barrier: plain loads see them (from
@@ -208,8 +216,6 @@ def _combine_pre_post(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_pt
     pre = ()
     for t in tl.static_range(HC):
         pre = pre + (_pre_of(total[t], rstd, scale[0], base[t], hc_eps),)
-        if MIXES == _SAME_PRE:  # first: the token's other programs wait for it
-            tl.store(row + PRE_OFF + t, _tagged(pre[t], tag))
     for t in tl.static_range(HC):
         post = 2 * tl.sigmoid((total[HC + t] * rstd) * scale[1] + base[HC + t])
         tl.store(pre_out_ptr + m * HC + t, pre[t])
@@ -241,7 +247,7 @@ def _pre_from_shares(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, m, tag, eps
                      USE_PTX: tl.constexpr):
     """``SAME_PRE``: token m's pre computed by a program that does not combine,
     from the shares themselves (no hand-off from chunk 0, one L2 round trip
-    less on the token's critical path): the same poll and the same sum tree as
+    less on the token's critical path): :func:`_share_totals` as in
     :func:`_combine_pre_post`, so the same totals; the HC + 1 of them the pre
     needs come out of the [SLOTS] vector as masked sums (x plus zeros: exact),
     then the same expressions. Returns pre as a tuple of HC scalars (NaN where
@@ -251,13 +257,8 @@ def _pre_from_shares(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, m, tag, eps
     base = ()
     for t in tl.static_range(HC):
         base = base + (tl.load(hc_base_ptr + t),)
-    c = tl.arange(0, CHUNKS_P2)[:, None]
-    j = tl.arange(0, SLOTS)[None, :]
-    row = mix_ptr + m * MIX_ROW
-    words, flags = _spin(_probe_mix_row, row + c * SLOTS + j, (c < CHUNKS) & (j < SLOTS), tag,
-                         status_ptr, wait_bound, 0, False, USE_PTX)
-    stale = _gave_up(flags, status_ptr)
-    totals = tl.where(stale, _f32_nan(), tl.sum(_untagged(words), axis=0))  # [SLOTS]
+    totals = _share_totals(mix_ptr, status_ptr, m, tag, wait_bound, CHUNKS, CHUNKS_P2, SLOTS,
+                           MIX_ROW, USE_PTX)
     k = tl.arange(0, SLOTS)
     rstd = _mix_rstd(tl.sum(tl.where(k == NMIX, totals, 0.0), axis=0), eps, HC, HIDDEN)
     pre = ()
@@ -302,64 +303,3 @@ def _combine_comb(logits, comb_out_ptr, m, hc_eps, rounds, HC: tl.constexpr,
         r += 1
     for i in tl.static_range(HC * HC):
         tl.store(comb_out_ptr + m * HC * HC + i, comb[i])
-
-
-@triton.jit
-def _probe_pre(row, tag, HC: tl.constexpr):
-    """One volatile poll of the HC handed-over pre words, as scalars: (the
-    words, 1 where one does not carry ``tag`` yet)."""
-    words = ()
-    pending = False
-    for t in tl.static_range(HC):
-        word = tl.load(row + t, volatile=True)
-        words = words + (word,)
-        pending = pending | ((word >> 32).to(tl.int32) != tag)
-    return words, pending
-
-
-@triton.jit
-def _report_own_timeout(status_ptr, gave_up, USE_PTX: tl.constexpr):
-    """``NORM_TIMEOUT_BIT`` into the status word from every thread whose own
-    poll gave up (``gave_up``: its scalar). Triton issues a scalar atomic from
-    one thread only; a thread that gave up while that one did not would leave
-    its NaN unreported, hence a predicated ``red`` per thread on the GPU."""
-    if USE_PTX:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p red.global.or.b32 [$1], $3; "
-            "mov.u32 $0, 0; }", "=r,l,r,r",
-            [status_ptr, gave_up.to(tl.int32), tl.full((), _NORM_TIMEOUT_BIT, tl.int32)],
-            dtype=tl.int32, is_pure=False, pack=1)
-    elif gave_up:  # the interpreter: one thread
-        tl.atomic_or(status_ptr, _NORM_TIMEOUT_BIT)
-
-
-@triton.jit
-def _wait_pre(mix_ptr, status_ptr, m, tag, wait_bound, HC: tl.constexpr,
-              MIX_ROW: tl.constexpr, PRE_OFF: tl.constexpr, USE_PTX: tl.constexpr):
-    """Poll the pre that token m's chunk-0 program publishes (``SAME_PRE``)
-    until it carries ``tag`` (bounded: then ``NORM_TIMEOUT_BIT`` and NaN).
-    Scalar loads: each thread polls the same HC words on its own, with no block
-    reduction (no barrier in the loop, so threads may leave it at different
-    polls; every one leaves with the published words, which do not change
-    within a launch), and a 64 ns back-off between polls on the GPU. Returns
-    pre as a tuple of HC scalars."""
-    row = mix_ptr + m * MIX_ROW + PRE_OFF
-    words, pending = _probe_pre(row, tag, HC)
-    if pending:
-        spins = 0
-        clock = tl.full((1,), 0, tl.int32)
-        start = tl.max(_now(spins, clock, USE_PTX), axis=0)
-        go = pending
-        while go:
-            if USE_PTX:  # back off: the token's other programs x every thread poll one line
-                tl.inline_asm_elementwise("nanosleep.u32 64; mov.u32 $0, 0;", "=r,r", [clock],
-                                          dtype=tl.int32, is_pure=False, pack=1)
-            words, pending = _probe_pre(row, tag, HC)
-            spins += 1
-            late = (tl.max(_now(spins, clock, USE_PTX), axis=0) - start) > wait_bound
-            go = pending & (not late)
-        _report_own_timeout(status_ptr, pending, USE_PTX)
-    pre = ()
-    for t in tl.static_range(HC):
-        pre = pre + (tl.where(pending, _f32_nan(), _untagged(words[t])),)
-    return pre

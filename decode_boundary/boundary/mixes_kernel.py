@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 
 from ..common.timeline import END, MARK1, MARK2, START, WAITED, launch_args, stamp, stamp_after
-from .consumer_mixes import _NEXT_MIXES, _combine_mixes, _load_mix_weights
+from .consumer_mixes import _combine_mixes, _load_mix_weights
 from .publish_kernel import load_module
 from .tagged_words import _tagged
 
@@ -132,7 +132,7 @@ def next_mixes_kernel(
     pre_out_ptr, post_out_ptr, comb_out_ptr, stamp_ptr, stamp_base, m_total, eps, hc_eps,
     sinkhorn_rounds, wait_bound, HC: tl.constexpr, HIDDEN: tl.constexpr,
     BLOCK_H: tl.constexpr, TOKENS: tl.constexpr, SLOTS: tl.constexpr, MIX_ROW: tl.constexpr,
-    PRE_OFF: tl.constexpr, TOTALS_OFF: tl.constexpr, CHUNKS_P2: tl.constexpr,
+    TOTALS_OFF: tl.constexpr, CHUNKS_P2: tl.constexpr,
     COOPERATIVE: tl.constexpr, USE_PTX: tl.constexpr, USE_PDL: tl.constexpr,
     TIMELINE: tl.constexpr,
 ):
@@ -175,7 +175,7 @@ def next_mixes_kernel(
             _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr,
                            post_out_ptr, comb_out_ptr, m, tl.load(generation_ptr + m), eps,
                            hc_eps, sinkhorn_rounds, wait_bound, HC, HIDDEN, CHUNKS, CHUNKS_P2,
-                           SLOTS, MIX_ROW, PRE_OFF, TOTALS_OFF, _NEXT_MIXES, USE_PTX)
+                           SLOTS, MIX_ROW, TOTALS_OFF, USE_PTX)
         i += step
     stamp(stamp_ptr, slot, END, TIMELINE)
 
@@ -188,7 +188,7 @@ def launch_next_mixes(streams: torch.Tensor, hc_fn: torch.Tensor, hc_scale: torc
     """Launch the kernel on tensors ``consume`` has checked (it is the only
     caller): ``outputs`` = (pre [M, hc], post [M, hc], comb [M, hc, hc]) FP32,
     written; ``row``: the mix row's geometry as constexprs (SLOTS, MIX_ROW,
-    PRE_OFF, TOTALS_OFF; ``consumer._mix_row``)."""
+    TOTALS_OFF; ``consumer._mix_row``)."""
     m, hc, hidden = streams.shape
     chunks = triton.cdiv(hidden, MIXES_KERNEL_BLOCK_H)
     grid = (chunks if cooperative else 1, triton.cdiv(m, TOKENS))

@@ -142,11 +142,12 @@ def _timeline(steps: list, device: torch.device) -> dict:
 
 def _sweep(ars: dict, step: tuple, copies: list) -> list:
     """Every tactic of the fused mixes, checked, then timed."""
-    rows, tactics = [], consumer.MIXES_TACTICS
+    rows, tactics = [], (consumer.MIXES_TACTICS, consumer.SAME_PRE_MIXES_TACTICS)
     m = step[0].shape[0]
     try:
         for block_h, warps in SWEEP_TACTICS:
-            consumer.MIXES_TACTICS = ((1 << 30, consumer.ConsumerTactic(block_h, warps)),)
+            only = ((1 << 30, consumer.ConsumerTactic(block_h, warps)),)
+            consumer.MIXES_TACTICS = consumer.SAME_PRE_MIXES_TACTICS = only
             entry = {"block_h": block_h, "warps": warps}
             for c in ("previous", "same"):
                 wrong = _check(ars, step, copies[0], c)
@@ -159,7 +160,7 @@ def _sweep(ars: dict, step: tuple, copies: list) -> list:
                               else f"{c} WRONG {entry[c + '_error']}"
                               for c in ("previous", "same")))
     finally:
-        consumer.MIXES_TACTICS = tactics
+        consumer.MIXES_TACTICS, consumer.SAME_PRE_MIXES_TACTICS = tactics
     return rows
 
 

@@ -108,8 +108,8 @@ def test_consumer_mixes_load_hc_fn_after_the_wait_and_poll_volatile(ptx):
     Sinkhorn rounds are a loop, not unrolled, and normalise by reciprocals
     (``rcp.approx``: a few dozen in the code, not 20 rounds' 8 each; no
     division's range checks in the rounds); the mix row is polled with volatile
-    64-bit loads (with V4's same-sublayer pre by every program); no fences, atomics only for the status
-    word."""
+    64-bit loads (with V4's same-sublayer pre by every program); no fences,
+    atomics only for the status word."""
     fn_loads = 4 * 24 * 128 // (32 * 4) // 4  # 16-byte loads: 4 streams' 24 x 128 FP32
 
     def loads(name):  # global loads before and after the grid wait

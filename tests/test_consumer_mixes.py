@@ -29,8 +29,10 @@ from decode_boundary.boundary.consumer import (
     sumsq_columns,
 )
 from decode_boundary.boundary.consumer_kernel import FULL, RESIDUAL_ONLY
+from decode_boundary.boundary.consumer_mixes import _combine_pre_post, _pre_from_shares
 from decode_boundary.boundary.mixes_kernel import _split_bf16
 from decode_boundary.boundary.reference import consumer_ref, mhc_mixes_ref
+from decode_boundary.boundary.tagged_words import _tagged
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes
 
 TP, M, HC, H = 2, 3, 4, 256
@@ -298,3 +300,64 @@ def test_mixes_kernel_splits_hc_fn_into_three_bf16_parts_exactly():
 @pytest.mark.gpu
 def test_gpu_mixes_kernel_splits_hc_fn_exactly():
     _split_on("cuda")
+
+
+@triton.jit
+def _pre_probe(mix_ptr, status_ptr, shares_ptr, scale_ptr, base_ptr, tag_ptr, pre_ptr,
+               post_ptr, eps, hc_eps, bound, COMBINE: tl.constexpr, HC: tl.constexpr,
+               HIDDEN: tl.constexpr, CHUNKS: tl.constexpr, SLOTS: tl.constexpr,
+               MIX_ROW: tl.constexpr):
+    """COMBINE: chunk 0's _combine_pre_post on the row as it is; else program c
+    publishes share c, then computes the pre as a V4 non-combining program."""
+    chunk = tl.program_id(0)
+    tag = tl.load(tag_ptr)
+    if COMBINE:
+        pre, _ = _combine_pre_post(mix_ptr, status_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr,
+                                   0, tag, eps, hc_eps, bound, HC, HIDDEN, CHUNKS, CHUNKS, SLOTS,
+                                   MIX_ROW, CHUNKS * SLOTS, False)
+    else:
+        j = tl.arange(0, SLOTS)
+        tl.store(mix_ptr + chunk * SLOTS + j, _tagged(tl.load(shares_ptr + chunk * SLOTS + j),
+                                                      tag))
+        pre = _pre_from_shares(mix_ptr, status_ptr, scale_ptr, base_ptr, 0, tag, eps, hc_eps,
+                               bound, HC, HIDDEN, CHUNKS, CHUNKS, SLOTS, MIX_ROW, False)
+        for t in tl.static_range(HC):
+            tl.store(pre_ptr + chunk * HC + t, pre[t])
+
+
+def test_v4_pre_from_the_shares_is_chunk_0s_and_times_out_to_nan():
+    """V4's programs that do not combine compute the collapse pre from the
+    shares themselves. The interpreter runs program 0 to the end before program
+    1 starts: program 0 finds chunk 1's share stale (older tag, NaN), gives up
+    after the bound, flags the status word and returns NaN; program 1 sees both
+    shares and returns pre bit for bit as chunk 0's combine computes it from the
+    same row, and within FP32 rounding of the formula on the summed shares."""
+    hc, hidden, chunks, slots = 2, 128, 2, 16  # (2 + hc) * hc = 8 dots + sum of squares
+    nmix = (2 + hc) * hc
+    g = torch.Generator().manual_seed(5)
+    shares = torch.zeros(chunks, slots)
+    shares[:, :nmix] = torch.randn(chunks, nmix, generator=g) * 3
+    shares[:, nmix] = torch.rand(chunks, generator=g) * hidden
+    scale, base = torch.rand(3, generator=g) + 0.5, torch.randn(nmix, generator=g)
+    tag = 9
+    stale = (tag - 1) << 32 | int(torch.tensor(float("nan")).view(torch.int32)) & 0xFFFFFFFF
+    row = torch.full((1, chunks * slots + slots), stale, dtype=torch.int64)
+    status = torch.zeros(1, dtype=torch.int32)
+    pre = torch.full((chunks, hc), -1.0)
+    post = torch.full((1, hc), -1.0)
+    tags = torch.tensor([tag], dtype=torch.int32)
+    eps, hc_eps = 1e-6, 1e-3
+    args = (row, status, shares, scale, base, tags)
+    constants = dict(HC=hc, HIDDEN=hidden, CHUNKS=chunks, SLOTS=slots, MIX_ROW=row.shape[1])
+    _pre_probe[(chunks,)](*args, pre, post, eps, hc_eps, 50, COMBINE=False, **constants)
+    assert status.item() == consumer.NORM_TIMEOUT_BIT
+    assert pre[0].isnan().all() and not pre[1].isnan().any()
+    status.zero_()
+    chunk0 = torch.full((1, hc), -1.0)
+    _pre_probe[(1,)](*args, chunk0, post, eps, hc_eps, 50, COMBINE=True, **constants)
+    assert status.item() == 0
+    assert torch.equal(pre[1].view(torch.int32), chunk0[0].view(torch.int32))
+    totals = shares.double().sum(0)
+    rstd = (totals[nmix] / (hc * hidden) + eps).rsqrt()
+    want = torch.sigmoid(totals[:hc] * rstd * scale[0].double() + base[:hc].double()) + hc_eps
+    torch.testing.assert_close(pre[1].double(), want, rtol=0, atol=1e-6)

@@ -510,7 +510,7 @@ class BoundaryAllReduce:
         mixes = self.collapse_pre if mode == FULL else None
         fused = mixes is not None and fuses_mixes(m, self.hc_mult, mixes)
         return ("consume", mode, quant, mixes, fused,
-                self.tactic or consumer_tactic(m, self.hidden_size, fused))
+                self.tactic or consumer_tactic(m, self.hidden_size, mixes if fused else None))
 
     def compile_variants(self, compilers: dict, force_barrier: bool = False) -> None:
         """Compile the variants (key -> compile-only call) not compiled yet, then

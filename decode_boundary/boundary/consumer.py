@@ -119,6 +119,14 @@ MIXES_TACTICS = (
     (8, ConsumerTactic(128, 4)),
     (1 << 30, ConsumerTactic(256, 4)),
 )
+# V4's collapse (the same sublayer's pre: every program polls the shares, then a
+# second norm round trip) prefers 128 x 4 at M = 16 too, in every sweep that timed it:
+# 16.41 vs 17.12 us at 256 x 4 (consumer_mixes-ff01822), 20.5-21.7 vs 21.9-23.6
+# (-50d727a), 23.6 vs 24.2 (-5ad65b0); beyond 16 tokens not swept: V4.1's table.
+SAME_PRE_MIXES_TACTICS = (
+    (16, ConsumerTactic(128, 4)),
+    (1 << 30, ConsumerTactic(256, 4)),
+)
 MIX_MIN_BLOCK = 64  # the mix row has one SLOTS-wide share per chunk of >= 64 columns
 # Beyond this many tokens V4.1's next mixes come from the mixes kernel after the
 # consumer (mixes_kernel.py: hc_fn read once per 16 tokens, not once per token). One
@@ -126,17 +134,19 @@ MIX_MIN_BLOCK = 64  # the mix row has one SLOTS-wide share per chunk of >= 64 co
 # (19.1 vs 21.7 us; 20.6 vs 30.0 at 64; 18.1 vs 13.9 at 16: consumer_mixes-58bb314),
 # but in the chain the next GEMM waits for the whole kernel: boundary 60.2 / 78.8 us at
 # M = 32 / 64 with it (bench 58bb314) against 57.0 / 80.4 fused (bench 5235045, another
-# run). Both sides changed since (1d366e0: the combine's tail; 5e44be2: the kernel's dots
-# on BF16 MMAs), not yet measured: re-decide from one chain run of both
-# (benchmarks/timeline.py --fused-mixes-up-to).
+# run). After both sides got faster, one chain run of both (benchmarks/timeline.py
+# --fused-mixes-up-to 64 / 0, tree 94f1494, graph us per step): fused 35.3 / 51.5 / 78.7
+# at M = 16 / 32 / 64, the kernel 40.9 / 52.1 / 72.6: the crossover is at ~32 tokens.
 MIXES_FUSED_MAX_ROWS = 32
 
 
-def consumer_tactic(m: int, hidden: int, mixes: bool = False) -> ConsumerTactic:
-    """The table's tactic for M tokens (``MIXES_TACTICS`` with the next mixes);
-    serial in the interpreter (which runs programs one after another, so they
-    cannot wait for each other)."""
-    table = MIXES_TACTICS if mixes else CONSUMER_TACTICS
+def consumer_tactic(m: int, hidden: int, mixes: str | None = None) -> ConsumerTactic:
+    """The table's tactic for M tokens (``mixes``: the collapse of mixes fused in
+    the consumer, ``MIXES_TACTICS`` for "previous", ``SAME_PRE_MIXES_TACTICS``
+    for "same"; None: ``CONSUMER_TACTICS``); serial in the interpreter (which
+    runs programs one after another, so they cannot wait for each other)."""
+    table = {None: CONSUMER_TACTICS, "previous": MIXES_TACTICS,
+             "same": SAME_PRE_MIXES_TACTICS}[mixes]
     tactic = next(t for limit, t in table if m <= limit)
     tactic = tactic._replace(block_h=min(tactic.block_h, triton.next_power_of_2(hidden)))
     if env.interpret_mode():
@@ -429,8 +439,8 @@ def consume(
     records its timeout there). ``wait_bound``: nanoseconds with PTX
     (``%globaltimer``), spins without; > 0 whenever something may wait; a
     :class:`WaitTimeout` is converted here, with the kernel variant's own PTX
-    decision. ``tactic``: default from ``CONSUMER_TACTICS`` (``MIXES_TACTICS``
-    with mixes). ``compile_only``: compile this variant, launch nothing (the
+    decision. ``tactic``: default from ``consumer_tactic`` (by the fused
+    mixes' collapse). ``compile_only``: compile this variant, launch nothing (the
     outputs are then unwritten). ``mixes`` (full mode): :class:`MhcMixes`;
     with ``collapse="same"`` ``pre`` is None (the kernel collapses with the pre
     it computes); ``mix_words`` int64 [rows, ``mix_columns(H, hc)``] is then its
@@ -483,7 +493,8 @@ def consume(
         _need(comb, "comb", torch.float32, (m, hc, hc), device)
         out = torch.empty(m, hc, hidden, dtype=torch.bfloat16, device=device)
     fused = isinstance(mixes, MhcMixes) and fuses_mixes(m, hc, mixes.collapse)
-    tactic = ConsumerTactic(*(tactic or consumer_tactic(m, hidden, fused)))
+    tactic = ConsumerTactic(*(tactic or consumer_tactic(m, hidden,
+                                                        mixes.collapse if fused else None)))
     _check_tactic(tactic, hidden, mode, fused, isinstance(mixes, MhcMixes) and not fused)
     layer_input = None
     quant = mxfp8_out is not None

@@ -199,29 +199,6 @@ def test_pdl_off_gives_the_same_bits(monkeypatch):
     check_mxfp8_mm(with_pdl, qa, layer.weight, layer.weight_scale)
 
 
-@pytest.mark.parametrize("n,k,groups", [(5120, 2048, 1), (1792, 5120, 1), (2048, 4096, 2)])
-def test_activation_prefetch_gives_the_same_bits(monkeypatch, n, k, groups):
-    """The L1 prefetch of the activation slice (64-row tiles) is speed only: with and
-    without it the tabled tactic gives the same bits, within the bar, at 48 and 64 rows
-    (a poisoned output each time), and the compiled kernel does prefetch."""
-    from decode_boundary.gemm import tactics
-
-    g = torch.Generator().manual_seed(n * k)
-    layer = make_layer(n, k, DEV, g)
-    layer.groups = groups  # the row-stack of the groups' weights (wo_a: 2 x 1024)
-    for rows in (48, 64):
-        qa = make_input(rows, groups * k, DEV, g)
-        tactic = selected_tactic(layer, rows)
-        assert tactics.activation_prefetch(tactic, k, False, True)
-        on = launch_low_latency(layer, qa, poisoned(rows, n, DEV), tactic)
-        assert "prefetch.global.L1" in warmup_low_latency(layer, rows, tactic).asm["ptx"]
-        monkeypatch.setattr(tactics, "PREFETCH_ACTIVATION", False)
-        off = launch_low_latency(layer, qa, poisoned(rows, n, DEV), tactic)
-        monkeypatch.setattr(tactics, "PREFETCH_ACTIVATION", True)
-        assert torch.equal(on.view(torch.int16), off.view(torch.int16)), rows
-        check_mxfp8_mm(on, qa, layer.weight, layer.weight_scale, groups)
-
-
 def _compiled_count():
     return sum(len(cache[0]) for cache in mxfp8_gemm_kernel.device_caches.values())
 

@@ -245,24 +245,3 @@ def test_autotuner_needs_a_gpu_to_time():
     with pytest.raises(RuntimeError, match="times on a CUDA device; pass timer="):
         tuner.tune(make_layer(64, 128), 1)
     assert tuner.cache == {}
-
-
-def test_activation_prefetch_only_where_the_activation_is_not_held(monkeypatch):
-    """The L1 prefetch of the activation slice (speed only) runs exactly where the
-    kernel does not hold every piece's activation up front, on MXFP8 input with
-    inline PTX allowed, and the module switch turns it off."""
-    from decode_boundary.gemm import tactics
-
-    prefetching = 0
-    for (_, k, _), table in TABLE.items():
-        for tactic in table.values():
-            held = tactics.activation_upfront(tactic, k, False)
-            assert tactics.activation_prefetch(tactic, k, False, True) is (not held)
-            assert not tactics.activation_prefetch(tactic, k, False, False)
-            assert not tactics.activation_prefetch(tactic, k, True, True)
-            prefetching += not held
-            if not held:
-                monkeypatch.setattr(tactics, "PREFETCH_ACTIVATION", False)
-                assert not tactics.activation_prefetch(tactic, k, False, True)
-                monkeypatch.setattr(tactics, "PREFETCH_ACTIVATION", True)
-    assert prefetching >= len(TABLE)  # every shape's 64-row tile at least

@@ -58,11 +58,11 @@ import torch
 
 from decode_boundary.common.contract import NO_PUBLISH, check_publish_target
 from decode_boundary.common.timeline import launch_args
-from decode_boundary.env import interpret_mode, use_pdl, use_ptx
+from decode_boundary.env import interpret_mode, use_pdl
 from decode_boundary.mxfp8.format import QuantizedActivation, check_scale_buffer, mxfp8_scale_bytes
 
 from .mxfp8_gemm_kernel import mxfp8_gemm_kernel
-from .tactics import Tactic, activation_prefetch, activation_upfront, fits, k_pieces
+from .tactics import Tactic, activation_upfront, fits, k_pieces
 
 # ``publish`` arguments below: a ``decode_boundary.common.contract.PublishTarget``
 # (or any object with its attributes); ``NO_PUBLISH`` when the GEMM does not publish.
@@ -215,7 +215,6 @@ def _launch_config(layer, a, out, tactic: Tactic, publish):
         N=n, K=k, GROUPS=groups, BLOCK_N=tactic.block_n, ROWS=tactic.rows_tile,
         SPLIT_K=tactic.split_k, K_SLICE=k_slice, CHUNK=tactic.chunk_k, PIECES=pieces,
         A_UPFRONT=activation_upfront(tactic, k, a_bf16),
-        A_PREFETCH=activation_prefetch(tactic, k, a_bf16, use_ptx(device)),
         A_BF16=a_bf16, USE_PDL=pdl, INTERPRETER=interpret_mode(), PUBLISH=publish is not None,
         TP=pub.tp, RANK=pub.rank, CAPACITY=pub.capacity, HIDDEN=pub.hidden,
         TIMELINE=timeline, num_warps=tactic.num_warps, num_stages=1, launch_pdl=pdl,

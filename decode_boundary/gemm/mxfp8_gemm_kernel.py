@@ -164,32 +164,6 @@ def _fetch_activation(a_ptr, as_ptr, rows, row_live, a_k0, k0, k_end, CH: tl.con
 
 
 @triton.jit
-def _prefetch_l1(ptrs):
-    """``prefetch.global.L1`` of the lines holding ``ptrs`` (a hint: no data, no fault)."""
-    return tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                     [ptrs], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_activation(a_ptr, as_ptr, rows, row_live, col0, k_len, K_SLICE: tl.constexpr,
-                         A_K: tl.constexpr, A_K_TILES: tl.constexpr):
-    """Ask L1 for every line of the e4m3 activation slice [rows, col0 : col0 + k_len)
-    and of its scale bytes, so that the per-piece loads after each product hit L1
-    instead of paying an L2 round trip each (module docstring, A_PREFETCH)."""
-    # One address per 128-byte line: a 128-byte stride from col0 touches every line
-    # of the slice once; the clamp to its last byte covers the tail line.
-    LINES: tl.constexpr = triton.next_power_of_2(K_SLICE // 128 + 1)
-    off = tl.minimum(tl.arange(0, LINES) * 128, k_len - 1)
-    lines = a_ptr + rows[:, None].to(tl.int64) * A_K + col0 + off[None, :]
-    _prefetch_l1(tl.where(row_live[:, None], lines, a_ptr))
-    # Scales: the 4 groups of one 128x4 swizzle tile are adjacent bytes of a row.
-    TILES: tl.constexpr = triton.next_power_of_2(K_SLICE // 128 + 1)
-    g = col0 // 32 + tl.minimum(tl.arange(0, TILES) * 4, k_len // 32 - 1)
-    scales = as_ptr + swizzled_offset(rows[:, None], g[None, :], A_K_TILES)
-    _prefetch_l1(tl.where(row_live[:, None], scales, as_ptr))
-
-
-@triton.jit
 def _decode_activation(x, exponent, CH: tl.constexpr, A_BF16: tl.constexpr,
                        HARDWARE: tl.constexpr):
     """FP32 values [R, CH] and UE8M0 exponents [R, CH/32] (int32) of fetched
@@ -276,8 +250,7 @@ def mxfp8_gemm_kernel(
     N: tl.constexpr, K: tl.constexpr, GROUPS: tl.constexpr,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr,
     K_SLICE: tl.constexpr, CHUNK: tl.constexpr, PIECES: tl.constexpr,
-    A_UPFRONT: tl.constexpr, A_PREFETCH: tl.constexpr, A_BF16: tl.constexpr,
-    USE_PDL: tl.constexpr, INTERPRETER: tl.constexpr,
+    A_UPFRONT: tl.constexpr, A_BF16: tl.constexpr, USE_PDL: tl.constexpr, INTERPRETER: tl.constexpr,
     PUBLISH: tl.constexpr, TP: tl.constexpr, RANK: tl.constexpr,
     CAPACITY: tl.constexpr, HIDDEN: tl.constexpr, TIMELINE: tl.constexpr = False,
 ):
@@ -318,13 +291,6 @@ def mxfp8_gemm_kernel(
         # nothing can advance it again before this grid ends: the next consumer
         # waits for it).
         stage = tl.load(stage_ptr + _STAGE_NEXT, volatile=True)
-    if A_PREFETCH:
-        # Where the pieces' activations do not fit in registers at once (A_UPFRONT),
-        # L1 gets them now, so that each piece's loads after a product's barrier hit
-        # L1 instead of costing an L2 round trip each.
-        rows_now = row0 + tl.arange(0, ROWS)
-        _prefetch_activation(a_ptr, a_scale_ptr, rows_now, rows_now < M, a_k0 + k0, k_end - k0,
-                             K_SLICE, A_K, A_K_TILES)
     fetched = ()
     if A_UPFRONT:
         for i in tl.static_range(PIECES):

@@ -85,19 +85,6 @@ def activation_upfront(tactic: Tactic, k: int, bf16_input: bool) -> bool:
     return held <= limit * 32 * tactic.num_warps
 
 
-# Where the activation is not held up front, the kernel can ask L1 for the whole
-# activation slice right after the grid wait (mxfp8_gemm_kernel.py, A_PREFETCH): speed
-# only, MXFP8 input on the GPU. A module switch so a benchmark can A/B it in one process.
-PREFETCH_ACTIVATION = True
-
-
-def activation_prefetch(tactic: Tactic, k: int, bf16_input: bool, ptx: bool) -> bool:
-    """Whether the kernel prefetches the activation slice into L1 (``PREFETCH_ACTIVATION``;
-    MXFP8 input, inline PTX allowed, and not already held up front)."""
-    return (PREFETCH_ACTIVATION and ptx and not bf16_input
-            and not activation_upfront(tactic, k, bf16_input))
-
-
 def fits(tactic: Tactic, n: int, k: int, groups: int = 1) -> bool:
     """Whether the kernel can run ``tactic`` on an (N, K) weight of ``groups`` groups."""
     if k % 32 or k <= 0 or n <= 0 or groups < 1 or n % groups:

@@ -198,21 +198,15 @@ def _fetch_piece(a_ptr, as_ptr, row0, M, a_k0, k0, k_end, CH: tl.constexpr,
 
 @triton.jit
 def _chunk(acc, w, ws, fetched, CH: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-           A_BF16: tl.constexpr, INTERPRETER: tl.constexpr, A_EXACT: tl.constexpr = False):
+           A_BF16: tl.constexpr, INTERPRETER: tl.constexpr):
     """acc [BLOCK_N, ROWS] += W_chunk . A_chunk^T (module docstring: the products);
     ``fetched``: the piece's activation loads (:func:`_fetch_piece`)."""
     if ROWS >= 16:
-        if A_EXACT:
-            af = fetched[0]
-            if INTERPRETER:
-                af = af.to(tl.float32)
-        else:
-            a, sa = _decode_activation(fetched[0], fetched[1], CH, A_BF16, not INTERPRETER)
-            af = _scaled(a, sa, ROWS, CH)
-            if not INTERPRETER:
-                af = af.to(tl.bfloat16)  # exact (module docstring)
+        a, sa = _decode_activation(fetched[0], fetched[1], CH, A_BF16, not INTERPRETER)
+        af = _scaled(a, sa, ROWS, CH)
         wf = _scaled(w, ws, BLOCK_N, CH)
         if not INTERPRETER:
+            af = af.to(tl.bfloat16)  # exact (module docstring)
             wf = wf.to(tl.bfloat16)
         acc = tl.dot(wf, tl.trans(af), acc)
     else:
@@ -259,7 +253,6 @@ def mxfp8_gemm_kernel(
     A_UPFRONT: tl.constexpr, A_BF16: tl.constexpr, USE_PDL: tl.constexpr, INTERPRETER: tl.constexpr,
     PUBLISH: tl.constexpr, TP: tl.constexpr, RANK: tl.constexpr,
     CAPACITY: tl.constexpr, HIDDEN: tl.constexpr, TIMELINE: tl.constexpr = False,
-    A_EXACT: tl.constexpr = False,
 ):
     W_K_TILES: tl.constexpr = (K // 32 + 3) // 4
     A_K: tl.constexpr = GROUPS * K
@@ -320,7 +313,7 @@ def mxfp8_gemm_kernel(
         else:
             piece = _fetch_piece(a_ptr, a_scale_ptr, row0, M, a_k0, k0 + i * CHUNK, k_end,
                                  CHUNK, ROWS, A_K, A_K_TILES, A_BF16)
-        acc = _chunk(acc, w, ws, piece, CHUNK, BLOCK_N, ROWS, A_BF16, INTERPRETER, A_EXACT)
+        acc = _chunk(acc, w, ws, piece, CHUNK, BLOCK_N, ROWS, A_BF16, INTERPRETER)
     stamp(stamp_ptr, slot, MARK1, TIMELINE)  # products done
 
     rows = row0 + tl.arange(0, ROWS)

@@ -58,6 +58,11 @@ mixes = dict(full, BLOCK_H=128, SLOTS=32, MIX_ROW=80 * 32 + 32,
 out["consumer_mixes"] = ptx(consumer_kernel, sig, dict(mixes, MIXES=1), 4)
 out["consumer_same_pre"] = ptx(consumer_kernel, sig, dict(mixes, MIXES=2), 4)
 out["consumer_128x4"] = ptx(consumer_kernel, sig, dict(mixes, MIXES=0), 4)  # the same, no mixes
+# hc_fn held from before the grid wait (the tables' tactic up to 8 tokens).
+out["consumer_mixes_early"] = ptx(consumer_kernel, sig, dict(mixes, MIXES=1,
+                                                             MIX_WEIGHTS_EARLY=True), 4)
+out["consumer_same_pre_early"] = ptx(consumer_kernel, sig, dict(mixes, MIXES=2,
+                                                                MIX_WEIGHTS_EARLY=True), 4)
 # The mixes kernel after the consumer (mixes_kernel.py: 128 columns x 16 tokens, 4 warps).
 out["mixes_kernel"] = ptx(next_mixes_kernel, {"streams_ptr": "*bf16", "hc_fn_ptr": "*fp32",
     "hc_scale_ptr": "*fp32", "hc_base_ptr": "*fp32", "generation_ptr": "*i32",
@@ -102,9 +107,9 @@ def test_consumer_polls_volatile_with_time_bound(ptx):
     assert "griddepcontrol.wait" in code
 
 
-def test_consumer_mixes_load_hc_fn_after_the_wait_and_poll_volatile(ptx):
-    """With the next mixes, hc_fn is loaded only after the grid wait (held from
-    before it, it cost 64 registers per thread and lost: consumer.py); the
+def test_consumer_mixes_load_hc_fn_where_the_tactic_says_and_poll_volatile(ptx):
+    """With the next mixes, hc_fn is loaded after the grid wait, or before it
+    with ``MIX_WEIGHTS_EARLY`` (then nothing of it after); the
     Sinkhorn rounds are a loop, not unrolled, and normalise by reciprocals
     (``rcp.approx``: a few dozen in the code, not 20 rounds' 8 each; no
     division's range checks in the rounds); the mix row is polled with volatile
@@ -118,9 +123,14 @@ def test_consumer_mixes_load_hc_fn_after_the_wait_and_poll_volatile(ptx):
         return code[:wait].count("ld.global"), code[wait:].count("ld.global")
 
     for name in ("consumer_mixes", "consumer_same_pre"):
-        code = ptx[name]
         assert loads(name)[0] <= loads("consumer_128x4")[0], name  # none more before (V4: no pre)
         assert loads(name)[1] - loads("consumer_128x4")[1] >= fn_loads, name
+        early = name + "_early"
+        assert loads(early)[0] - loads(name)[0] >= fn_loads, early
+        assert loads(name)[1] - loads(early)[1] >= fn_loads, early
+    for name in ("consumer_mixes", "consumer_same_pre", "consumer_mixes_early",
+                 "consumer_same_pre_early"):
+        code = ptx[name]
         assert 0 < code.count("rcp.approx.ftz.f32") < 100, name
         # the 25 sums read back behind the CTA barrier: plain loads, not volatile ones
         assert len(re.findall(r"ld\.global(\.[a-z0-9]+)*\.b64", code)) >= 25, name
@@ -135,7 +145,7 @@ def test_consumer_has_no_spills_and_a_short_body(ptx):
     no local memory, and per program a few thousand instructions at most (the
     last-program whole-row norm it replaced was ~7,000 at 2 warps)."""
     for name in ("consumer", "consumer_serial", "consumer_plain", "consumer_mixes",
-                 "consumer_same_pre"):
+                 "consumer_same_pre", "consumer_mixes_early", "consumer_same_pre_early"):
         code = ptx[name]
         assert "ld.local" not in code and "st.local" not in code, name
     body = [line for line in ptx["consumer"].splitlines()
@@ -171,7 +181,7 @@ def test_no_fma_no_multicast(ptx):
     for name, code in ptx.items():
         assert "multimem" not in code, name
     for name in ("consumer", "consumer_serial", "consumer_plain", "consumer_mixes",
-                 "consumer_same_pre"):
+                 "consumer_same_pre", "consumer_mixes_early", "consumer_same_pre_early"):
         assert "fma.rn.f32" not in ptx[name], name
     assert "fma.rn.f32" not in ptx["finalize"]
 
@@ -185,7 +195,8 @@ def test_no_register_spills(ptx, tmp_path):
     ptxas = os.path.join(os.path.dirname(nvidia.__file__), "bin", "ptxas")
     if not os.path.exists(ptxas):
         pytest.skip("no ptxas")
-    for name in ("mixes_kernel", "consumer_mixes", "consumer_same_pre"):
+    for name in ("mixes_kernel", "consumer_mixes", "consumer_same_pre", "consumer_mixes_early",
+                 "consumer_same_pre_early"):
         src = tmp_path / f"{name}.ptx"
         src.write_text(ptx[name])
         proc = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(src), "-o", os.devnull],

@@ -146,15 +146,18 @@ def test_the_bar_sees_a_missing_round_and_the_released_values_pass():
     assert bool(torch.isfinite(mixes[2]).all())
 
 
+@pytest.mark.parametrize("early", [False, True], ids=["hc_fn-late", "hc_fn-early"])
 @pytest.mark.parametrize("collapse", ["previous", "same"])
-def test_cooperative_launches_give_the_serial_bits(collapse, cooperative_in_the_interpreter):
-    """The GPU default's path (chunk 0 sums the shares; with "same" the others
-    poll the pre it hands over) gives the serial launch's bits, on one poisoned
-    scratch reused by launches of 4, then 2 chunks: none takes a stale share."""
+def test_cooperative_launches_give_the_serial_bits(collapse, early,
+                                                   cooperative_in_the_interpreter):
+    """The GPU default's path (chunk 0 sums the shares; with "same" every
+    program sums them for its own pre), with hc_fn loaded after or before the
+    grid wait, gives the serial launch's bits, on one poisoned scratch reused by
+    launches of 4, then 2 chunks: none takes a stale share."""
     s = scratch()
     for launch_no, block in enumerate((64, 128), start=1):
         d = step(10 + launch_no)
-        got = launch(d, s, ConsumerTactic(block, 2, True), collapse)
+        got = launch(d, s, ConsumerTactic(block, 2, True, mix_weights_early=early), collapse)
         assert s["status"].item() == 0
         assert s["generation"][:M].eq(launch_no).all()
         want = launch(d, scratch(), ConsumerTactic(block, 2, False), collapse)

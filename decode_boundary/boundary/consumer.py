@@ -89,11 +89,14 @@ class ConsumerTactic(NamedTuple):
     """Columns per program, warps, and whether the programs of a token share the
     RMSNorm through the tagged hand-off (``cooperative``) or one program per
     token walks the row chunk by chunk (only for the full mode; the others never
-    need a whole row)."""
+    need a whole row). ``mix_weights_early`` (fused mixes, cooperative): each
+    program loads its hc_fn columns before its grid wait and holds them, as the
+    GEMMs hold their weights; else after its slots are in."""
 
     block_h: int
     warps: int
     cooperative: bool = True
+    mix_weights_early: bool = False
 
 
 # (largest M, tactic), re-pinned from `benchmarks/allreduce.py --sweep`. Measured on
@@ -108,15 +111,18 @@ CONSUMER_TACTICS = (
 )
 
 
-# With the next sublayer's mixes every program loads its columns of hc_fn (FP32,
-# (2 + hc) * hc rows) after its slots are in. Measured on one H200 (H = 5120, hc = 4,
+# With the next sublayer's mixes every program needs its columns of hc_fn (FP32,
+# (2 + hc) * hc rows). Measured on one H200 (H = 5120, hc = 4, the consumer alone:
 # benchmarks/consumer_mixes.py --sweep, results/consumer_mixes-5ad65b0.json and
-# -50d727a.json): 128 x 4 fastest at M = 1 and 8, 256 x 4 at 4 and 16; holding hc_fn
-# in registers from before the wait (128 x 8: 124 registers) lost or tied at every M
-# (2 programs per SM: at M = 16 the grid ran in 3 waves), and so did an L2 prefetch
-# of it there (0.1-1.6 us slower at M = 1 and 16).
+# -50d727a.json): 128 x 4 fastest at M = 1 and 8, 256 x 4 at 4 and 16, with hc_fn
+# loaded after the slots are in. Holding it from before the grid wait lost or tied
+# there, but *in the chain* (benchmarks/NOTES.md "V4-family mixes" item 10: the late
+# loads queue behind fused_wqa_wkv's and the next wo_a's weight streams) it wins up
+# to 8 tokens: V4.1 21.0 -> 19.9 / 26.5 -> 25.5 / 27.3 -> 25.1 / 27.4 -> 26.1 us per
+# step at M = 1 / 2 / 4 / 8, V4 20.0 -> 18.6 ... 29.9 -> 28.4, and loses at 16 (34.3 ->
+# 38.4: 128 registers of hc_fn per thread, fewer programs per SM).
 MIXES_TACTICS = (
-    (8, ConsumerTactic(128, 4)),
+    (8, ConsumerTactic(128, 4, mix_weights_early=True)),
     (1 << 30, ConsumerTactic(256, 4)),
 )
 # V4's collapse (the same sublayer's pre: every program polls the shares, then a
@@ -124,6 +130,7 @@ MIXES_TACTICS = (
 # 16.41 vs 17.12 us at 256 x 4 (consumer_mixes-ff01822), 20.5-21.7 vs 21.9-23.6
 # (-50d727a), 23.6 vs 24.2 (-5ad65b0); beyond 16 tokens not swept: V4.1's table.
 SAME_PRE_MIXES_TACTICS = (
+    (8, ConsumerTactic(128, 4, mix_weights_early=True)),
     (16, ConsumerTactic(128, 4)),
     (1 << 30, ConsumerTactic(256, 4)),
 )
@@ -315,7 +322,7 @@ def _check_tactic(tactic: ConsumerTactic, hidden: int, mode: int, mixes: bool = 
                   mixes_kernel: bool = False) -> None:
     """``mixes``: the consumer computes the next mixes; ``mixes_kernel``: the
     mixes kernel follows it (cooperative with the tactic, in its own chunks)."""
-    block, warps, cooperative = tactic
+    block, warps, cooperative = tactic.block_h, tactic.warps, tactic.cooperative
     if block < QUANT_GROUP or block & (block - 1) or warps < 1 or warps & (warps - 1):
         raise ValueError(f"tactic {tactic}: columns per program must be a power of two "
                          f">= {QUANT_GROUP} and warps a power of two")
@@ -562,7 +569,7 @@ def consume(
         UNITS_P2=triton.next_power_of_2(sumsq_columns(hidden)), MODE=mode, QUANT=quant,
         LAMPORT=lamport, COOPERATIVE=tactic.cooperative, USE_PTX=ptx,
         USE_PDL=pdl, TIMELINE=timeline, num_warps=tactic.warps, enable_fp_fusion=False,
-        launch_pdl=pdl, **_mix_constants(mixes if fused else None, hc, hidden, tactic.block_h),
+        launch_pdl=pdl, **_mix_constants(mixes if fused else None, hc, hidden, tactic),
         **kwargs,
     )
     if compile_only:
@@ -583,12 +590,14 @@ def _mix_row(hidden: int, hc: int) -> dict:
                 TOTALS_OFF=mix_totals_offset(hidden, hc))
 
 
-def _mix_constants(mixes: MhcMixes | None, hc: int, hidden: int, block_h: int) -> dict:
+def _mix_constants(mixes: MhcMixes | None, hc: int, hidden: int,
+                   tactic: ConsumerTactic) -> dict:
     """The consumer kernel's MIXES constexprs (defaults without mixes)."""
     if mixes is None:
         return dict(MIXES=NO_MIXES)
     return dict(MIXES=COLLAPSES[mixes.collapse], **_mix_row(hidden, hc),
-                CHUNKS_P2=triton.next_power_of_2(triton.cdiv(hidden, block_h)))
+                CHUNKS_P2=triton.next_power_of_2(triton.cdiv(hidden, tactic.block_h)),
+                MIX_WEIGHTS_EARLY=tactic.mix_weights_early and tactic.cooperative)
 
 
 def _or(t, default):

@@ -62,8 +62,9 @@ equal ``quantize_mxfp8_ref`` of the kernel's own ``layer_input``.
 * The serial path's ``prenorm`` scratch: volatile reads of the program's own
   stores, which a ``debug_barrier`` orders before them.
 * Residual, post, comb, pre, gamma: plain loads, issued *before* the grid
-  dependency wait (so they overlap the publisher); with mixes hc_fn after it
-  (plain loads, when the program's residual_out is in registers), hc_scale and
+  dependency wait (so they overlap the publisher); with mixes hc_fn there too
+  with ``MIX_WEIGHTS_EARLY``, else after it (plain loads, when the program's
+  residual_out is in registers), hc_scale and
   hc_base where a program computes pre (chunk 0; with ``SAME_PRE`` every one).
 * The mix row: volatile polls, as ``sumsq`` (with ``SAME_PRE`` by every program). The
   combining program's sums of the shares (``TOTALS_OFF``): plain loads of its
@@ -133,6 +134,7 @@ from .consumer_mixes import (
     _combine_comb,
     _combine_mixes,
     _combine_pre_post,
+    _load_mix_weights,
     _no_logits,
     _pre_from_shares,
     _publish_mix_partials,
@@ -385,7 +387,7 @@ def consumer_kernel(
     COOPERATIVE: tl.constexpr, USE_PTX: tl.constexpr, USE_PDL: tl.constexpr,
     MIXES: tl.constexpr = 0, SLOTS: tl.constexpr = 1, MIX_ROW: tl.constexpr = 1,
     TOTALS_OFF: tl.constexpr = 0, CHUNKS_P2: tl.constexpr = 1,
-    TIMELINE: tl.constexpr = False,
+    MIX_WEIGHTS_EARLY: tl.constexpr = False, TIMELINE: tl.constexpr = False,
 ):
     CHUNKS: tl.constexpr = (HIDDEN + BLOCK_H - 1) // BLOCK_H
     UNITS: tl.constexpr = (HIDDEN + 31) // 32  # sumsq row: one word per 32 columns
@@ -404,6 +406,10 @@ def consumer_kernel(
         res, post, comb, pre, gamma = _load_inputs(residual_ptr, post_ptr, comb_ptr, pre_ptr,
                                                    gamma_ptr, m, cols, cmask, HC, HIDDEN, MODE,
                                                    MIXES)
+        if (MIXES != _NO_MIXES) and MIX_WEIGHTS_EARLY:
+            # A weight, like the GEMMs': in flight while the publisher runs, not queued
+            # behind the next GEMM's weight stream after the wait (consumer.py's tables).
+            fn = _load_mix_weights(hc_fn_ptr, cols, cmask, HC, HIDDEN, SLOTS)
     if USE_PDL:
         # Released here, not earlier or later: the dependent GEMM's weight stream then
         # overlaps this kernel's body; released before the wait or after the norm
@@ -437,8 +443,9 @@ def consumer_kernel(
                                               cols, cmask, TP, HC, HIDDEN, MODE, COLLAPSE,
                                               LAMPORT, USE_PTX)
             if MIXES != _NO_MIXES:
-                _publish_mix_partials(mix_ptr, hc_fn_ptr, m, c, cols, cmask, streams, tag, HC,
-                                      HIDDEN, SLOTS, MIX_ROW)
+                _publish_mix_partials(mix_ptr,
+                                      _load_mix_weights(hc_fn_ptr, cols, cmask, HC, HIDDEN, SLOTS),
+                                      m, c, streams, tag, HC, SLOTS, MIX_ROW)
             if COLLAPSE:
                 _publish_partial(sumsq_ptr, m, c, tl.sum(prenorm * prenorm, axis=0), tag, UNITS,
                                  BLOCK_H)
@@ -488,8 +495,9 @@ def consumer_kernel(
         if MIXES != _NO_MIXES:
             # Every program's share before any program waits for it: chunk 0 sums them
             # (one fixed order).
-            _publish_mix_partials(mix_ptr, hc_fn_ptr, m, chunk, cols, cmask, streams, tag, HC,
-                                  HIDDEN, SLOTS, MIX_ROW)
+            if not MIX_WEIGHTS_EARLY:
+                fn = _load_mix_weights(hc_fn_ptr, cols, cmask, HC, HIDDEN, SLOTS)
+            _publish_mix_partials(mix_ptr, fn, m, chunk, streams, tag, HC, SLOTS, MIX_ROW)
         if MIXES == _SAME_PRE:  # the collapse needs the new pre: every program computes it
             if chunk == 0:  # comb's Sinkhorn waits until after the norm: nobody needs it here
                 new_pre, logits = _combine_pre_post(

@@ -4,10 +4,12 @@
 loads its columns of ``hc_fn`` (FP32) and publishes its share into the
 token's mix row of ``mix_ptr`` (int64 words tagged like the norm's: ``SLOTS``
 per chunk, the (2 + HC) * HC dots of its columns and streams with ``hc_fn``,
-then its sum of squares of ``residual_out``). It loads ``hc_fn`` only then,
-not before its grid wait: held from there the columns cost 64 registers per
-thread, and neither that nor an L2 prefetch there won (benchmarks/NOTES.md,
-"V4-family mixes"). The chunk-0 program polls the row (bounded, as the norm
+then its sum of squares of ``residual_out``). Where it loads its ``hc_fn``
+columns is the tactic's ``mix_weights_early``: before its grid wait (held in
+registers, 128 per thread at 128 x 4; the tables' choice up to 8 tokens, where
+in the chain the late loads queue behind the next GEMM's weight stream) or
+only then (beyond: the held columns cost a wave; benchmarks/NOTES.md, "V4-family
+mixes" item 10). The chunk-0 program polls the row (bounded, as the norm
 hand-off), sums the shares in one fixed tree (the same bits for a serial and
 a cooperative launch of one ``BLOCK_H``), and computes pre, post and comb:
 sigmoid, softmax and the Sinkhorn normalisations in FP32 on its own, and
@@ -73,15 +75,14 @@ def _load_mix_weights(hc_fn_ptr, cols, cmask, HC: tl.constexpr, HIDDEN: tl.const
 
 
 @triton.jit
-def _publish_mix_partials(mix_ptr, hc_fn_ptr, m, chunk, cols, cmask, streams, tag,
-                          HC: tl.constexpr, HIDDEN: tl.constexpr, SLOTS: tl.constexpr,
-                          MIX_ROW: tl.constexpr):
+def _publish_mix_partials(mix_ptr, fn, m, chunk, streams, tag, HC: tl.constexpr,
+                          SLOTS: tl.constexpr, MIX_ROW: tl.constexpr):
     """This chunk's share of the next sublayer's mixes, tagged into token m's
     mix row at ``chunk * SLOTS``: word j < (2 + HC) * HC = sum over its columns
     and streams of residual_out * hc_fn[j] (FP32, each product rounded), word
-    (2 + HC) * HC = its sum of squares of residual_out, the rest +0.0."""
+    (2 + HC) * HC = its sum of squares of residual_out, the rest +0.0. ``fn``:
+    its columns of hc_fn (:func:`_load_mix_weights`)."""
     NMIX: tl.constexpr = (2 + HC) * HC
-    fn = _load_mix_weights(hc_fn_ptr, cols, cmask, HC, HIDDEN, SLOTS)
     acc = tl.zeros(fn[0].shape, dtype=tl.float32)
     squares = tl.zeros(streams[0].shape, dtype=tl.float32)
     for t in tl.static_range(HC):

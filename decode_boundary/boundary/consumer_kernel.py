@@ -499,7 +499,7 @@ def consumer_kernel(
                 fn = _load_mix_weights(hc_fn_ptr, cols, cmask, HC, HIDDEN, SLOTS)
             _publish_mix_partials(mix_ptr, fn, m, chunk, streams, tag, HC, SLOTS, MIX_ROW)
         if MIXES == _SAME_PRE:  # the collapse needs the new pre: every program computes it
-            if chunk == 0:  # comb's Sinkhorn waits until after the norm: nobody needs it here
+            if chunk == 0:  # comb's Sinkhorn waits until its partial is out: nobody needs it
                 new_pre, logits = _combine_pre_post(
                     mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, post_out_ptr, m,
                     tag, eps, hc_eps, wait_bound, HC, HIDDEN, CHUNKS, CHUNKS_P2, SLOTS, MIX_ROW,
@@ -512,6 +512,12 @@ def consumer_kernel(
             prenorm = _collapse(streams, new_pre, HC)
             _publish_partial(sumsq_ptr, m, chunk, tl.sum(prenorm * prenorm, axis=0), tag, UNITS,
                              BLOCK_H)
+            if chunk == 0:
+                # comb's softmax and Sinkhorn rounds while the token's other partials
+                # arrive: nobody in this launch needs comb, and the hand-off needs only
+                # this program's partial, already out (after the norm they were the
+                # kernel's tail: 0.2-0.5 us per step in the chain, NOTES mixes item 11).
+                _combine_comb(logits, comb_out_ptr, m, hc_eps, sinkhorn_rounds, HC, USE_PTX)
         if MODE == _FULL:
             total = _wait_partials(sumsq_ptr, status_ptr, m, tag, wait_bound, UNITS, UNITS_P2,
                                    USE_PTX)
@@ -520,9 +526,6 @@ def consumer_kernel(
                 tl.store(generation_ptr + m, tag)
             _norm_chunk(prenorm, gamma, total, eps, layer_ptr, qdata_ptr, qscale_ptr, m, chunk,
                         cols, cmask, HIDDEN, BLOCK_H, QUANT)
-        if MIXES == _SAME_PRE:  # noqa: SIM102 (a constexpr test: the branch is pruned)
-            if chunk == 0:  # off the token's critical path: after the norm
-                _combine_comb(logits, comb_out_ptr, m, hc_eps, sinkhorn_rounds, HC, USE_PTX)
         if MIXES == _NEXT_MIXES:  # noqa: SIM102 (a constexpr test: the branch is pruned)
             if chunk == 0:  # nobody here waits for the next mixes: after the norm
                 _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr,

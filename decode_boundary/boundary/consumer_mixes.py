@@ -32,8 +32,8 @@ chunk 0's pre cost one more L2 round trip, 0.4-0.9 µs, benchmarks/NOTES.md
 softmax and Sinkhorn rounds (:func:`_combine_comb`) follow chunk 0's norm
 partial (its collapse), while the token's other partials arrive. Chunk 0
 advances the generation only after seeing every sumsq unit, which every
-program writes after reading the generation (its tag, read right after the grid wait, tags its mix share too).
-The dots are not the reference's summation order: pre/post/comb match it within
+program writes after reading the generation (its tag, read right after the
+grid wait, tags its mix share too). The dots are not the reference's summation order: pre/post/comb match it within
 FP32 rounding, not bit for bit; given those values, everything else is the
 path without mixes, bit for bit.
 """

@@ -33,9 +33,9 @@ softmax and Sinkhorn rounds (:func:`_combine_comb`) follow chunk 0's norm
 partial (its collapse), while the token's other partials arrive. Chunk 0
 advances the generation only after seeing every sumsq unit, which every
 program writes after reading the generation (its tag, read right after the
-grid wait, tags its mix share too). The dots are not the reference's summation order: pre/post/comb match it within
-FP32 rounding, not bit for bit; given those values, everything else is the
-path without mixes, bit for bit.
+grid wait, tags its mix share too). The dots are not the reference's summation
+order: pre/post/comb match it within FP32 rounding, not bit for bit; given
+those values, everything else is the path without mixes, bit for bit.
 """
 from __future__ import annotations
 

@@ -1,11 +1,15 @@
 """Tactics chosen inside the chain, not alone: for one rank's fused boundary
 (grouped wo_a -> publishing wo_b -> consumer -> fused_wqa_wkv), each GEMM's
-tactic is swept while the others keep theirs, and the whole boundary is timed
+tactic, then the consumer's (``CONSUMER_SWEEP``: columns, warps, and whether
+a program holds its hc_fn columns from before its grid wait), is swept while
+the others keep theirs, and the whole boundary is timed
 (the one timer: CUDA graphs of back-to-back steps, rotated weight copies, cold
 L2). Layers are swept one after another, each keeping the best so far
 (coordinate descent). A GEMM timed alone runs with the whole GPU to itself;
 inside the chain its programs share the SMs with the kernel before it, which is
-still running while they wait (PDL), so the winner can differ.
+still running while they wait (PDL), so the winner can differ (the consumer's
+hc_fn placement lost alone and won in the chain: benchmarks/NOTES.md "V4-family
+mixes" item 10).
 
 The chosen tactics are checked (fused = unfused bit for bit, both against the
 reference) and printed as TABLE entries.
@@ -25,6 +29,7 @@ from decode_boundary.bench.harness import (
     one_gpu_result,
     one_gpu_write,
 )
+from decode_boundary.boundary.consumer import ConsumerTactic, consumer_tactic, fuses_mixes
 from decode_boundary.common.timing import graph_time_us
 from decode_boundary.gemm.autotune import AUTOTUNER, cache_key
 from decode_boundary.gemm.tactics import sweep_tactics, table_tactic
@@ -35,6 +40,33 @@ from decode_boundary.model.chain import (
 )
 
 LAYERS = ("wo_b", "wo_a", "fused_wqa_wkv")  # swept in this order
+# The consumer's candidates (columns, warps, hc_fn held from before the wait); with
+# fused mixes a program takes >= 64 columns (consumer.MIX_MIN_BLOCK).
+CONSUMER_SWEEP = tuple(ConsumerTactic(cols, warps, True, early)
+                       for cols, warps in ((64, 2), (64, 4), (128, 4), (128, 8), (256, 4),
+                                           (256, 8), (512, 4))
+                       for early in (False, True))
+
+
+def sweep_consumer(ab: AttentionBoundary, steps: list, rows: int, device: torch.device,
+                   trials: list) -> dict:
+    """The consumer's tactic for this M inside the chain (pinned on the
+    all-reduce, then unpinned): the table's first, then ``CONSUMER_SWEEP``."""
+    c = ab.config
+    fused = fuses_mixes(rows, c.hc_mult, c.collapse_pre)
+    base = consumer_tactic(rows, c.hidden, c.collapse_pre if fused else None)
+    timed = []
+    for tactic in [base, *(t for t in CONSUMER_SWEEP if t != base)]:
+        if not fused and tactic.mix_weights_early:
+            continue  # no mixes in the consumer: the flag changes nothing
+        ab.all_reduce.tactic = tactic
+        us = graph_time_us(steps, device)
+        timed.append((us, tactic))
+        trials.append({"layer": "consumer", "tactic": tactic._asdict(), "us": us})
+        print(f"M={rows} {'consumer':14s} {tuple(tactic)} {us:7.2f} µs", flush=True)
+    best_us, best = min(timed)
+    ab.all_reduce.tactic = best
+    return {"tactic": best._asdict(), "us": best_us, "table_us": timed[0][0]}
 
 
 def sweep(ab: AttentionBoundary, views: list, rows: int, device: torch.device) -> dict:
@@ -56,11 +88,13 @@ def sweep(ab: AttentionBoundary, views: list, rows: int, device: torch.device) -
         best_us, best = min(timed)
         AUTOTUNER.cache[key] = best
         chosen[name] = {"tactic": best._asdict(), "us": best_us, "table_us": timed[0][0]}
+    chosen["consumer"] = sweep_consumer(ab, steps, rows, device, trials)
     out = ab(inputs, fused=True)
     failures = [] if outputs_identical(out, ab(inputs, fused=False)) else ["fused != unfused"]
     failures += check_outputs(out, ab.reference(inputs))
     for name in LAYERS:  # leave the table in charge for the next M
         AUTOTUNER.cache.pop(cache_key(getattr(ab, name), rows), None)
+    ab.all_reduce.tactic = None
     return {"rows": rows, "chosen": chosen, "trials": trials, "failures": failures}
 
 

@@ -42,10 +42,12 @@ from decode_boundary.model.chain import (
 LAYERS = ("wo_b", "wo_a", "fused_wqa_wkv")  # swept in this order
 # The consumer's candidates (columns, warps, hc_fn held from before the wait); with
 # fused mixes a program takes >= 64 columns (consumer.MIX_MIN_BLOCK).
+# hc_fn early only where the held columns fit (<= 128 registers per thread at hc = 4:
+# columns / threads <= 1): 256 x 4 and 512 x 4 would spill.
 CONSUMER_SWEEP = tuple(ConsumerTactic(cols, warps, True, early)
                        for cols, warps in ((64, 2), (64, 4), (128, 4), (128, 8), (256, 4),
                                            (256, 8), (512, 4))
-                       for early in (False, True))
+                       for early in ((False, True) if cols <= 32 * warps else (False,)))
 
 
 def sweep_consumer(ab: AttentionBoundary, steps: list, rows: int, device: torch.device,

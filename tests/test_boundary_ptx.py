@@ -52,7 +52,9 @@ full = dict(TP=2, HC=4, HIDDEN=5120, BLOCK_H=512, UNITS_P2=256, MODE=2, QUANT=Tr
 out["consumer"] = ptx(consumer_kernel, sig, full, 2)
 out["consumer_serial"] = ptx(consumer_kernel, sig, dict(full, BLOCK_H=1024, COOPERATIVE=False), 4)
 out["consumer_plain"] = ptx(consumer_kernel, sig, dict(full, MODE=0, QUANT=False), 2)
-# The next mixes (consumer.MIXES_TACTICS at M <= 8: 128 columns, 4 warps; H = 5120, hc = 4).
+# The next mixes at 128 columns, 4 warps (H = 5120, hc = 4): hc_fn after the wait (as
+# consumer.MIXES_TACTICS beyond 8 tokens, at 256 columns there) and, below, before it (the
+# tables' tactic up to 8 tokens).
 mixes = dict(full, BLOCK_H=128, SLOTS=32, MIX_ROW=80 * 32 + 32,
              TOTALS_OFF=80 * 32, CHUNKS_P2=64)
 out["consumer_mixes"] = ptx(consumer_kernel, sig, dict(mixes, MIXES=1), 4)

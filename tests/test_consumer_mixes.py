@@ -25,6 +25,7 @@ from decode_boundary.boundary.consumer import (
     MhcMixes,
     consume,
     fuses_mixes,
+    holds_mix_weights,
     mix_columns,
     sumsq_columns,
 )
@@ -151,9 +152,11 @@ def test_the_bar_sees_a_missing_round_and_the_released_values_pass():
 def test_cooperative_launches_give_the_serial_bits(collapse, early,
                                                    cooperative_in_the_interpreter):
     """The GPU default's path (chunk 0 sums the shares; with "same" every
-    program sums them for its own pre), with hc_fn loaded after or before the
-    grid wait, gives the serial launch's bits, on one poisoned scratch reused by
-    launches of 4, then 2 chunks: none takes a stale share."""
+    program sums them for its own pre), with hc_fn loaded early (the
+    ``MIX_WEIGHTS_EARLY`` variant: where it sits against the grid wait, which
+    the interpreter has not, tests/test_boundary_ptx.py checks) or late, gives
+    the serial launch's bits, on one poisoned scratch reused by launches of 4,
+    then 2 chunks: none takes a stale share."""
     s = scratch()
     for launch_no, block in enumerate((64, 128), start=1):
         d = step(10 + launch_no)
@@ -219,6 +222,16 @@ def test_which_mixes_the_consumer_fuses(monkeypatch):
         launch(d, scratch(), ConsumerTactic(256, 4, True), "previous")
 
 
+def test_which_tactics_hold_hc_fn_from_before_the_wait():
+    """Only a cooperative tactic that asks for it, and only while the held tile
+    fits (hc <= 4: 32 slots; hc = 8's 128 slots would spill)."""
+    early = ConsumerTactic(128, 4, True, mix_weights_early=True)
+    assert holds_mix_weights(early, 4) and holds_mix_weights(early, 2)
+    assert not holds_mix_weights(early, 8)
+    assert not holds_mix_weights(early._replace(cooperative=False), 4)
+    assert not holds_mix_weights(early._replace(mix_weights_early=False), 4)
+
+
 def test_argument_checks():
     d = step(3)
     s = scratch()
@@ -250,6 +263,13 @@ def test_argument_checks():
         call(good, tactic=ConsumerTactic(32, 1, False))
     with pytest.raises(ValueError, match="hc_scale overlaps mix_words"):
         call(good._replace(hc_scale=s["mix_words"].view(torch.float32)[0, :3]))
+    # hc_fn may be read before the grid wait (mix_weights_early, the mixes kernel): never
+    # memory the publisher writes, e.g. the partial it publishes.
+    storage = torch.zeros(d["hc_fn"].numel() + 8, dtype=torch.float32)
+    early_fn = storage[8:].view_as(d["hc_fn"]).copy_(d["hc_fn"])
+    call(good._replace(hc_fn=early_fn), partial=storage.view(torch.bfloat16)[:16])  # adjacent
+    with pytest.raises(ValueError, match="hc_fn overlaps partial"):
+        call(good._replace(hc_fn=early_fn), partial=storage.view(torch.bfloat16)[:17])
     with pytest.raises(ValueError, match="mixes need the full mode"):
         consume(torch.stack(d["xs"]), TP, M, mode=RESIDUAL_ONLY, lamport=False,
                 tactic=SERIAL[0], residual=d["residual"], post=d["post"], comb=d["comb"],

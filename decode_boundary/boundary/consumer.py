@@ -46,9 +46,10 @@ cheaply: an early input whose memory overlaps the partial (``partial=``), the
 mailbox or gathered buffer, an MXFP8 output buffer, or the stage, status,
 generation, sumsq or prenorm words (:func:`check_early_inputs`). With
 ``mixes``, ``hc_fn``, ``hc_scale`` and ``hc_base`` are held to the same rules
-(and checked so): the consumer reads them after its wait, but the mixes
-kernel after it (beyond ``MIXES_FUSED_MAX_ROWS``) loads ``hc_fn`` before its
-own, while the consumer may still run.
+(and checked so): the consumer reads ``hc_fn`` before its wait where the
+tactic says ``mix_weights_early`` (the tables' choice up to 8 tokens), the
+rest after it, and the mixes kernel after it (beyond ``MIXES_FUSED_MAX_ROWS``)
+loads ``hc_fn`` before its own, while the consumer may still run.
 """
 from __future__ import annotations
 
@@ -338,6 +339,9 @@ def _check_tactic(tactic: ConsumerTactic, hidden: int, mode: int, mixes: bool = 
 
 
 EARLY_INPUTS = ("residual", "post", "comb", "pre", "norm_weight")  # read before the wait
+# With mixes, checked by the same rule: hc_fn is read before the wait by a tactic with
+# mix_weights_early (and by the mixes kernel before its own), hc_scale / hc_base after it.
+EARLY_MIX_INPUTS = ("hc_fn", "hc_scale", "hc_base")
 
 
 def _check_mixes(mixes: MhcMixes, mode: int, pre, mix_words, m: int, hc: int, hidden: int,
@@ -382,7 +386,8 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int] | None:
 
 def check_early_inputs(early: dict, later: dict) -> None:
     """Raise ValueError when a tensor of ``early`` (name -> tensor or None: what
-    the consumer reads before its grid-dependency wait, ``EARLY_INPUTS``)
+    the consumer reads before its grid-dependency wait, ``EARLY_INPUTS``, and
+    with mixes ``EARLY_MIX_INPUTS``)
     shares memory with one of ``later`` (name -> tensor or None: the partial,
     the mailbox, buffers the consumer writes), on one device. An early input is
     read while the publisher may still run (module docstring), so it must not
@@ -457,7 +462,8 @@ def consume(
     the same stream (from the same checked inputs and scratch).
 
     Early inputs (module docstring): ``residual``, ``post``, ``comb``, ``pre``
-    and ``norm_weight`` are read before the kernel's grid-dependency wait, i.e.
+    and ``norm_weight`` (and with ``mixes`` ``hc_fn``, early where the tactic
+    says ``mix_weights_early``) are read before the kernel's grid-dependency wait, i.e.
     possibly while the publisher (the kernel before this one on the stream)
     still runs; they must be complete before the publisher can start, written
     by a kernel earlier in stream order than it, never by it. The mailbox (or
@@ -597,7 +603,15 @@ def _mix_constants(mixes: MhcMixes | None, hc: int, hidden: int,
         return dict(MIXES=NO_MIXES)
     return dict(MIXES=COLLAPSES[mixes.collapse], **_mix_row(hidden, hc),
                 CHUNKS_P2=triton.next_power_of_2(triton.cdiv(hidden, tactic.block_h)),
-                MIX_WEIGHTS_EARLY=tactic.mix_weights_early and tactic.cooperative)
+                MIX_WEIGHTS_EARLY=holds_mix_weights(tactic, hc))
+
+
+def holds_mix_weights(tactic: ConsumerTactic, hc: int) -> bool:
+    """Whether the consumer's programs hold their hc_fn columns from before the
+    grid wait: the tactic asks for it, programs are cooperative, and the tile
+    is at most hc = 4's (32 slots x hc streams x ``block_h``, 128 registers per
+    thread at 128 x 4, measured without spills; hc = 8's 128 slots would spill)."""
+    return tactic.mix_weights_early and tactic.cooperative and mix_slots(hc) * hc <= 128
 
 
 def _or(t, default):

@@ -98,12 +98,12 @@ its reads through a ``debug_barrier``. The status word is set with
 ``atomic_or`` (several programs may time out together).
 
 **What must not race.** The kernel that immediately precedes this one writes
-none of residual, post, comb, pre, gamma (they are loaded before the grid
-wait), and triggers its dependents only after its own grid wait; no other
-kernel uses the outputs or the scratch (``sumsq``, ``generation``,
-``prenorm``, the mix row) meanwhile; ``generation``, ``sumsq`` and the mix rows
-are only ever zeroed together; a peer never stores into the stage being read (one publish per
-consume on every rank, see above).
+none of residual, post, comb, pre, gamma, nor hc_fn with ``MIX_WEIGHTS_EARLY``
+(they are loaded before the grid wait), and triggers its dependents only after
+its own grid wait; no other kernel uses the outputs or the scratch (``sumsq``,
+``generation``, ``prenorm``, the mix row) meanwhile; ``generation``, ``sumsq``
+and the mix rows are only ever zeroed together; a peer never stores into the
+stage being read (one publish per consume on every rank, see above).
 
 **Failures** (docs/FAILURES.md). A slot element holding the abort poison
 (``ABORT_BITS``, a rank that rejected its step) counts as written and is

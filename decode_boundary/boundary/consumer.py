@@ -339,9 +339,6 @@ def _check_tactic(tactic: ConsumerTactic, hidden: int, mode: int, mixes: bool = 
 
 
 EARLY_INPUTS = ("residual", "post", "comb", "pre", "norm_weight")  # read before the wait
-# With mixes, checked by the same rule: hc_fn is read before the wait by a tactic with
-# mix_weights_early (and by the mixes kernel before its own), hc_scale / hc_base after it.
-EARLY_MIX_INPUTS = ("hc_fn", "hc_scale", "hc_base")
 
 
 def _check_mixes(mixes: MhcMixes, mode: int, pre, mix_words, m: int, hc: int, hidden: int,
@@ -387,7 +384,7 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int] | None:
 def check_early_inputs(early: dict, later: dict) -> None:
     """Raise ValueError when a tensor of ``early`` (name -> tensor or None: what
     the consumer reads before its grid-dependency wait, ``EARLY_INPUTS``, and
-    with mixes ``EARLY_MIX_INPUTS``)
+    with mixes hc_fn, hc_scale and hc_base, held to the same rule)
     shares memory with one of ``later`` (name -> tensor or None: the partial,
     the mailbox, buffers the consumer writes), on one device. An early input is
     read while the publisher may still run (module docstring), so it must not

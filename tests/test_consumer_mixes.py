@@ -30,10 +30,10 @@ from decode_boundary.boundary.consumer import (
     sumsq_columns,
 )
 from decode_boundary.boundary.consumer_kernel import FULL, RESIDUAL_ONLY
-from decode_boundary.boundary.consumer_mixes import _combine_pre_post, _pre_from_shares
 from decode_boundary.boundary.mixes_kernel import _split_bf16
 from decode_boundary.boundary.reference import consumer_ref, mhc_mixes_ref
-from decode_boundary.boundary.tagged_words import _tagged
+from decode_boundary.common.mhc_combine import _combine_pre_post, _pre_from_shares
+from decode_boundary.common.tagged_words import _tagged
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes
 
 TP, M, HC, H = 2, 3, 4, 256

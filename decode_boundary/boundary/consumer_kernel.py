@@ -125,25 +125,16 @@ import triton
 import triton.language as tl
 
 from ..common.contract import ABORT_BITS, SENTINEL_BITS, STAGE_ACTIVE, STAGE_NEXT, STAGES
-from ..common.rounding import quantize_groups, swizzled_offset, to_bf16_rne, zero_scale_padding
-from ..common.timeline import END, MARK1, MARK2, START, WAITED, stamp
-from .consumer_mixes import (
-    _NEXT_MIXES,
-    _NO_MIXES,
-    _SAME_PRE,
+from ..common.mhc_combine import (
     _combine_comb,
     _combine_mixes,
     _combine_pre_post,
-    _load_mix_weights,
     _no_logits,
     _pre_from_shares,
-    _publish_mix_partials,
 )
-from .consumer_mixes import NEXT_MIXES as NEXT_MIXES  # the MIXES values, re-exported
-from .consumer_mixes import NO_MIXES as NO_MIXES
-from .consumer_mixes import SAME_PRE as SAME_PRE
-from .tagged_words import NORM_TIMEOUT_BIT as NORM_TIMEOUT_BIT  # a status bit, re-exported
-from .tagged_words import (
+from ..common.rounding import quantize_groups, swizzled_offset, to_bf16_rne, zero_scale_padding
+from ..common.tagged_words import NORM_TIMEOUT_BIT as NORM_TIMEOUT_BIT  # a status bit, re-exported
+from ..common.tagged_words import (
     _bit_or,
     _f32_nan,
     _gave_up,
@@ -152,6 +143,17 @@ from .tagged_words import (
     _tagged,
     _untagged,
 )
+from ..common.timeline import END, MARK1, MARK2, START, WAITED, stamp
+from .consumer_mixes import (
+    _NEXT_MIXES,
+    _NO_MIXES,
+    _SAME_PRE,
+    _load_mix_weights,
+    _publish_mix_partials,
+)
+from .consumer_mixes import NEXT_MIXES as NEXT_MIXES  # the MIXES values, re-exported
+from .consumer_mixes import NO_MIXES as NO_MIXES
+from .consumer_mixes import SAME_PRE as SAME_PRE
 
 PLAIN, RESIDUAL_ONLY, FULL = 0, 1, 2  # MODE values (host side)
 _PLAIN, _FULL = tl.constexpr(PLAIN), tl.constexpr(FULL)

@@ -60,10 +60,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common.mhc_combine import _combine_mixes
+from ..common.tagged_words import _tagged
 from ..common.timeline import END, MARK1, MARK2, START, WAITED, launch_args, stamp, stamp_after
-from .consumer_mixes import _combine_mixes, _load_mix_weights
+from .consumer_mixes import _load_mix_weights
 from .publish_kernel import load_module
-from .tagged_words import _tagged
 
 TOKENS = 16  # tokens per program: tl.dot's smallest M
 # sm_90: 255 registers (hc_fn's parts held), no spills, 16 KB shared (64 x 4: 168, but

@@ -1,5 +1,5 @@
-"""Device helpers of the consumer's bounded waits and tagged words
-(:mod:`.consumer_kernel`, :mod:`.consumer_mixes`).
+"""Device helpers of bounded waits and tagged words (the consumer's norm
+hand-off and mix shares, :mod:`.mhc_combine`).
 
 A *tagged word* is an int64 whose high half is a launch's tag (the token's
 generation + 1) and whose low half is an FP32 value, stored with one aligned

@@ -201,3 +201,78 @@ def test_gpu_mixes_cooperative_graphs_and_compile(collapse):
         assert all(torch.equal(a.view(torch.int32), b.view(torch.int32))
                    for a, b in zip(compiled[2], mixes, strict=True))
     assert ar._box.status.item() == 0
+
+
+def _left_to_next_gemm(dev, h, rows, tactic=None):
+    """For each M: the call with ``combine_mixes=False`` leaves the mixes to
+    the next GEMM (its ``MixesFinish``); outputs poisoned, then that GEMM's
+    extra programs fill them. Every output (the mixes, residual_out, the layer
+    input and its MXFP8, the GEMM's own) equals the call that combines in the
+    consumer followed by the plain GEMM, bit for bit; the status word stays 0."""
+    from decode_boundary.gemm import mxfp8_mm
+    from decode_boundary.gemm.linear import Mxfp8Linear
+    from decode_boundary.mxfp8.format import QuantizedActivation, mxfp8_scale_bytes
+
+    cap = max(rows)
+    g = torch.Generator().manual_seed(31)
+    n = (2 + HC) * HC
+    weights = tuple(t.to(dev) for t in (torch.randn(n, HC * h, generator=g) * (4 / h ** 0.5),
+                                         torch.rand(3, generator=g) + 0.5,
+                                         torch.randn(n, generator=g) * 0.5))
+    linear = Mxfp8Linear.from_float((torch.randn(96, h, generator=g) * 0.05).bfloat16().to(dev))
+    for collapse in ("previous", "same"):
+        (ar,) = db.BoundaryAllReduce.simulated(1, h, HC, cap, 2, device=dev,
+                                               quantize_layer_input=True, residual_only=False,
+                                               collapse_pre=collapse)
+        ar.tactic = tactic
+        for m in rows:
+            x = torch.randn(m, h, generator=g).bfloat16().to(dev)
+            residual = torch.randn(m, HC, h, generator=g).bfloat16().to(dev)
+            post, comb = (torch.rand(m, HC, generator=g).to(dev) * 2,
+                          torch.rand(m, HC, HC, generator=g).to(dev))
+            pre = torch.rand(m, HC, generator=g).to(dev) if collapse == "previous" else None
+            gamma = (1 + 0.1 * torch.randn(h, generator=g)).bfloat16().to(dev)
+
+            def call(combine, ar=ar, m=m, x=x, residual=residual, post=post, comb=comb,
+                     pre=pre, gamma=gamma):
+                q = (torch.empty(m, h, dtype=torch.float8_e4m3fn, device=dev),
+                     torch.empty(mxfp8_scale_bytes(m, h), dtype=torch.uint8, device=dev))
+                out = ar(x, residual, post, comb, pre, gamma, EPS, q, mix_weights=weights,
+                         combine_mixes=combine)
+                return out, QuantizedActivation(*q, torch.bfloat16, torch.Size((m, h)))
+
+            (res, layer, mixes), a = call(True)
+            want_q = mxfp8_mm(linear, a)
+            (res2, layer2, mixes2, finish), a2 = call(False)
+            assert finish is not None and all(t is u for t, u in zip(
+                (finish.pre, finish.post, finish.comb), mixes2, strict=True))
+            for t in mixes2:
+                t.fill_(float("nan"))
+            q2 = mxfp8_mm(linear, a2, finish_mixes=finish)
+            pairs = ((res2, res), (layer2, layer), (q2, want_q), *zip(mixes2, mixes, strict=True))
+            for got, want in pairs:
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (collapse, m)
+            assert torch.equal(a2.data.view(torch.uint8), a.data.view(torch.uint8))
+            assert torch.equal(a2.scale, a.scale)
+            ar.check()
+            with pytest.raises(ValueError, match="finish_mixes.pre must be float32"):
+                mxfp8_mm(linear, a2, finish_mixes=finish._replace(pre=finish.pre[:, :1]))
+        ar.close()
+
+
+def test_mixes_left_to_the_next_gemm():
+    _left_to_next_gemm("cpu", H, (1, 3))
+
+
+def test_mixes_left_to_the_next_gemm_cooperative(cooperative_in_the_interpreter):
+    from decode_boundary.boundary.consumer import ConsumerTactic
+
+    _left_to_next_gemm("cpu", H, (2,), ConsumerTactic(64, 2, True, True))
+
+
+@pytest.mark.gpu
+def test_gpu_mixes_left_to_the_next_gemm():
+    """On the GPU at H = 5120 with the tables' tactics (hc_fn early at M = 1,
+    late at 16; the GEMM compiled without FMA contraction for its finishing
+    programs): the same bits both ways."""
+    _left_to_next_gemm("cuda", 5120, (1, 4, 16))

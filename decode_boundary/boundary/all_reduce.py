@@ -62,7 +62,9 @@ from .consumer import (
     is_hc_eps,
     is_positive_int,
     mix_columns,
+    mixes_finish,
     status_error,
+    wait_bound,
 )
 from .consumer_kernel import FULL, NORM_TIMEOUT_BIT, PLAIN, RESIDUAL_ONLY
 from .finalize_kernel import check_finalize_inputs, finalize_publish
@@ -311,7 +313,7 @@ class BoundaryAllReduce:
                  comb: torch.Tensor, pre: torch.Tensor | None, norm_weight: torch.Tensor | None,
                  norm_eps: float, mxfp8_out: tuple[torch.Tensor, torch.Tensor] | None = None,
                  mix_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                 ) -> tuple:
+                 combine_mixes: bool = True) -> tuple:
         """Reduce ``x`` over the group and apply docs/DESIGN.md §5. Returns
         (residual_out [M, hc, H], layer_input [M, H] or None when ``pre`` is None);
         the MXFP8 layer input goes into ``mxfp8_out`` = (data, swizzled scales).
@@ -324,14 +326,51 @@ class BoundaryAllReduce:
         passes ``pre=None`` and is a full call: the layer input collapses with
         the pre computed here (residual-only calls do not exist there).
 
+        ``combine_mixes=False`` (a call with mixes): the consumer computes the
+        mixes' shares but leaves their combine (pre, post and comb are then
+        unwritten) to the GEMM launched right after it on this stream, and the
+        call returns a fourth element, the ``MixesFinish`` to pass to that
+        GEMM: ``mxfp8_mm(layer, x, finish_mixes=...)``. Its M extra programs
+        combine while the products run, instead of the consumer's grid ending
+        with the combine, which the next kernel's grid wait waited for
+        (benchmarks/NOTES.md "V4-family mixes" item 13); the bits are the
+        same. It is None where nothing is left (the mixes kernel combined, or
+        under torch.compile, where the consumer combines): the GEMM then runs
+        without it.
+
         Every argument is checked before anything of this step is written to a
         peer or to the stage words; a rejected one aborts the step on every rank
         (this one raises ``ValueError``, its peers ``RuntimeError`` naming it;
         docs/FAILURES.md)."""
         full = pre is not None or self.collapse_pre == "same"
-        return self._reduce(x, FULL if full else RESIDUAL_ONLY, residual=residual,
-                            post=post, comb=comb, pre=pre, norm_weight=norm_weight,
-                            eps=norm_eps, mxfp8_out=mxfp8_out, mix_weights=mix_weights)
+        inputs = dict(residual=residual, post=post, comb=comb, pre=pre,
+                      norm_weight=norm_weight, eps=norm_eps, mxfp8_out=mxfp8_out,
+                      mix_weights=mix_weights)
+        if not combine_mixes:
+            inputs.update(combine_mixes=False)
+        return self._reduce(x, FULL if full else RESIDUAL_ONLY, **inputs)
+
+    def deferred_finish(self, rows: int, eps: float = 0.0):
+        """The ``MixesFinish`` a full call of ``rows`` tokens with
+        ``combine_mixes=False`` returns (its outputs freshly allocated), or None
+        where it returns None: what compiling the finishing GEMM ahead needs
+        (``gemm.precompile(..., finish_mixes=...)``)."""
+        m, hc, h = rows, self.hc_mult, self.hidden_size
+        if self.collapse_pre is None or not fuses_mixes(m, hc, self.collapse_pre):
+            return None
+        box = self._open()
+        ptx = env.use_ptx(self.device)
+        f32 = dict(dtype=torch.float32, device=self.device)
+        fn = torch.empty(0, **f32)
+        mixes = MhcMixes(fn, torch.empty(3, **f32), torch.empty((2 + hc) * hc, **f32),
+                         self.hc_eps, self.hc_sinkhorn_iters, self.collapse_pre)
+        tactic = self.tactic or consumer_tactic(m, h, self.collapse_pre)
+        bound = self._wait_bound
+        if isinstance(bound, WaitTimeout):
+            bound = wait_bound(bound.seconds, self.device)
+        return mixes_finish(mixes, box.mix_words, box.generation, box.status,
+                            (torch.empty(m, hc, **f32), torch.empty(m, hc, **f32),
+                             torch.empty(m, hc, hc, **f32)), eps, bound, h, tactic, ptx)
 
     def finalize(self, gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx,
                  shared_output, residual, post, comb, pre, norm_weight, norm_eps,
@@ -352,7 +391,8 @@ class BoundaryAllReduce:
     def precompile(self, rows) -> None:
         """Compile every kernel variant this instance may launch for each M in
         ``rows`` (an int or an iterable), launching nothing, then barrier the
-        group. Collective. Call it before capturing CUDA graphs."""
+        group (both ways of a call with mixes: ``combine_mixes`` True and
+        False). Collective. Call it before capturing CUDA graphs."""
         rows = [rows] if isinstance(rows, int) else list(rows)
         self._open()
         h, hc, dev = self.hidden_size, self.hc_mult, self.device
@@ -373,6 +413,10 @@ class BoundaryAllReduce:
                 compilers[self._consumer_key(m, mode, quant)] = (
                     lambda x=x, mode=mode, used=used: self._consume(x, mode, compile_only=True,
                                                                     **used))
+                if used.get("mix_weights") is not None:
+                    compilers[self._consumer_key(m, mode, quant, False)] = (
+                        lambda x=x, mode=mode, used=used: self._consume(
+                            x, mode, compile_only=True, combine_mixes=False, **used))
         self.compile_variants(compilers, force_barrier=True)
 
     def check(self) -> None:
@@ -506,10 +550,10 @@ class BoundaryAllReduce:
                                 box.peer_ptrs, box.stage_state, self.rank, self.capacity,
                                 publish=self.transport == "mailbox", compile_only=compile_only)
 
-    def _consumer_key(self, m: int, mode: int, quant: bool) -> tuple:
+    def _consumer_key(self, m: int, mode: int, quant: bool, combine: bool = True) -> tuple:
         mixes = self.collapse_pre if mode == FULL else None
         fused = mixes is not None and fuses_mixes(m, self.hc_mult, mixes)
-        return ("consume", mode, quant, mixes, fused,
+        return ("consume", mode, quant, mixes, fused, combine or not fused,
                 self.tactic or consumer_tactic(m, self.hidden_size, mixes if fused else None))
 
     def compile_variants(self, compilers: dict, force_barrier: bool = False) -> None:
@@ -535,7 +579,7 @@ class BoundaryAllReduce:
                           aborts_arrive=True)
 
     def _consume(self, x: torch.Tensor, mode: int, compile_only: bool = False,
-                 before_launch=None, mix_weights=None, **inputs):
+                 before_launch=None, mix_weights=None, combine_mixes: bool = True, **inputs):
         """The consumer; ``before_launch`` (the step's publish) runs once
         ``consume`` has checked every input, and in the gather transport is
         followed by the all-gather (bounded over gloo: ``host_timeout_s``)."""
@@ -543,7 +587,8 @@ class BoundaryAllReduce:
         m = x.shape[0]
         if mode == FULL and self.collapse_pre is not None:
             inputs.update(mixes=MhcMixes(*mix_weights, self.hc_eps, self.hc_sinkhorn_iters,
-                                         self.collapse_pre), mix_words=box.mix_words)
+                                         self.collapse_pre), mix_words=box.mix_words,
+                          combine_mixes=combine_mixes)
         # The status word and bound serve the norm hand-off in both transports.
         scratch = dict(generation=box.generation, sumsq=box.sumsq,
                        prenorm=box.prenorm, tactic=self.tactic, compile_only=compile_only,
@@ -581,6 +626,7 @@ class BoundaryAllReduce:
         if not torch.compiler.is_compiling():
             return self._reduce_launch(x, mode, published is None, **inputs)
         check_reduce_call(self, x, mode, inputs)  # at trace time: nothing runs
+        left_to_next = not inputs.pop("combine_mixes", True)
         box = self._box
         data, scale = inputs.get("mxfp8_out") or (None, None)
         fn, hc_scale, hc_base = inputs.get("mix_weights") or (None, None, None)
@@ -590,7 +636,10 @@ class BoundaryAllReduce:
             float(inputs.get("eps", 0.0)), box.stage_state, box.status, box.generation,
             box.sumsq, box.prenorm, data, scale, fn, hc_scale, hc_base, box.mix_words)
         out = first, (second if mode == FULL else None)
-        return (*out, tuple(mixes)) if fn is not None else out
+        if fn is None:
+            return out
+        # Traced, the consumer combines itself: nothing is left to the next GEMM.
+        return (*out, tuple(mixes), None) if left_to_next else (*out, tuple(mixes))
 
     def _reduce_launch(self, x: torch.Tensor, mode: int, publish: bool, **inputs):
         """Check every input, (compile and) launch the publish kernel when
@@ -608,7 +657,8 @@ class BoundaryAllReduce:
         try:
             check_reduce_call(self, x, mode, inputs)
             quant = inputs.get("mxfp8_out") is not None
-            compilers = {self._consumer_key(x.shape[0], mode, quant):
+            combine = inputs.get("combine_mixes", True)
+            compilers = {self._consumer_key(x.shape[0], mode, quant, combine):
                          lambda: self._consume(x, mode, compile_only=True, **inputs)}
             if publish:
                 compilers[("publish",)] = lambda: self._launch_publish(x, compile_only=True)

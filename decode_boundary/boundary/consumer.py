@@ -62,7 +62,7 @@ import torch
 import triton
 
 from .. import env
-from ..common.contract import STAGES
+from ..common.contract import STAGES, MixesFinish
 from ..common.timeline import launch_args
 from ..mxfp8.format import check_scale_buffer, mxfp8_scale_bytes
 from .consumer_kernel import (
@@ -433,6 +433,7 @@ def consume(
     before_launch: Callable[[], object] | None = None,
     mixes: MhcMixes | None = None,
     mix_words: torch.Tensor | None = None,
+    combine_mixes: bool = True,
 ) -> tuple:
     """Launch the consumer for ``m`` tokens. Returns (``reduced`` [M, H] in plain
     mode / ``residual_out`` [M, hc, H], ``layer_input`` [M, H] or None), and
@@ -457,6 +458,12 @@ def consume(
     consumer computes the mixes itself where :func:`fuses_mixes` says so, else
     the mixes kernel (:mod:`.mixes_kernel`) does, launched right after it on
     the same stream (from the same checked inputs and scratch).
+    ``combine_mixes=False`` (with ``mixes``): a fourth element, a
+    ``MixesFinish`` where the consumer computed the shares but left their
+    combine (pre, post and comb: then unwritten) to the kernel launched right
+    after it, ``mxfp8_mm(..., finish_mixes=...)``, so the consumer's grid ends
+    without the combine's serial tail (benchmarks/NOTES.md "V4-family mixes"
+    item 13); None where the mixes kernel finished them.
 
     Early inputs (module docstring): ``residual``, ``post``, ``comb``, ``pre``
     and ``norm_weight`` (and with ``mixes`` ``hc_fn``, early where the tactic
@@ -573,7 +580,7 @@ def consume(
         LAMPORT=lamport, COOPERATIVE=tactic.cooperative, USE_PTX=ptx,
         USE_PDL=pdl, TIMELINE=timeline, num_warps=tactic.warps, enable_fp_fusion=False,
         launch_pdl=pdl, **_mix_constants(mixes if fused else None, hc, hidden, tactic),
-        **kwargs,
+        COMBINE=combine_mixes or not fused, **kwargs,
     )
     if compile_only:
         load_module(compiled)
@@ -582,9 +589,26 @@ def consume(
                           generation, mix_words, status, wait_bound, mixes_out,
                           _mix_row(hidden, hc), cooperative=tactic.cooperative, ptx=ptx, pdl=pdl,
                           compile_only=compile_only)
-    if mixes is not None:
+    if mixes is None:
+        return out, layer_input
+    if combine_mixes:
         return out, layer_input, mixes_out
-    return out, layer_input
+    finish = mixes_finish(mixes, mix_words, generation, status, mixes_out, eps, wait_bound,
+                          hidden, tactic, ptx) if fused else None
+    return out, layer_input, mixes_out, finish
+
+
+def mixes_finish(mixes: MhcMixes, mix_words: torch.Tensor, generation: torch.Tensor,
+                 status: torch.Tensor, outputs: tuple, eps: float, wait_bound: int,
+                 hidden: int, tactic: ConsumerTactic, ptx: bool) -> MixesFinish:
+    """The ``MixesFinish`` of a consumer launch with ``tactic`` (its chunks'
+    shares) that left the combine, for ``outputs`` = (pre, post, comb)."""
+    hc = outputs[0].shape[1]
+    row = _mix_row(hidden, hc)
+    return MixesFinish(mix_words, generation, status, mixes.hc_scale, mixes.hc_base, *outputs,
+                       float(eps), float(mixes.hc_eps), mixes.sinkhorn_iters - 1,
+                       int(wait_bound), hc, hidden, triton.cdiv(hidden, tactic.block_h),
+                       row["SLOTS"], row["MIX_ROW"], row["TOTALS_OFF"], ptx)
 
 
 def _mix_row(hidden: int, hc: int) -> dict:

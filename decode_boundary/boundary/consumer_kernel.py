@@ -389,7 +389,8 @@ def consumer_kernel(
     COOPERATIVE: tl.constexpr, USE_PTX: tl.constexpr, USE_PDL: tl.constexpr,
     MIXES: tl.constexpr = 0, SLOTS: tl.constexpr = 1, MIX_ROW: tl.constexpr = 1,
     TOTALS_OFF: tl.constexpr = 0, CHUNKS_P2: tl.constexpr = 1,
-    MIX_WEIGHTS_EARLY: tl.constexpr = False, TIMELINE: tl.constexpr = False,
+    MIX_WEIGHTS_EARLY: tl.constexpr = False, COMBINE: tl.constexpr = True,
+    TIMELINE: tl.constexpr = False,
 ):
     CHUNKS: tl.constexpr = (HIDDEN + BLOCK_H - 1) // BLOCK_H
     UNITS: tl.constexpr = (HIDDEN + 31) // 32  # sumsq row: one word per 32 columns
@@ -453,26 +454,30 @@ def consumer_kernel(
                                  BLOCK_H)
                 tl.store(prenorm_ptr + row_off + cols, prenorm.to(tl.bfloat16), mask=cmask)
         tl.debug_barrier()  # this program's scratch stores precede its reads below
-        if MIXES != _NO_MIXES:
+        if (MIXES != _NO_MIXES) and COMBINE:
             new_pre = _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr,
                                      post_out_ptr, comb_out_ptr, m, tag, eps, hc_eps,
                                      sinkhorn_rounds, wait_bound, HC, HIDDEN, CHUNKS, CHUNKS_P2,
                                      SLOTS, MIX_ROW, TOTALS_OFF, USE_PTX)
-            if MIXES == _SAME_PRE:
-                pre = new_pre
-                for c in range(CHUNKS):
-                    cols = c * BLOCK_H + offs
-                    cmask = cols < HIDDEN
-                    streams = ()
-                    for t in tl.static_range(HC):  # residual_out, this program's own stores
-                        streams = streams + (tl.load(
-                            out_ptr + (m * HC + t).to(tl.int64) * HIDDEN + cols, mask=cmask,
-                            other=0.0, volatile=True),)
-                    prenorm = _collapse(streams, pre, HC)
-                    _publish_partial(sumsq_ptr, m, c, tl.sum(prenorm * prenorm, axis=0), tag,
-                                     UNITS, BLOCK_H)
-                    tl.store(prenorm_ptr + row_off + cols, prenorm.to(tl.bfloat16), mask=cmask)
-                tl.debug_barrier()
+        elif MIXES == _SAME_PRE:  # the combine is the next kernel's: the pre alone, here
+            new_pre = _pre_from_shares(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, m, tag,
+                                       eps, hc_eps, wait_bound, HC, HIDDEN, CHUNKS, CHUNKS_P2,
+                                       SLOTS, MIX_ROW, USE_PTX)
+        if MIXES == _SAME_PRE:
+            pre = new_pre
+            for c in range(CHUNKS):
+                cols = c * BLOCK_H + offs
+                cmask = cols < HIDDEN
+                streams = ()
+                for t in tl.static_range(HC):  # residual_out, this program's own stores
+                    streams = streams + (tl.load(
+                        out_ptr + (m * HC + t).to(tl.int64) * HIDDEN + cols, mask=cmask,
+                        other=0.0, volatile=True),)
+                prenorm = _collapse(streams, pre, HC)
+                _publish_partial(sumsq_ptr, m, c, tl.sum(prenorm * prenorm, axis=0), tag,
+                                 UNITS, BLOCK_H)
+                tl.store(prenorm_ptr + row_off + cols, prenorm.to(tl.bfloat16), mask=cmask)
+            tl.debug_barrier()
         total = _wait_partials(sumsq_ptr, status_ptr, m, tag, wait_bound, UNITS, UNITS_P2,
                                USE_PTX)
         tl.store(generation_ptr + m, tag)
@@ -501,7 +506,7 @@ def consumer_kernel(
                 fn = _load_mix_weights(hc_fn_ptr, cols, cmask, HC, HIDDEN, SLOTS)
             _publish_mix_partials(mix_ptr, fn, m, chunk, streams, tag, HC, SLOTS, MIX_ROW)
         if MIXES == _SAME_PRE:  # the collapse needs the new pre: every program computes it
-            if chunk == 0:  # comb's Sinkhorn waits until its partial is out: nobody needs it
+            if (chunk == 0) & COMBINE:  # comb's Sinkhorn waits until its partial is out
                 new_pre, logits = _combine_pre_post(
                     mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, post_out_ptr, m,
                     tag, eps, hc_eps, wait_bound, HC, HIDDEN, CHUNKS, CHUNKS_P2, SLOTS, MIX_ROW,
@@ -514,7 +519,7 @@ def consumer_kernel(
             prenorm = _collapse(streams, new_pre, HC)
             _publish_partial(sumsq_ptr, m, chunk, tl.sum(prenorm * prenorm, axis=0), tag, UNITS,
                              BLOCK_H)
-            if chunk == 0:
+            if (chunk == 0) & COMBINE:
                 # comb's softmax and Sinkhorn rounds while the token's other partials
                 # arrive: nobody in this launch needs comb, and the hand-off needs only
                 # this program's partial, already out (after the norm they were the
@@ -528,7 +533,7 @@ def consumer_kernel(
                 tl.store(generation_ptr + m, tag)
             _norm_chunk(prenorm, gamma, total, eps, layer_ptr, qdata_ptr, qscale_ptr, m, chunk,
                         cols, cmask, HIDDEN, BLOCK_H, QUANT)
-        if MIXES == _NEXT_MIXES:  # noqa: SIM102 (a constexpr test: the branch is pruned)
+        if (MIXES == _NEXT_MIXES) and COMBINE:  # noqa: SIM102 (a constexpr test: pruned)
             if chunk == 0:  # nobody here waits for the next mixes: after the norm
                 _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr,
                                post_out_ptr, comb_out_ptr, m, tag, eps, hc_eps, sinkhorn_rounds,

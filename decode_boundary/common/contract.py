@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from numbers import Integral
+from typing import NamedTuple
 
 import torch
 
@@ -48,6 +49,37 @@ class PublishTarget:
     tp: int
     capacity: int
     hidden: int
+
+
+class MixesFinish(NamedTuple):
+    """A consumer launch's next mHC mixes, left for the next kernel to combine
+    (``consume(..., combine_mixes=False)``; the device side is
+    ``common.mhc_combine.finish_token_mixes``): the mix rows and scratch words
+    that launch used, the mix parameters, the outputs to fill (pre [M, hc],
+    post [M, hc], comb [M, hc, hc] FP32) and the geometry of the launch's
+    shares. The finishing kernel must run after the consumer in stream order
+    and read these only after its grid wait (the consumer's grid complete);
+    nothing may touch the mix rows or ``generation`` in between."""
+
+    mix_words: torch.Tensor  # int64 [rows, mix_columns(H, hc)]
+    generation: torch.Tensor  # int32 [rows]: generation[m] is the shares' tag
+    status: torch.Tensor  # int32 [1]: a timeout sets NORM_TIMEOUT_BIT
+    hc_scale: torch.Tensor  # FP32 [3]
+    hc_base: torch.Tensor  # FP32 [(2 + hc) * hc]
+    pre: torch.Tensor
+    post: torch.Tensor
+    comb: torch.Tensor
+    eps: float  # the mixes' RMS eps
+    hc_eps: float
+    rounds: int  # Sinkhorn rounds after the first column normalisation
+    wait_bound: int  # ns with use_ptx, spins without
+    hc: int
+    hidden: int
+    chunks: int  # the consumer launch's chunks per token: one share each
+    slots: int
+    mix_row: int
+    totals_off: int
+    use_ptx: bool
 
 
 # The launch arguments of a producer that does not publish (kernels compile the

@@ -26,6 +26,7 @@ from collections.abc import Iterable
 
 import torch
 
+from decode_boundary.common.contract import MixesFinish
 from decode_boundary.mxfp8.format import QuantizedActivation, check_quantized, mxfp8_scale_bytes
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
@@ -107,7 +108,7 @@ def _reference(layer, a) -> torch.Tensor:
         .reshape(qa.rows, -1)
 
 
-def _run(layer, x, tactic_for) -> torch.Tensor | None:
+def _run(layer, x, tactic_for, finish=None) -> torch.Tensor | None:
     """Run ``layer`` on ``x`` with ``tactic_for(rows)`` (None: not this entry
     point's); the input kind picks the kernel variant, not the tactic."""
     a, rows, dtype, shape = _activation(layer, x)
@@ -120,7 +121,7 @@ def _run(layer, x, tactic_for) -> torch.Tensor | None:
     if tactic is None:
         return None
     out = torch.empty(rows, n, dtype=torch.bfloat16, device=device)
-    return _finish(layer, launch_low_latency(layer, a, out, tactic), dtype, shape)
+    return _finish(layer, launch_low_latency(layer, a, out, tactic, finish=finish), dtype, shape)
 
 
 def _traced_mm(layer, x) -> torch.Tensor:
@@ -137,15 +138,24 @@ def _traced_mm(layer, x) -> torch.Tensor:
     return _finish(layer, out, dtype, shape)
 
 
-def mxfp8_mm(layer, x) -> torch.Tensor:
-    """``layer``'s GEMM of ``x`` with the selected tactic (any row count)."""
+def mxfp8_mm(layer, x, *, finish_mixes: MixesFinish | None = None) -> torch.Tensor:
+    """``layer``'s GEMM of ``x`` with the selected tactic (any row count).
+    ``finish_mixes``: the next mHC mixes a consumer launch left to this GEMM
+    (``consume(..., combine_mixes=False)``, the kernel right before this one
+    on the stream): M more programs of this launch combine them while the
+    products run (eager launches of a layer the kernel takes, M >= 1; the
+    output bits do not change)."""
     weight_operands(layer)  # malformed weights raise here
+    if finish_mixes is not None and (torch.compiler.is_compiling()
+                                     or not mxfp8_eligible(layer)):
+        raise ValueError("finish_mixes needs an eager launch of a layer the kernel takes "
+                         "(mxfp8_eligible)")
     if torch.compiler.is_compiling():
         return _traced_mm(layer, x)
     if not mxfp8_eligible(layer):
         a, _, dtype, shape = _activation(layer, x)
         return _finish(layer, _reference(layer, a), dtype, shape)
-    return _run(layer, x, lambda rows: selected_tactic(layer, rows))
+    return _run(layer, x, lambda rows: selected_tactic(layer, rows), finish_mixes)
 
 
 def shape_representatives(layers: Iterable) -> list:
@@ -175,7 +185,8 @@ def run_zeros(layer, rows: int) -> torch.Tensor:
 
 
 def precompile(layer, rows_list: Iterable[int], publish=None, bf16_input: bool | None = None,
-               stream: torch.cuda.Stream | None = None):
+               stream: torch.cuda.Stream | None = None,
+               finish_mixes: MixesFinish | None = None):
     """Compile the kernels ``mxfp8_mm`` (or, with ``publish``, the publishing
     launch) uses for each row count and allocate their split-K scratch,
     launching nothing (but the quantizer, once, where a BF16 input of that many
@@ -186,6 +197,8 @@ def precompile(layer, rows_list: Iterable[int], publish=None, bf16_input: bool |
     capture on (``torch.cuda.graph(g, stream=s)``: pass ``stream=s``).
     ``bf16_input``: the BF16-in (prologue-quantized) kernel variant, the
     MXFP8-in one, or both (None); the tactic is the same for both.
+    ``finish_mixes``: the variant that also finishes these mixes (the
+    all-reduce's ``deferred_finish(rows)``; one row count).
     Call it again after the autotuner changes a choice."""
     if not mxfp8_eligible(layer):
         return
@@ -200,7 +213,7 @@ def precompile(layer, rows_list: Iterable[int], publish=None, bf16_input: bool |
                                            device=layer.weight.device))
                 bf16 = False
             warmup_low_latency(layer, rows, selected_tactic(layer, rows), publish, bf16,
-                               stream)
+                               stream, finish_mixes)
 
 
 def compile_pinned(layer) -> None:

@@ -55,8 +55,9 @@ captured on distinct streams (``torch.cuda.graph(g, stream=s_i)`` after
 from __future__ import annotations
 
 import torch
+import triton
 
-from decode_boundary.common.contract import NO_PUBLISH, check_publish_target
+from decode_boundary.common.contract import NO_PUBLISH, MixesFinish, check_publish_target
 from decode_boundary.common.timeline import launch_args
 from decode_boundary.env import interpret_mode, use_pdl
 from decode_boundary.mxfp8.format import QuantizedActivation, check_scale_buffer, mxfp8_scale_bytes
@@ -184,10 +185,43 @@ def _check_activation(a, rows: int, a_k: int) -> bool:
     return False
 
 
-def _launch_config(layer, a, out, tactic: Tactic, publish):
+def _finish_args(finish: MixesFinish | None, rows: int, device: torch.device, dummy):
+    """(positional, constexpr) arguments of ``FINISH_MIXES`` (dummies without)."""
+    if finish is None:
+        return (dummy,) * 8 + (0.0, 0.0, 0, 0), {}
+    _check_finish(finish, rows, device)
+    f = finish
+    return (f.mix_words, f.generation, f.status, f.hc_scale, f.hc_base, f.pre, f.post, f.comb,
+            float(f.eps), float(f.hc_eps), int(f.rounds), int(f.wait_bound)), dict(
+        FINISH_MIXES=True, HC=f.hc, MIX_HIDDEN=f.hidden, MIX_CHUNKS=f.chunks,
+        MIX_CHUNKS_P2=triton.next_power_of_2(f.chunks), SLOTS=f.slots, MIX_ROW=f.mix_row,
+        TOTALS_OFF=f.totals_off, USE_PTX=f.use_ptx,
+        # The combine's roundings are the spec's, as in the consumer (no FMA
+        # contraction): the same bits wherever a token's mixes are combined.
+        enable_fp_fusion=False)
+
+
+def _check_finish(f: MixesFinish, rows: int, device: torch.device) -> None:
+    """A ``MixesFinish`` as ``consume`` makes it, for these rows."""
+    if not isinstance(f, MixesFinish):
+        raise ValueError(f"finish_mixes must be a MixesFinish, got {type(f).__name__}")
+    hc = f.hc
+    want = dict(pre=(rows, hc), post=(rows, hc), comb=(rows, hc, hc))
+    for name, shape in want.items():
+        t = getattr(f, name)
+        if t.dtype != torch.float32 or tuple(t.shape) != shape or t.device != device:
+            raise ValueError(f"finish_mixes.{name} must be float32 {shape} on {device}, got "
+                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    if f.mix_words.shape[0] < rows or f.generation.shape[0] < rows:
+        raise ValueError(f"finish_mixes' scratch rows ({f.mix_words.shape[0]}, "
+                         f"{f.generation.shape[0]}) are fewer than the GEMM's {rows}")
+
+
+def _launch_config(layer, a, out, tactic: Tactic, publish, finish: MixesFinish | None = None):
     """(grid, positional args, keyword args) shared by launch and warmup, so a
     warmed-up kernel is exactly the one a launch looks up. ``a`` is a BF16
-    [rows, G*K] tensor or a QuantizedActivation (2-D data)."""
+    [rows, G*K] tensor or a QuantizedActivation (2-D data); with ``finish``,
+    M more programs in front combine the tokens' next mixes."""
     storage, w_scale, n, k, groups = weight_operands(layer)
     bf16 = isinstance(a, torch.Tensor)
     rows = (a if bf16 else a.data).shape[0]
@@ -205,7 +239,9 @@ def _launch_config(layer, a, out, tactic: Tactic, publish):
     if publish is not None:
         check_publish_target(publish, n, rows, device)
     buffers = _buffers(device, n, rows, tactic, publish)
-    grid = (n // tactic.block_n, tactic.split_k, -(-rows // tactic.rows_tile))
+    mix_args, mix_kwargs = _finish_args(finish, rows, device, buffers[0])
+    grid = (n // tactic.block_n + (rows if finish is not None else 0), tactic.split_k,
+            -(-rows // tactic.rows_tile))
     stamps, first_slot, timeline = launch_args("mxfp8_gemm_kernel", grid[0] * grid[1] * grid[2],
                                                device, buffers[0])
     pub = publish or NO_PUBLISH
@@ -218,24 +254,28 @@ def _launch_config(layer, a, out, tactic: Tactic, publish):
         A_BF16=a_bf16, USE_PDL=pdl, INTERPRETER=interpret_mode(), PUBLISH=publish is not None,
         TP=pub.tp, RANK=pub.rank, CAPACITY=pub.capacity, HIDDEN=pub.hidden,
         TIMELINE=timeline, num_warps=tactic.num_warps, num_stages=1, launch_pdl=pdl,
+        **mix_kwargs,
     )
-    return grid, (storage, w_scale, a_data, a_scale, out, *buffers, stamps, first_slot, rows), \
-        kwargs
+    return grid, (storage, w_scale, a_data, a_scale, out, *buffers, stamps, first_slot, rows,
+                  *mix_args), kwargs
 
 
-def launch_low_latency(layer, a, out: torch.Tensor, tactic: Tactic, publish=None) -> torch.Tensor:
+def launch_low_latency(layer, a, out: torch.Tensor, tactic: Tactic, publish=None,
+                       finish: MixesFinish | None = None) -> torch.Tensor:
     """``out`` [rows, N] (BF16) = ``a`` @ ``layer.weight`` with ``tactic`` on the
     current stream; ``a`` is MXFP8 (``QuantizedActivation``, 2-D data) or a BF16
     [rows, G*K] tensor quantized in the prologue; with ``publish``, also into
-    the mailbox (module docstring)."""
-    grid, args, kwargs = _launch_config(layer, a, out, tactic, publish)
-    if args[-1]:
+    the mailbox (module docstring); with ``finish``, also the next mixes the
+    consumer before it left (``MixesFinish``)."""
+    grid, args, kwargs = _launch_config(layer, a, out, tactic, publish, finish)
+    if out.shape[0]:
         mxfp8_gemm_kernel[grid](*args, **kwargs)
     return out
 
 
 def warmup_low_latency(layer, rows: int, tactic: Tactic, publish=None, bf16_input: bool = False,
-                       stream: torch.cuda.Stream | None = None):
+                       stream: torch.cuda.Stream | None = None,
+                       finish: MixesFinish | None = None):
     """Compile (launch nothing) the kernel ``launch_low_latency`` runs for
     ``rows`` rows, ``tactic`` and the input kind, and allocate its split-K
     scratch for the current stream, or for ``stream`` (the one later launches or
@@ -247,7 +287,7 @@ def warmup_low_latency(layer, rows: int, tactic: Tactic, publish=None, bf16_inpu
     device = storage.device
     if stream is not None and device.type == "cuda":
         with torch.cuda.stream(stream):
-            return warmup_low_latency(layer, rows, tactic, publish, bf16_input)
+            return warmup_low_latency(layer, rows, tactic, publish, bf16_input, finish=finish)
     a_k = groups * k
     if bf16_input:
         a = torch.empty(rows, a_k, dtype=torch.bfloat16, device=device)
@@ -259,5 +299,5 @@ def warmup_low_latency(layer, rows: int, tactic: Tactic, publish=None, bf16_inpu
     out = torch.empty(rows, n, dtype=torch.bfloat16, device=device)
     if publish is not None and any(ptr % 16 for ptr in publish.peer_ptrs.tolist()):
         raise ValueError("publish.peer_ptrs must hold 16-byte aligned mailbox addresses")
-    grid, args, kwargs = _launch_config(layer, a, out, tactic, publish)
+    grid, args, kwargs = _launch_config(layer, a, out, tactic, publish, finish)
     return mxfp8_gemm_kernel.warmup(*args, grid=grid, **kwargs)

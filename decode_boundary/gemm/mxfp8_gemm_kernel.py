@@ -108,6 +108,7 @@ import triton.language as tl
 
 from decode_boundary.common.contract import STAGE_ACTIVE, STAGE_NEXT
 from decode_boundary.common.mailbox_store import publish_row
+from decode_boundary.common.mhc_combine import finish_token_mixes
 from decode_boundary.common.rounding import quantize_groups, swizzled_offset, to_bf16_rne
 from decode_boundary.common.timeline import END, MARK1, MARK2, START, WAITED, stamp, stamp_after
 
@@ -242,17 +243,44 @@ def _write_block(vals, out_ptr, rows, cols, M, N: tl.constexpr, is_first_block,
             tl.store(stage_ptr + _STAGE_ACTIVE, stage)
 
 
-@triton.jit(do_not_specialize=["M", "stamp_base"])
+@triton.jit
+def _finish_mixes_program(mix_ptr, generation_ptr, status_ptr, hc_scale_ptr, hc_base_ptr,
+                          pre_out_ptr, post_out_ptr, comb_out_ptr, m, active, mix_eps, hc_eps,
+                          mix_rounds, wait_bound, USE_PDL: tl.constexpr, HC: tl.constexpr,
+                          MIX_HIDDEN: tl.constexpr, MIX_CHUNKS: tl.constexpr,
+                          MIX_CHUNKS_P2: tl.constexpr, SLOTS: tl.constexpr,
+                          MIX_ROW: tl.constexpr, TOTALS_OFF: tl.constexpr,
+                          USE_PTX: tl.constexpr):
+    """``FINISH_MIXES``: token m's next mixes, combined from the shares the
+    consumer before this GEMM left (``common.mhc_combine``), by a program that
+    loads no weight; ``active`` False for its copies at other (split, row
+    block) grid positions, which only pass the PDL calls."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()  # the consumer's grid has completed: every share is in
+    if active:
+        finish_token_mixes(mix_ptr, generation_ptr, status_ptr, hc_scale_ptr, hc_base_ptr,
+                           pre_out_ptr, post_out_ptr, comb_out_ptr, m, mix_eps, hc_eps,
+                           mix_rounds, wait_bound, HC, MIX_HIDDEN, MIX_CHUNKS, MIX_CHUNKS_P2,
+                           SLOTS, MIX_ROW, TOTALS_OFF, USE_PTX)
+
+
+@triton.jit(do_not_specialize=["M", "stamp_base", "mix_rounds", "wait_bound"])
 def mxfp8_gemm_kernel(
     w_ptr, w_scale_ptr, a_ptr, a_scale_ptr, out_ptr,
     partial_ptr, counter_ptr, peer_ptrs_ptr, stage_ptr, stamp_ptr, stamp_base,
     M,
+    mix_ptr, generation_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, post_out_ptr,
+    comb_out_ptr, mix_eps, hc_eps, mix_rounds, wait_bound,
     N: tl.constexpr, K: tl.constexpr, GROUPS: tl.constexpr,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr,
     K_SLICE: tl.constexpr, CHUNK: tl.constexpr, PIECES: tl.constexpr,
     A_UPFRONT: tl.constexpr, A_BF16: tl.constexpr, USE_PDL: tl.constexpr, INTERPRETER: tl.constexpr,
     PUBLISH: tl.constexpr, TP: tl.constexpr, RANK: tl.constexpr,
     CAPACITY: tl.constexpr, HIDDEN: tl.constexpr, TIMELINE: tl.constexpr = False,
+    FINISH_MIXES: tl.constexpr = False, HC: tl.constexpr = 1, MIX_HIDDEN: tl.constexpr = 1,
+    MIX_CHUNKS: tl.constexpr = 1, MIX_CHUNKS_P2: tl.constexpr = 1, SLOTS: tl.constexpr = 1,
+    MIX_ROW: tl.constexpr = 1, TOTALS_OFF: tl.constexpr = 0, USE_PTX: tl.constexpr = False,
 ):
     W_K_TILES: tl.constexpr = (K // 32 + 3) // 4
     A_K: tl.constexpr = GROUPS * K
@@ -263,6 +291,19 @@ def mxfp8_gemm_kernel(
     # common.timeline's slot of this program (a diagnostic; compiled out by default).
     slot = stamp_base + (pid_m * tl.num_programs(1) + pid_k) * tl.num_programs(0) + pid_n
     stamp(stamp_ptr, slot, START, TIMELINE)
+    if FINISH_MIXES:
+        # The grid's first M columns finish the tokens' mixes (first: dispatched before
+        # the weight owners, so they wait at the grid dependency like them, and combine
+        # while the products run; the consumer no longer ends with the combine).
+        if pid_n < M:
+            _finish_mixes_program(mix_ptr, generation_ptr, status_ptr, hc_scale_ptr, hc_base_ptr,
+                                  pre_out_ptr, post_out_ptr, comb_out_ptr, pid_n,
+                                  (pid_k == 0) & (pid_m == 0), mix_eps, hc_eps, mix_rounds,
+                                  wait_bound, USE_PDL, HC, MIX_HIDDEN, MIX_CHUNKS, MIX_CHUNKS_P2,
+                                  SLOTS, MIX_ROW, TOTALS_OFF, USE_PTX)
+            stamp(stamp_ptr, slot, END, TIMELINE)
+            return
+        pid_n -= M
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = pid_k * K_SLICE
     k_end = tl.minimum(k0 + K_SLICE, K)

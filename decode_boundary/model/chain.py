@@ -183,6 +183,10 @@ class AttentionBoundary:
         for rows in rows_list:
             self.publisher.precompile(self.wo_b, rows)
         self.all_reduce.precompile(rows_list)
+        for rows in rows_list:  # the variant that finishes the consumer's mixes (consume)
+            finish = self.all_reduce.deferred_finish(rows)
+            if finish is not None:
+                gemm_precompile(self.fused_wqa_wkv, [rows], bf16_input=False, finish_mixes=finish)
 
     def close(self) -> None:
         if self._owns_all_reduce:
@@ -248,27 +252,31 @@ class AttentionBoundary:
         return partial
 
     def consume(self, inputs: BoundaryInputs, partial: torch.Tensor) -> BoundaryOutputs:
-        """The consumer (all-reduce + mHC + RMSNorm + MXFP8 + the next mixes) and
-        ``fused_wqa_wkv``."""
-        residual_out, layer_input, next_in, mixes = self.reduce(inputs, partial)
-        return BoundaryOutputs(residual_out, layer_input, mxfp8_mm(self.fused_wqa_wkv, next_in),
-                               *mixes)
+        """The consumer (all-reduce + mHC + RMSNorm + MXFP8 + the next mixes'
+        shares) and ``fused_wqa_wkv``, whose extra programs combine the mixes
+        (``combine_mixes=False``)."""
+        residual_out, layer_input, next_in, mixes, finish = self.reduce(inputs, partial,
+                                                                         combine_mixes=False)
+        q = mxfp8_mm(self.fused_wqa_wkv, next_in, finish_mixes=finish)
+        return BoundaryOutputs(residual_out, layer_input, q, *mixes)
 
-    def reduce(self, inputs: BoundaryInputs, partial: torch.Tensor):
+    def reduce(self, inputs: BoundaryInputs, partial: torch.Tensor, combine_mixes: bool = True):
         """The consumer alone: (residual_out, layer_input, the next layer's
         MXFP8 input, the next sublayer's (pre, post, comb)) from the published
-        ``partial``."""
+        ``partial``; ``combine_mixes=False``: the combine left to the next
+        GEMM, whose ``MixesFinish`` (or None) comes last."""
         c, rows = self.config, inputs.rows
         data = torch.empty(rows, c.hidden, dtype=torch.float8_e4m3fn, device=self.device)
         scale = torch.empty(mxfp8_scale_bytes(rows, c.hidden), dtype=torch.uint8,
                             device=self.device)
         pre = inputs.pre if c.collapse_pre == "previous" else None
-        residual_out, layer_input, mixes = self.all_reduce(
+        residual_out, layer_input, mixes, *finish = self.all_reduce(
             partial, inputs.residual, inputs.post, inputs.comb, pre,
             self.norm_weight, c.eps, mxfp8_out=(data, scale), mix_weights=self.mix_weights,
+            combine_mixes=combine_mixes,
         )
         next_in = QuantizedActivation(data, scale, torch.bfloat16, layer_input.shape)
-        return residual_out, layer_input, next_in, mixes
+        return residual_out, layer_input, next_in, mixes, *finish
 
     def reference_partial(self, inputs: BoundaryInputs) -> torch.Tensor:
         """This rank's ``wo_b`` partial from the pure-torch references."""

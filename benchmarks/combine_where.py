@@ -1,0 +1,88 @@
+"""Where the next mixes are combined, measured in the chain: at the consumer's
+end (``combine_mixes=True``: the next GEMM's grid wait waits for chunk 0's
+serial combine) or by M extra programs of the next GEMM (``combine_mixes=False``
++ ``mxfp8_mm(..., finish_mixes=...)``, what ``AttentionBoundary`` runs), for
+one rank's fused boundary (the one timer: CUDA graphs of back-to-back steps,
+rotated weight copies, cold L2; timed A, B, A, B in one process). Both ways
+must give the same bits, and those must pass the reference check.
+
+    PYTHONPATH=. python benchmarks/combine_where.py [--model v4-flash] [--rows 1 8]
+"""
+
+from __future__ import annotations
+
+import functools
+
+from decode_boundary.bench.harness import (
+    one_gpu_boundary,
+    one_gpu_parser,
+    one_gpu_result,
+    one_gpu_write,
+)
+from decode_boundary.common.timing import graph_time_us
+from decode_boundary.gemm import launcher, mxfp8_mm
+from decode_boundary.model.chain import (
+    AttentionBoundary,
+    BoundaryInputs,
+    BoundaryOutputs,
+    check_outputs,
+    outputs_identical,
+)
+
+
+def combined_by_consumer(ab: AttentionBoundary, inputs: BoundaryInputs) -> BoundaryOutputs:
+    """The fused step with the combine at the consumer's end."""
+    residual_out, layer_input, next_in, mixes = ab.reduce(inputs, ab.produce(inputs, True))
+    return BoundaryOutputs(residual_out, layer_input, mxfp8_mm(ab.fused_wqa_wkv, next_in),
+                           *mixes)
+
+
+def contracted(step):
+    """``step`` with the finishing GEMM compiled with FMA contraction (the
+    GEMM's default; its finishing variant turns it off for the combine's bits)."""
+    plain = launcher._finish_args
+
+    def fused_args(*a):
+        pos, kw = plain(*a)
+        return pos, dict(kw, enable_fp_fusion=True) if kw else kw
+
+    def run():
+        launcher._finish_args = fused_args
+        try:
+            return step()
+        finally:
+            launcher._finish_args = plain
+    return run
+
+
+def main() -> None:
+    args = one_gpu_parser(__doc__.splitlines()[0]).parse_args()
+    ab, views = one_gpu_boundary(args, seed=5)
+    device = ab.device
+    result = one_gpu_result("combine_where", args)
+    result["rows"] = []
+    for rows in args.rows:
+        inputs = ab.make_inputs(rows, seed=rows)
+        ways = {"consumer": [functools.partial(combined_by_consumer, v, inputs) for v in views],
+                "next_gemm": [functools.partial(v, inputs, fused=True) for v in views],
+                "next_gemm_fma": [contracted(functools.partial(v, inputs, fused=True))
+                                  for v in views]}
+        us = {name: [] for name in ways}
+        for _ in range(2):
+            for name, steps in ways.items():
+                us[name].append(graph_time_us(steps, device))
+        a, b = combined_by_consumer(ab, inputs), ab(inputs, fused=True)
+        failures = [] if outputs_identical(a, b) else ["the two ways differ"]
+        if not outputs_identical(a, contracted(functools.partial(ab, inputs, fused=True))()):
+            failures.append("with FMA contraction the bits differ")
+        failures += check_outputs(b, ab.reference(inputs))
+        entry = {"rows": rows, "us": us, "failures": failures}
+        result["rows"].append(entry)
+        print(f"M={rows}: " + " ".join(f"{k} {v}" for k, v in us.items())
+              + f" µs; {'; '.join(failures) or 'bits equal, checks ok'}", flush=True)
+    ab.close()
+    print("wrote", one_gpu_write(result, args))
+
+
+if __name__ == "__main__":
+    main()

@@ -20,7 +20,7 @@ from decode_boundary.bench.harness import (
     one_gpu_write,
 )
 from decode_boundary.common.timing import graph_time_us
-from decode_boundary.gemm import launcher, mxfp8_mm
+from decode_boundary.gemm import mxfp8_mm
 from decode_boundary.model.chain import (
     AttentionBoundary,
     BoundaryInputs,
@@ -37,24 +37,6 @@ def combined_by_consumer(ab: AttentionBoundary, inputs: BoundaryInputs) -> Bound
                            *mixes)
 
 
-def contracted(step):
-    """``step`` with the finishing GEMM compiled with FMA contraction (the
-    GEMM's default; its finishing variant turns it off for the combine's bits)."""
-    plain = launcher._finish_args
-
-    def fused_args(*a):
-        pos, kw = plain(*a)
-        return pos, dict(kw, enable_fp_fusion=True) if kw else kw
-
-    def run():
-        launcher._finish_args = fused_args
-        try:
-            return step()
-        finally:
-            launcher._finish_args = plain
-    return run
-
-
 def main() -> None:
     args = one_gpu_parser(__doc__.splitlines()[0]).parse_args()
     ab, views = one_gpu_boundary(args, seed=5)
@@ -64,17 +46,13 @@ def main() -> None:
     for rows in args.rows:
         inputs = ab.make_inputs(rows, seed=rows)
         ways = {"consumer": [functools.partial(combined_by_consumer, v, inputs) for v in views],
-                "next_gemm": [functools.partial(v, inputs, fused=True) for v in views],
-                "next_gemm_fma": [contracted(functools.partial(v, inputs, fused=True))
-                                  for v in views]}
+                "next_gemm": [functools.partial(v, inputs, fused=True) for v in views]}
         us = {name: [] for name in ways}
         for _ in range(2):
             for name, steps in ways.items():
                 us[name].append(graph_time_us(steps, device))
         a, b = combined_by_consumer(ab, inputs), ab(inputs, fused=True)
         failures = [] if outputs_identical(a, b) else ["the two ways differ"]
-        if not outputs_identical(a, contracted(functools.partial(ab, inputs, fused=True))()):
-            failures.append("with FMA contraction the bits differ")
         failures += check_outputs(b, ab.reference(inputs))
         entry = {"rows": rows, "us": us, "failures": failures}
         result["rows"].append(entry)

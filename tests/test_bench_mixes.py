@@ -35,9 +35,20 @@ def test_both_ways_compute_the_same(collapse, monkeypatch):
     want = {"fused": 2.0, "consumer": 3.0, "separate": 4.0, "consumer_then_separate": 5.0}
     if collapse == "previous":  # V4.1 also times our mixes kernel after the consumer
         want["mixes_kernel"] = 6.0
+    n = len(want)
+    want.update(fused_with_gemm=2.0 + n, consumer_with_gemm=3.0 + n)
     assert result["rows"][0]["us"] == want
     fused, consumer, separate, both = (ran[i] for i in range(4))
+    with_gemm, plain_with_gemm = ran[n], ran[n + 1]
     for copy in range(2):
+        # The chain's pair: the mixes the GEMM combined are the consumer's bits; the
+        # consumer's outputs and, with V4.1's given pre, the GEMM's are the plain pair's.
+        res_out, layer_input, q, gemm_mixes = with_gemm[copy]
+        assert all(torch.equal(a, b) for a, b in zip(gemm_mixes, fused[copy][3], strict=True))
+        assert torch.equal(res_out, plain_with_gemm[copy][0])
+        if collapse == "previous":
+            assert torch.equal(layer_input, plain_with_gemm[copy][1])
+            assert torch.equal(q, plain_with_gemm[copy][2])
         if collapse == "previous":  # the mixes kernel's: the same consumer, mixes in the bar
             res_out, layer_input, _, kernel_mixes = ran[4][copy]
             assert torch.equal(res_out, fused[copy][0])
@@ -58,8 +69,12 @@ def test_both_ways_compute_the_same(collapse, monkeypatch):
             assert (a - b).abs().max().item() <= MIXES_ATOL and torch.equal(b, c)
     # Two weight copies: their mixes differ (each copy has its own hc_fn).
     assert not torch.equal(fused[0][3][2], fused[1][3][2])
-    text = report.render(report.mixes_table({**report.new_result(
+    table = report.mixes_table({**report.new_result(
         "bench", "x", report.environment(False, []), {"model": "tiny", "tp": 1}),
-        "mixes": result}))
+        "mixes": result})
+    text = report.render(table)
     assert f"{collapse} pre" in text and "-1.00" in text and "2.50x" in text
-    assert ("6.00" in text) == (collapse == "previous")
+    headers = [column.header for column in table.columns]
+    assert ("consumer + mixes kernel" in headers) == (collapse == "previous")
+    assert headers[-3:] == ["fused + GEMM", "consumer + GEMM", "difference"]
+    assert f"{want['fused_with_gemm'] - want['consumer_with_gemm']:+.2f}" in text

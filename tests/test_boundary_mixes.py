@@ -203,7 +203,7 @@ def test_gpu_mixes_cooperative_graphs_and_compile(collapse):
     assert ar._box.status.item() == 0
 
 
-def _left_to_next_gemm(dev, h, rows, tactic=None):
+def _left_to_next_gemm(dev, h, rows, tactic=None, n_out=96):
     """For each M: the call with ``combine_mixes=False`` leaves the mixes to
     the next GEMM (its ``MixesFinish``); outputs poisoned, then that GEMM's
     extra programs fill them. Every output (the mixes, residual_out, the layer
@@ -219,7 +219,8 @@ def _left_to_next_gemm(dev, h, rows, tactic=None):
     weights = tuple(t.to(dev) for t in (torch.randn(n, HC * h, generator=g) * (4 / h ** 0.5),
                                          torch.rand(3, generator=g) + 0.5,
                                          torch.randn(n, generator=g) * 0.5))
-    linear = Mxfp8Linear.from_float((torch.randn(96, h, generator=g) * 0.05).bfloat16().to(dev))
+    linear = Mxfp8Linear.from_float((torch.randn(n_out, h, generator=g) * 0.05).bfloat16()
+                                    .to(dev))
     for collapse in ("previous", "same"):
         (ar,) = db.BoundaryAllReduce.simulated(1, h, HC, cap, 2, device=dev,
                                                quantize_layer_input=True, residual_only=False,
@@ -272,7 +273,11 @@ def test_mixes_left_to_the_next_gemm_cooperative(cooperative_in_the_interpreter)
 
 @pytest.mark.gpu
 def test_gpu_mixes_left_to_the_next_gemm():
-    """On the GPU at H = 5120 with the tables' tactics (hc_fn early at M = 1,
-    late at 16; the GEMM compiled without FMA contraction for its finishing
-    programs): the same bits both ways."""
-    _left_to_next_gemm("cuda", 5120, (1, 4, 16))
+    """On the GPU, DSV4.1-Flash's H = 5120 and fused_wqa_wkv with the tables'
+    tactics (hc_fn early at M = 1, late at 16; the GEMM's 2 warps at M = 1
+    against the consumer's 4, so a share sum ordered by the layout would
+    differ; the GEMM compiled with FMA contraction): the same bits both ways."""
+    from decode_boundary.model.config import MODELS
+
+    n_out = MODELS["v4.1-flash"].fused_wqa_wkv_shape()[0]
+    _left_to_next_gemm("cuda", 5120, (1, 2, 4, 16), n_out=n_out)

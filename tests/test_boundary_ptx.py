@@ -24,12 +24,13 @@ from decode_boundary.boundary.consumer_kernel import consumer_kernel
 from decode_boundary.boundary.finalize_kernel import finalize_publish_kernel
 from decode_boundary.boundary.mixes_kernel import next_mixes_kernel
 from decode_boundary.boundary.publish_kernel import publish_kernel
+from decode_boundary.gemm.mxfp8_gemm_kernel import mxfp8_gemm_kernel
 
-def ptx(fn, sig, consts, warps):
+def ptx(fn, sig, consts, warps, fp_fusion=False):
     sig = dict(sig, **{k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t[0] == "*"}
     src = ASTSource(fn, sig, consts, attrs)
-    opts = {"enable_fp_fusion": False, "num_warps": warps}
+    opts = {"enable_fp_fusion": fp_fusion, "num_warps": warps}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
 
 out = {}
@@ -48,7 +49,7 @@ sig.update(stamp_base="i32", eps="fp32", hc_eps="fp32", capacity="i32", wait_bou
            sinkhorn_rounds="i32")
 full = dict(TP=2, HC=4, HIDDEN=5120, BLOCK_H=512, UNITS_P2=256, MODE=2, QUANT=True, LAMPORT=True,
     COOPERATIVE=True, USE_PTX=True, USE_PDL=True, MIXES=0, SLOTS=1, MIX_ROW=1,
-    TOTALS_OFF=0, CHUNKS_P2=1, TIMELINE=False)
+    TOTALS_OFF=0, CHUNKS_P2=1, MIX_WEIGHTS_EARLY=False, COMBINE=True, TIMELINE=False)
 out["consumer"] = ptx(consumer_kernel, sig, full, 2)
 out["consumer_serial"] = ptx(consumer_kernel, sig, dict(full, BLOCK_H=1024, COOPERATIVE=False), 4)
 out["consumer_plain"] = ptx(consumer_kernel, sig, dict(full, MODE=0, QUANT=False), 2)
@@ -65,6 +66,26 @@ out["consumer_mixes_early"] = ptx(consumer_kernel, sig, dict(mixes, MIXES=1,
                                                              MIX_WEIGHTS_EARLY=True), 4)
 out["consumer_same_pre_early"] = ptx(consumer_kernel, sig, dict(mixes, MIXES=2,
                                                                 MIX_WEIGHTS_EARLY=True), 4)
+# The combine left to the next GEMM (COMBINE=False), and that GEMM (fused_wqa_wkv at M = 1,
+# compiled as the launcher does: with FMA contraction) with and without its finishing programs.
+out["consumer_mixes_deferred"] = ptx(consumer_kernel, sig, dict(mixes, MIXES=1,
+                                                                COMBINE=False), 4)
+gemm_sig = {"w_ptr": "*fp8e4nv", "w_scale_ptr": "*u8", "a_ptr": "*fp8e4nv", "a_scale_ptr": "*u8",
+    "out_ptr": "*bf16", "partial_ptr": "*fp32", "counter_ptr": "*i32", "peer_ptrs_ptr": "*i64",
+    "stage_ptr": "*i32", "stamp_ptr": "*i64", "stamp_base": "i32", "M": "i32",
+    "mix_ptr": "*i64", "generation_ptr": "*i32", "status_ptr": "*i32", "hc_scale_ptr": "*fp32",
+    "hc_base_ptr": "*fp32", "pre_out_ptr": "*fp32", "post_out_ptr": "*fp32",
+    "comb_out_ptr": "*fp32", "mix_eps": "fp32", "hc_eps": "fp32", "mix_rounds": "i32",
+    "wait_bound": "i64"}
+gemm = dict(N=1536, K=5120, GROUPS=1, BLOCK_N=4, ROWS=1, SPLIT_K=1, K_SLICE=5120, CHUNK=1024,
+    PIECES=5, A_UPFRONT=True, A_BF16=False, USE_PDL=True, INTERPRETER=False, PUBLISH=False,
+    TP=1, RANK=0, CAPACITY=1, HIDDEN=1, TIMELINE=False, FINISH_MIXES=False, HC=1,
+    MIX_HIDDEN=1, MIX_CHUNKS=1, MIX_CHUNKS_P2=1, SLOTS=1, MIX_ROW=1, TOTALS_OFF=0,
+    USE_PTX=False)
+out["gemm"] = ptx(mxfp8_gemm_kernel, gemm_sig, gemm, 2, fp_fusion=True)
+out["gemm_finishing"] = ptx(mxfp8_gemm_kernel, gemm_sig, dict(
+    gemm, FINISH_MIXES=True, HC=4, MIX_HIDDEN=5120, MIX_CHUNKS=40, MIX_CHUNKS_P2=64, SLOTS=32,
+    MIX_ROW=80 * 32 + 32, TOTALS_OFF=80 * 32, USE_PTX=True), 2, fp_fusion=True)
 # The mixes kernel after the consumer (mixes_kernel.py: 128 columns x 16 tokens, 4 warps).
 out["mixes_kernel"] = ptx(next_mixes_kernel, {"streams_ptr": "*bf16", "hc_fn_ptr": "*fp32",
     "hc_scale_ptr": "*fp32", "hc_base_ptr": "*fp32", "generation_ptr": "*i32",
@@ -147,7 +168,8 @@ def test_consumer_has_no_spills_and_a_short_body(ptx):
     no local memory, and per program a few thousand instructions at most (the
     last-program whole-row norm it replaced was ~7,000 at 2 warps)."""
     for name in ("consumer", "consumer_serial", "consumer_plain", "consumer_mixes",
-                 "consumer_same_pre", "consumer_mixes_early", "consumer_same_pre_early"):
+                 "consumer_same_pre", "consumer_mixes_early", "consumer_same_pre_early",
+                 "consumer_mixes_deferred", "gemm_finishing"):
         code = ptx[name]
         assert "ld.local" not in code and "st.local" not in code, name
     body = [line for line in ptx["consumer"].splitlines()
@@ -179,11 +201,30 @@ def test_mixes_kernel_holds_hc_fn_from_before_the_wait_without_spills(ptx):
     assert all(".or." in line for line in code.splitlines() if "atom." in line)
 
 
+def test_the_next_gemm_combines_with_the_consumers_roundings(ptx):
+    """``COMBINE=False``: the consumer keeps no combine (no Sinkhorn
+    reciprocals). The GEMM that finishes the mixes keeps its FMA contraction
+    (its products: the same code as without the finishing programs, so the
+    same output bits), while every product of the combine is a ``mul.rn``,
+    which nothing contracts into the add after it: the consumer's roundings
+    (it compiles without contraction), so either kernel combines a token to
+    the same bits."""
+    assert "rcp.approx.ftz.f32" not in ptx["consumer_mixes_deferred"]
+    assert "rcp.approx.ftz.f32" in ptx["consumer_mixes"]
+    plain, finishing = ptx["gemm"], ptx["gemm_finishing"]
+    assert finishing.count("fma.rn.f32") == plain.count("fma.rn.f32") > 0
+    assert "mul.rn.f32" not in plain and finishing.count("mul.rn.f32") >= 3 * 4 + 2 * 16
+    assert 0 < finishing.count("rcp.approx.ftz.f32") < 100
+    assert "ld.volatile.global" in finishing and "%globaltimer" in finishing
+    assert "fence" not in finishing and "membar" not in finishing
+
+
 def test_no_fma_no_multicast(ptx):
     for name, code in ptx.items():
         assert "multimem" not in code, name
     for name in ("consumer", "consumer_serial", "consumer_plain", "consumer_mixes",
-                 "consumer_same_pre", "consumer_mixes_early", "consumer_same_pre_early"):
+                 "consumer_same_pre", "consumer_mixes_early", "consumer_same_pre_early",
+                 "consumer_mixes_deferred"):
         assert "fma.rn.f32" not in ptx[name], name
     assert "fma.rn.f32" not in ptx["finalize"]
 
@@ -198,7 +239,7 @@ def test_no_register_spills(ptx, tmp_path):
     if not os.path.exists(ptxas):
         pytest.skip("no ptxas")
     for name in ("mixes_kernel", "consumer_mixes", "consumer_same_pre", "consumer_mixes_early",
-                 "consumer_same_pre_early"):
+                 "consumer_same_pre_early", "gemm_finishing"):
         src = tmp_path / f"{name}.ptx"
         src.write_text(ptx[name])
         proc = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(src), "-o", os.devnull],

@@ -15,7 +15,11 @@ today's consumer without them: the issue's yardstick), ``separate`` (the
 user's tail alone) and ``consumer_then_separate`` (what a user runs in all);
 V4.1 also ``mixes_kernel``: publish + consumer + our own mixes kernel after it
 (``boundary.mixes_kernel``, what the chain runs beyond
-``consumer.MIXES_FUSED_MAX_ROWS``), whatever M.
+``consumer.MIXES_FUSED_MAX_ROWS``), whatever M. The chain leaves the combine to
+the next GEMM (``combine_mixes=False``), so the pair it runs is timed too:
+``fused_with_gemm`` (publish + consumer with the mixes' shares + fused_wqa_wkv
+combining them, the chain's way) against ``consumer_with_gemm`` (publish +
+consumer without them + fused_wqa_wkv).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from decode_boundary.boundary.reference import mhc_mixes_ref
 from decode_boundary.common.timing import graph_time_us
 from decode_boundary.gemm import mxfp8_mm
 from decode_boundary.model.chain import AttentionBoundary
-from decode_boundary.mxfp8.format import mxfp8_scale_bytes
+from decode_boundary.mxfp8.format import QuantizedActivation, mxfp8_scale_bytes
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
 from .baselines import collapse_rmsnorm
@@ -103,6 +107,29 @@ class MixesTimer:
         return self.plain(partial, inputs.residual, inputs.post, inputs.comb, pre, v.norm_weight,
                           c.eps, mxfp8_out=(data, scale) if pre is not None else None)
 
+    def _consumer_with_gemm(self, v: AttentionBoundary, inputs, partial):
+        """The consumer without mixes (given pre), then fused_wqa_wkv on its
+        MXFP8 layer input: (residual_out, layer_input, q)."""
+        c, rows = self.config, inputs.rows
+        data = torch.empty(rows, c.hidden, dtype=torch.float8_e4m3fn, device=v.device)
+        scale = torch.empty(mxfp8_scale_bytes(rows, c.hidden), dtype=torch.uint8,
+                            device=v.device)
+        res_out, layer_input = self.plain(partial, inputs.residual, inputs.post, inputs.comb,
+                                          inputs.pre, v.norm_weight, c.eps,
+                                          mxfp8_out=(data, scale))
+        q = mxfp8_mm(v.fused_wqa_wkv, QuantizedActivation(data, scale, torch.bfloat16,
+                                                          layer_input.shape))
+        return res_out, layer_input, q
+
+    @staticmethod
+    def _fused_with_gemm(v: AttentionBoundary, inputs, partial):
+        """The chain's consumer and fused_wqa_wkv, the combine left to the
+        GEMM: (residual_out, layer_input, q, mixes)."""
+        res_out, layer_input, next_in, mixes, finish = v.reduce(inputs, partial,
+                                                                combine_mixes=False)
+        return res_out, layer_input, mxfp8_mm(v.fused_wqa_wkv, next_in, finish_mixes=finish), \
+            mixes
+
     def steps(self, inputs) -> dict[str, list]:
         """name -> one callable per weight copy."""
         names = ["fused", "consumer", "separate", "consumer_then_separate"]
@@ -123,13 +150,19 @@ class MixesTimer:
                 return self._tail(v, self._consumer(v, inputs, partial, pre)[0])
 
             out["consumer_then_separate"].append(both)
+        for v in self.views:
+            partial = mxfp8_mm(v.wo_b, mxfp8_mm(v.wo_a, inputs.attn_out))
+            out.setdefault("fused_with_gemm", []).append(
+                functools.partial(self._fused_with_gemm, v, inputs, partial))
+            out.setdefault("consumer_with_gemm", []).append(
+                functools.partial(self._consumer_with_gemm, v, inputs, partial))
         return out
 
 
 def time_mixes(views: list[AttentionBoundary], rows: list[int], device, group) -> dict:
     """``{"collapse", "rows": [{"rows", "us": {fused, consumer, separate,
-    consumer_then_separate[, mixes_kernel]}}]}`` for every M of ``rows``, in
-    one run."""
+    consumer_then_separate[, mixes_kernel], fused_with_gemm,
+    consumer_with_gemm}}]}`` for every M of ``rows``, in one run."""
     timer = MixesTimer(views, rows)
     try:
         results = []

@@ -17,7 +17,8 @@ The result dict (schema ``SCHEMA``) is what ``decode-boundary`` writes:
   [{``rows``, ``us`` {path: µs}, ``speedup`` {"<path>/fused": ratio}}] and
   ``breakdown`` {``rows``, path: {stage: µs}} (each stage timed alone);
   ``mixes`` {``collapse``, ``rows``: [{``rows``, ``us``: {fused, consumer,
-  separate, consumer_then_separate}}]} (the next mixes both ways, bench.mixes);
+  separate, consumer_then_separate[, mixes_kernel], fused_with_gemm,
+  consumer_with_gemm}}]} (the next mixes both ways, bench.mixes);
 * gemm: ``copy_rate_gbps`` and ``gemms`` [{``name``, ``n``, ``k``, ``rows``,
   ``floor_us``, ``us`` {"ours", "cublas_bf16", "cublas_fp8_rowwise"}}].
 """
@@ -178,22 +179,29 @@ def mixes_table(result: dict) -> Table:
     table = Table(title=_title(result, f"next mixes, collapse with the {mixes['collapse']} "
                                        "pre: µs (median, cold L2)"))
     kernel = all("mixes_kernel" in row["us"] for row in mixes["rows"])
+    gemm = all("fused_with_gemm" in row["us"] for row in mixes["rows"])
     for name in ("M", "fused consumer", "consumer", "fused - consumer", "separate tail",
                  "consumer + separate", "(consumer + separate) / fused",
-                 *(("consumer + mixes kernel",) if kernel else ())):
+                 *(("consumer + mixes kernel",) if kernel else ()),
+                 *(("fused + GEMM", "consumer + GEMM", "difference") if gemm else ())):
         table.add_column(name, justify="right")
     for row in mixes["rows"]:
         us = row["us"]
+        with_gemm = (us["fused_with_gemm"], us["consumer_with_gemm"]) if gemm else ()
         table.add_row(str(row["rows"]), f"{us['fused']:.2f}", f"{us['consumer']:.2f}",
                       f"{us['fused'] - us['consumer']:+.2f}", f"{us['separate']:.2f}",
                       f"{us['consumer_then_separate']:.2f}",
                       f"{us['consumer_then_separate'] / us['fused']:.2f}x",
-                      *((f"{us['mixes_kernel']:.2f}",) if kernel else ()))
+                      *((f"{us['mixes_kernel']:.2f}",) if kernel else ()),
+                      *((f"{with_gemm[0]:.2f}", f"{with_gemm[1]:.2f}",
+                         f"{with_gemm[0] - with_gemm[1]:+.2f}") if gemm else ()))
     table.caption = ("publish + consumer each; consumer = without the mixes (given pre); "
                      "separate = torch.compile of the user's tail (V4.1: the mixes; V4: the "
                      "mixes, collapse, RMSNorm, then MXFP8); consumer + separate runs the "
                      "consumer residual-only for V4; consumer + mixes kernel (V4.1): ours "
-                     "after the consumer, as beyond MIXES_FUSED_MAX_ROWS")
+                     "after the consumer, as beyond MIXES_FUSED_MAX_ROWS; fused + GEMM: the "
+                     "chain's consumer and fused_wqa_wkv, which combines the mixes; consumer "
+                     "+ GEMM: the same GEMM after the consumer without them")
     return table
 
 

@@ -69,7 +69,32 @@ def _share_totals(mix_ptr, status_ptr, m, tag, wait_bound, CHUNKS: tl.constexpr,
                          (c < CHUNKS) & (j < SLOTS), tag, status_ptr, wait_bound, 0, False,
                          USE_PTX)
     stale = _gave_up(flags, status_ptr)
-    return tl.where(stale, _f32_nan(), tl.sum(_untagged(words), axis=0))
+    return tl.where(stale, _f32_nan(), _pairwise_sum(_untagged(words), CHUNKS_P2, SLOTS))
+
+
+@triton.jit
+def _pairwise_sum(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """sum over axis 0 of x [ROWS, COLS] (ROWS a power of two) in one tree
+    fixed by the indices, not by the layout: row i plus row i + ROWS / 2,
+    halving until one is left. (``tl.sum`` orders its adds by the threads and
+    warps the rows are spread over: two kernels with different ``num_warps``
+    would sum the shares in different orders; a two-element sum is one add,
+    the same either way.)"""
+    for level in tl.static_range(ROWS.bit_length() - 1):
+        x = tl.sum(tl.reshape(x, (2, ROWS >> (level + 1), COLS)), axis=0)
+    return tl.reshape(x, (COLS,))
+
+
+@triton.jit
+def _mul(a, b, USE_PTX: tl.constexpr):
+    """a * b rounded on its own: with ``USE_PTX`` one ``mul.rn.f32``, which
+    neither LLVM nor ptxas contracts with a following add into an FMA, so the
+    combine has the spec's roundings also in a kernel compiled with FMA
+    contraction (the GEMM that finishes the mixes); else ``a * b``."""
+    if USE_PTX:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    return a * b
 
 
 @triton.jit
@@ -102,7 +127,7 @@ def _normalise_rows(comb, hc_eps, HC: tl.constexpr, USE_PTX: tl.constexpr):
     for s in tl.static_range(HC):
         inverse = _reciprocal(_row_sum(comb, s, HC) + hc_eps, USE_PTX)
         for t in tl.static_range(HC):
-            out = out + (comb[s * HC + t] * inverse,)
+            out = out + (_mul(comb[s * HC + t], inverse, USE_PTX),)
     return out
 
 
@@ -119,7 +144,7 @@ def _normalise_columns(comb, hc_eps, HC: tl.constexpr, USE_PTX: tl.constexpr):
     out = ()
     for s in tl.static_range(HC):
         for t in tl.static_range(HC):
-            out = out + (comb[s * HC + t] * inverses[t],)
+            out = out + (_mul(comb[s * HC + t], inverses[t], USE_PTX),)
     return out
 
 
@@ -168,14 +193,16 @@ def _combine_pre_post(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_pt
     rstd = _mix_rstd(total[NMIX], eps, HC, HIDDEN)
     pre = ()
     for t in tl.static_range(HC):
-        pre = pre + (_pre_of(total[t], rstd, scale[0], base[t], hc_eps),)
+        pre = pre + (_pre_of(total[t], rstd, scale[0], base[t], hc_eps, USE_PTX),)
     for t in tl.static_range(HC):
-        post = 2 * tl.sigmoid((total[HC + t] * rstd) * scale[1] + base[HC + t])
+        post = 2 * tl.sigmoid(_mul(_mul(total[HC + t], rstd, USE_PTX), scale[1], USE_PTX)
+                              + base[HC + t])
         tl.store(pre_out_ptr + m * HC + t, pre[t])
         tl.store(post_out_ptr + m * HC + t, post)
     logits = ()
     for i in tl.static_range(HC * HC):
-        logits = logits + ((total[2 * HC + i] * rstd) * scale[2] + base[2 * HC + i],)
+        logits = logits + (_mul(_mul(total[2 * HC + i], rstd, USE_PTX), scale[2], USE_PTX)
+                           + base[2 * HC + i],)
     return pre, logits
 
 
@@ -187,10 +214,10 @@ def _mix_rstd(squares, eps, HC: tl.constexpr, HIDDEN: tl.constexpr):
 
 
 @triton.jit
-def _pre_of(total, rstd, scale, base, hc_eps):
+def _pre_of(total, rstd, scale, base, hc_eps, USE_PTX: tl.constexpr):
     """One stream's pre from its summed dot (one expression: the same bits in
     every program that computes it)."""
-    return tl.sigmoid((total * rstd) * scale + base) + hc_eps
+    return tl.sigmoid(_mul(_mul(total, rstd, USE_PTX), scale, USE_PTX) + base) + hc_eps
 
 
 @triton.jit
@@ -217,7 +244,7 @@ def _pre_from_shares(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, m, tag, eps
     pre = ()
     for t in tl.static_range(HC):
         pre = pre + (_pre_of(tl.sum(tl.where(k == t, totals, 0.0), axis=0), rstd, scale,
-                             base[t], hc_eps),)
+                             base[t], hc_eps, USE_PTX),)
     return pre
 
 
@@ -247,7 +274,7 @@ def _combine_comb(logits, comb_out_ptr, m, hc_eps, rounds, HC: tl.constexpr,
     for s in tl.static_range(HC):
         inverse = _reciprocal(_row_sum(e, s, HC), USE_PTX)  # >= 1: the top logit's term
         for t in tl.static_range(HC):
-            comb = comb + (e[s * HC + t] * inverse + hc_eps,)
+            comb = comb + (_mul(e[s * HC + t], inverse, USE_PTX) + hc_eps,)
     comb = _normalise_columns(comb, hc_eps, HC, USE_PTX)
     r = 0
     while r < rounds:

@@ -195,10 +195,7 @@ def _finish_args(finish: MixesFinish | None, rows: int, device: torch.device, du
             float(f.eps), float(f.hc_eps), int(f.rounds), int(f.wait_bound)), dict(
         FINISH_MIXES=True, HC=f.hc, MIX_HIDDEN=f.hidden, MIX_CHUNKS=f.chunks,
         MIX_CHUNKS_P2=triton.next_power_of_2(f.chunks), SLOTS=f.slots, MIX_ROW=f.mix_row,
-        TOTALS_OFF=f.totals_off, USE_PTX=f.use_ptx,
-        # The combine's roundings are the spec's, as in the consumer (no FMA
-        # contraction): the same bits wherever a token's mixes are combined.
-        enable_fp_fusion=False)
+        TOTALS_OFF=f.totals_off, USE_PTX=f.use_ptx)
 
 
 def _check_finish(f: MixesFinish, rows: int, device: torch.device) -> None:

@@ -247,3 +247,55 @@ def test_no_register_spills(ptx, tmp_path):
         assert proc.returncode == 0, proc.stderr[-2000:]
         info = proc.stdout + proc.stderr
         assert "0 bytes spill stores, 0 bytes spill loads" in info, (name, info[-500:])
+
+
+SASS_SCRIPT = r"""
+import json, os, re, subprocess, sys, tempfile
+import triton
+import triton.backends.nvidia as nvidia
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+sys.path.insert(0, sys.argv[1])
+from combine_only_kernel import combine_only
+
+sig = {"mix_ptr": "*i64", "generation_ptr": "*i32", "status_ptr": "*i32", "hc_scale_ptr": "*fp32",
+       "hc_base_ptr": "*fp32", "pre_ptr": "*fp32", "post_ptr": "*fp32", "comb_ptr": "*fp32",
+       "eps": "fp32", "hc_eps": "fp32", "rounds": "i32", "wait_bound": "i64"}
+consts = dict(HC=4, HIDDEN=5120, CHUNKS=40, CHUNKS_P2=64, SLOTS=32, MIX_ROW=80 * 32 + 32,
+              TOTALS_OFF=80 * 32)
+sig.update({k: "constexpr" for k in consts})
+attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t[0] == "*"}
+nvdisasm = os.path.join(os.path.dirname(nvidia.__file__), "bin", "nvdisasm")
+out = {}
+for fusion in (False, True):
+    kernel = triton.compile(ASTSource(combine_only, sig, consts, attrs),
+                            target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 4, "enable_fp_fusion": fusion})
+    path = os.path.join(tempfile.mkdtemp(), "k.cubin")
+    with open(path, "wb") as f:
+        f.write(kernel.asm["cubin"])
+    sass = subprocess.run([nvdisasm, path], capture_output=True, text=True, check=True).stdout
+    code = [re.sub(r"/\*[0-9a-f]+\*/", "", line).strip() for line in sass.splitlines()
+            if re.match(r"\s+/\*[0-9a-f]+\*/", line)]
+    out[str(fusion)] = [line for line in code if re.match(r"(@!?U?P\w+\s+)?[A-Z]", line)]
+print(json.dumps(out))
+"""
+
+
+def test_the_combine_compiles_to_the_same_sass_with_and_without_contraction():
+    """The GEMM that finishes the mixes compiles with FMA contraction, the
+    consumer without: the combine (common.mhc_combine) must come out as the
+    same machine code either way, or the two would give different bits (the
+    non-ftz ``ex2`` of ``tl.exp`` and the ``div.full`` of ``tl.sigmoid`` are
+    expanded by ptxas with FFMAs only where contraction is allowed)."""
+    import triton.backends.nvidia as nvidia
+
+    if not os.path.exists(os.path.join(os.path.dirname(nvidia.__file__), "bin", "nvdisasm")):
+        pytest.skip("no nvdisasm")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, "-c", SASS_SCRIPT, os.path.dirname(__file__)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sass = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(sass["True"]) > 300 and sass["True"] == sass["False"]
+    assert any("MUFU.EX2" in line for line in sass["True"])

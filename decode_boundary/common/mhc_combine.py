@@ -17,9 +17,17 @@ them in a row); the Sinkhorn rounds are a run-time loop (the code runs once
 per launch, cold in the instruction cache). The shares' sums become scalars
 through ``TOTALS_OFF`` (one store, one barrier, broadcast loads).
 
-Kernels that call these compile with ``enable_fp_fusion=False``: the
-expressions' roundings are the spec's (no FMA contraction), so every kernel
-that combines a token gets the same bits.
+Every kernel that combines a token gets the same bits, whatever its
+``num_warps`` and whether it compiles with FMA contraction (the consumer does
+not, the GEMM does): with ``USE_PTX`` each operation is one that neither LLVM
+nor ptxas may rewrite — products as ``mul.rn`` (never contracted into the add
+after them), exp and sigmoid from ``ex2.approx.ftz`` and ``rcp.approx.ftz``
+(single MUFU instructions; the non-ftz ``ex2`` and ``div.full`` that
+``tl.exp`` / ``tl.sigmoid`` lower to are expanded by ptxas, with FFMAs where
+contraction is allowed), the mean's division as ``div.rn`` (correctly
+rounded), and the shares summed in a tree fixed by their indices
+(:func:`_pairwise_sum`). tests/test_boundary_ptx.py compiles the combine both
+ways and compares the SASS.
 """
 from __future__ import annotations
 
@@ -83,6 +91,29 @@ def _pairwise_sum(x, ROWS: tl.constexpr, COLS: tl.constexpr):
     for level in tl.static_range(ROWS.bit_length() - 1):
         x = tl.sum(tl.reshape(x, (2, ROWS >> (level + 1), COLS)), axis=0)
     return tl.reshape(x, (COLS,))
+
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _exp(x, USE_PTX: tl.constexpr):
+    """e^x: with ``USE_PTX`` ``ex2.approx.ftz`` of ``x * log2(e)`` (a result
+    below the normal range reads 0), else ``tl.exp``."""
+    if USE_PTX:
+        scaled = _mul(x, tl.full(x.shape, _LOG2E, tl.float32), USE_PTX)
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [scaled],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    return tl.exp(x)
+
+
+@triton.jit
+def _sigmoid(x, USE_PTX: tl.constexpr):
+    """1 / (1 + e^-x): with ``USE_PTX`` from :func:`_exp` and
+    :func:`_reciprocal`, else ``tl.sigmoid``."""
+    if USE_PTX:
+        return _reciprocal(1.0 + _exp(-x, USE_PTX), USE_PTX)
+    return tl.sigmoid(x)
 
 
 @triton.jit
@@ -190,13 +221,13 @@ def _combine_pre_post(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_pt
     total = ()
     for i in tl.static_range(NMIX + 1):
         total = total + (_untagged(tl.load(row + TOTALS_OFF + i)),)
-    rstd = _mix_rstd(total[NMIX], eps, HC, HIDDEN)
+    rstd = _mix_rstd(total[NMIX], eps, HC, HIDDEN, USE_PTX)
     pre = ()
     for t in tl.static_range(HC):
         pre = pre + (_pre_of(total[t], rstd, scale[0], base[t], hc_eps, USE_PTX),)
     for t in tl.static_range(HC):
-        post = 2 * tl.sigmoid(_mul(_mul(total[HC + t], rstd, USE_PTX), scale[1], USE_PTX)
-                              + base[HC + t])
+        post = 2 * _sigmoid(_mul(_mul(total[HC + t], rstd, USE_PTX), scale[1], USE_PTX)
+                            + base[HC + t], USE_PTX)
         tl.store(pre_out_ptr + m * HC + t, pre[t])
         tl.store(post_out_ptr + m * HC + t, post)
     logits = ()
@@ -207,17 +238,25 @@ def _combine_pre_post(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_pt
 
 
 @triton.jit
-def _mix_rstd(squares, eps, HC: tl.constexpr, HIDDEN: tl.constexpr):
+def _mix_rstd(squares, eps, HC: tl.constexpr, HIDDEN: tl.constexpr, USE_PTX: tl.constexpr):
     """rsqrt(mean(s^2) + eps) of a token's HC * HIDDEN streams, from their sum of
-    squares (one expression for every program that needs it: the same bits)."""
-    return tl.math.rsqrt(squares / (HC * HIDDEN) + eps)
+    squares (one expression for every program that needs it: the same bits; the
+    mean correctly rounded, ``div.rn``, with ``USE_PTX``)."""
+    if USE_PTX:
+        mean = tl.inline_asm_elementwise("div.rn.f32 $0, $1, $2;", "=r,r,r",
+                                         [squares, tl.full(squares.shape, HC * HIDDEN,
+                                                           tl.float32)],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        mean = squares / (HC * HIDDEN)
+    return tl.math.rsqrt(mean + eps)
 
 
 @triton.jit
 def _pre_of(total, rstd, scale, base, hc_eps, USE_PTX: tl.constexpr):
     """One stream's pre from its summed dot (one expression: the same bits in
     every program that computes it)."""
-    return tl.sigmoid(_mul(_mul(total, rstd, USE_PTX), scale, USE_PTX) + base) + hc_eps
+    return _sigmoid(_mul(_mul(total, rstd, USE_PTX), scale, USE_PTX) + base, USE_PTX) + hc_eps
 
 
 @triton.jit
@@ -240,7 +279,8 @@ def _pre_from_shares(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, m, tag, eps
     totals = _share_totals(mix_ptr, status_ptr, m, tag, wait_bound, CHUNKS, CHUNKS_P2, SLOTS,
                            MIX_ROW, USE_PTX)
     k = tl.arange(0, SLOTS)
-    rstd = _mix_rstd(tl.sum(tl.where(k == NMIX, totals, 0.0), axis=0), eps, HC, HIDDEN)
+    rstd = _mix_rstd(tl.sum(tl.where(k == NMIX, totals, 0.0), axis=0), eps, HC, HIDDEN,
+                     USE_PTX)
     pre = ()
     for t in tl.static_range(HC):
         pre = pre + (_pre_of(tl.sum(tl.where(k == t, totals, 0.0), axis=0), rstd, scale,
@@ -269,7 +309,7 @@ def _combine_comb(logits, comb_out_ptr, m, hc_eps, rounds, HC: tl.constexpr,
         for t in tl.static_range(1, HC):
             top = tl.maximum(top, logits[s * HC + t])
         for t in tl.static_range(HC):
-            e = e + (tl.exp(logits[s * HC + t] - top),)
+            e = e + (_exp(logits[s * HC + t] - top, USE_PTX),)
     comb = ()
     for s in tl.static_range(HC):
         inverse = _reciprocal(_row_sum(e, s, HC), USE_PTX)  # >= 1: the top logit's term

@@ -40,7 +40,9 @@ row's units (the same bits in every program, on every rank). Two ways to meet
   normalising it.
 
 **The next sublayer's mixes** (``MIXES``, docs/DESIGN.md §5.1): the
-device side is :mod:`.consumer_mixes` (its docstring gives the protocol).
+device side is :mod:`.consumer_mixes` (its docstring gives the protocol);
+``COMBINE=False`` computes and publishes the shares but leaves the combine
+(pre, post, comb) to the next GEMM (``common.mhc_combine``).
 
 The FP32 operation order is that of :mod:`.reference` (launch with
 ``enable_fp_fusion=False``): ``reduced`` and ``residual_out`` are bit-exact;

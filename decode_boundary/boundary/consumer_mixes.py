@@ -9,33 +9,33 @@ columns is the tactic's ``mix_weights_early``: before its grid wait (held in
 registers, 128 per thread at 128 x 4; the tables' choice up to 8 tokens, where
 in the chain the late loads queue behind the next GEMM's weight stream) or
 only then (beyond: the held columns cost a wave; benchmarks/NOTES.md, "V4-family
-mixes" item 10). The chunk-0 program polls the row (bounded, as the norm
-hand-off), sums the shares in one fixed tree (the same bits for a serial and
-a cooperative launch of one ``BLOCK_H``), and computes pre, post and comb:
-sigmoid, softmax and the Sinkhorn normalisations in FP32 on its own, and
-stores them. That arithmetic is on *scalars* (every thread computes all of
-it): on register vectors each sum of a 4-wide row would be a block reduction
-with a barrier, ~40 of them in a row; the Sinkhorn rounds are a loop with a
-run-time count (``rounds``), not unrolled: the code runs once per launch,
-cold in the instruction cache. The
-shares' sums become scalars through ``TOTALS_OFF`` (one store, one barrier,
-broadcast loads). ``NEXT_MIXES`` (V4.1): nobody waits for them, so
-every program publishes its norm partial *before* its mix share (the hand-off
-does not wait for the hc_fn loads and dots) and chunk 0 combines after its
-norm, off the token's critical path; the collapse uses the given ``pre``.
+mixes" item 10).
+
+The combine (summing the shares, then pre, post, comb) is
+:mod:`decode_boundary.common.mhc_combine`, shared with the kernels that may
+run it instead. ``COMBINE`` (the consumer kernel's constexpr) says whether
+this launch runs it: ``False`` leaves it to the next GEMM's extra programs
+(``consume(..., combine_mixes=False)``; only V4's pre is still computed
+here), which the chain does: the next kernel's grid wait then no longer waits
+for chunk 0's serial combine (benchmarks/NOTES.md "V4-family mixes" item 13).
+``NEXT_MIXES`` (V4.1): nobody here waits for the mixes, so every program
+publishes its norm partial *before* its mix share (the hand-off does not wait
+for the hc_fn loads and dots) and, with ``COMBINE``, chunk 0 combines after
+its norm, off the token's critical path; the collapse uses the given ``pre``.
 ``SAME_PRE`` (V4): every program of the token needs the new pre for its
-collapse, so every one polls the shares and sums them in the same tree: chunk
-0 computes pre and post and stores them (:func:`_combine_pre_post`), the
-others only the pre (:func:`_pre_from_shares`, the same bits; a hand-off of
-chunk 0's pre cost one more L2 round trip, 0.4-0.9 µs, benchmarks/NOTES.md
-"V4-family mixes" item 9); then the norm hand-off as without mixes; comb's
-softmax and Sinkhorn rounds (:func:`_combine_comb`) follow chunk 0's norm
-partial (its collapse), while the token's other partials arrive. Chunk 0
-advances the generation only after seeing every sumsq unit, which every
-program writes after reading the generation (its tag, read right after the
-grid wait, tags its mix share too). The dots are not the reference's summation
-order: pre/post/comb match it within FP32 rounding, not bit for bit; given
-those values, everything else is the path without mixes, bit for bit.
+collapse, so every one polls the shares and sums them in the same tree
+(``_pre_from_shares``; with ``COMBINE`` chunk 0 computes pre and post and
+stores them, ``_combine_pre_post``, the same bits; a hand-off of chunk 0's pre
+cost one more L2 round trip, 0.4-0.9 µs, NOTES "V4-family mixes" item 9); then
+the norm hand-off as without mixes; with ``COMBINE`` comb's softmax and
+Sinkhorn rounds (``_combine_comb``) follow chunk 0's norm partial (its
+collapse), while the token's other partials arrive. Chunk 0 advances the
+generation only after seeing every sumsq unit, which every program writes
+after reading the generation (its tag, read right after the grid wait, tags
+its mix share too; a later kernel that combines finds the shares' tag in
+``generation[m]``). The dots are not the reference's summation order:
+pre/post/comb match it within FP32 rounding, not bit for bit; given those
+values, everything else is the path without mixes, bit for bit.
 """
 from __future__ import annotations
 

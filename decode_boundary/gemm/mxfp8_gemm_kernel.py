@@ -99,6 +99,24 @@ not ordered after this grid at all and spins until no element of its slots is
 the sentinel -0 (a 16-byte store may land in pieces). The three-stage mailbox
 (docs/DESIGN.md §6) keeps stage ``s`` apart from the one a lagging peer still
 consumes and clears.
+
+**Finishing the consumer's mixes** (``FINISH_MIXES``; ``common.contract.MixesFinish``).
+The consumer right before this GEMM may leave the combine of the next mHC
+mixes (summing each token's shares, then pre, post and comb) to it, so that
+this grid's wait no longer waits for the consumer's serial combine. The grid
+then has M more columns in front (``pid_n < M``; in front so they are
+dispatched with the first weight owners): the one at split 0, row block 0
+combines token ``pid_n`` (``common.mhc_combine.finish_token_mixes``) after
+the grid wait, while the weight owners run their products; the copies at
+other grid positions only pass the PDL calls. They load nothing before the
+wait and write only pre, post, comb and the mix row's totals words. The
+shares are complete at the wait (the consumer's grid has completed), so the
+poll's first probe finds them; their tag is ``generation[m]``. Its roundings
+do not depend on this kernel's FMA contraction or warps (mhc_combine's
+docstring): the same bits as the consumer's own combine. pre / post / comb
+are complete only when this grid is: a kernel that reads them before its own
+grid wait (the next consumer reads post / comb / pre there) must not be
+inside this GEMM's PDL window.
 """
 
 from __future__ import annotations

@@ -203,12 +203,14 @@ def test_gpu_mixes_cooperative_graphs_and_compile(collapse):
     assert ar._box.status.item() == 0
 
 
-def _left_to_next_gemm(dev, h, rows, tactic=None, n_out=96):
+def _left_to_next_gemm(dev, h, rows, tactic=None, n_out=96, pin_gemm=None):
     """For each M: the call with ``combine_mixes=False`` leaves the mixes to
     the next GEMM (its ``MixesFinish``); outputs poisoned, then that GEMM's
     extra programs fill them. Every output (the mixes, residual_out, the layer
     input and its MXFP8, the GEMM's own) equals the call that combines in the
-    consumer followed by the plain GEMM, bit for bit; the status word stays 0."""
+    consumer followed by the plain GEMM, bit for bit; the status word stays 0.
+    ``pin_gemm(linear, m)``: pins the GEMM's tactic (split-K and row blocks put
+    copies of the finishing programs at grid positions where they only pass)."""
     from decode_boundary.gemm import mxfp8_mm
     from decode_boundary.gemm.linear import Mxfp8Linear
     from decode_boundary.mxfp8.format import QuantizedActivation, mxfp8_scale_bytes
@@ -221,6 +223,8 @@ def _left_to_next_gemm(dev, h, rows, tactic=None, n_out=96):
                                          torch.randn(n, generator=g) * 0.5))
     linear = Mxfp8Linear.from_float((torch.randn(n_out, h, generator=g) * 0.05).bfloat16()
                                     .to(dev))
+    for m in rows if pin_gemm is not None else ():
+        pin_gemm(linear, m)
     for collapse in ("previous", "same"):
         (ar,) = db.BoundaryAllReduce.simulated(1, h, HC, cap, 2, device=dev,
                                                quantize_layer_input=True, residual_only=False,
@@ -263,6 +267,16 @@ def _left_to_next_gemm(dev, h, rows, tactic=None, n_out=96):
 
 def test_mixes_left_to_the_next_gemm():
     _left_to_next_gemm("cpu", H, (1, 3))
+
+
+def test_mixes_left_to_a_split_k_gemm_of_several_row_blocks(monkeypatch):
+    from decode_boundary.gemm.autotune import AUTOTUNER, cache_key
+    from decode_boundary.gemm.tactics import Tactic
+
+    def pin(linear, m):
+        monkeypatch.setitem(AUTOTUNER.cache, cache_key(linear, m), Tactic(16, 2, 2, 2, 64))
+
+    _left_to_next_gemm("cpu", H, (3,), pin_gemm=pin)
 
 
 def test_mixes_left_to_the_next_gemm_cooperative(cooperative_in_the_interpreter):

@@ -122,6 +122,15 @@ def test_checks():
     with pytest.raises(ValueError, match="computes no mixes"):
         plain(d["xs"][0], d["residual"], d["post"], d["comb"], d["pre"], d["gamma"], EPS,
               mix_weights=d["weights"])
+    with pytest.raises(ValueError, match="combine_mixes must be a bool"):
+        ar(d["xs"][0], d["residual"], d["post"], d["comb"], d["pre"], d["gamma"], EPS,
+           mix_weights=d["weights"], combine_mixes=None)
+    for rows in (0, CAP + 1, 1.0):
+        with pytest.raises(ValueError, match="rows must be an int in"):
+            ar.deferred_finish(rows)
+    finish = ar.deferred_finish(2)
+    assert finish.pre.shape == (2, HC) and finish.comb.shape == (2, HC, HC)
+    assert plain.deferred_finish(2) is None  # no mixes: nothing to leave
     # A refused call aborts nothing at tp = 1 and leaves the instance usable.
     out = ar(d["xs"][0], d["residual"], d["post"], d["comb"], d["pre"], d["gamma"], EPS,
              mix_weights=d["weights"])
@@ -260,7 +269,7 @@ def _left_to_next_gemm(dev, h, rows, tactic=None, n_out=96, pin_gemm=None):
             assert torch.equal(a2.data.view(torch.uint8), a.data.view(torch.uint8))
             assert torch.equal(a2.scale, a.scale)
             ar.check()
-            with pytest.raises(ValueError, match="finish_mixes.pre must be float32"):
+            with pytest.raises(ValueError, match="finish_mixes.pre must be a contiguous"):
                 mxfp8_mm(linear, a2, finish_mixes=finish._replace(pre=finish.pre[:, :1]))
         ar.close()
 

@@ -70,6 +70,8 @@ out["consumer_same_pre_early"] = ptx(consumer_kernel, sig, dict(mixes, MIXES=2,
 # compiled as the launcher does: with FMA contraction) with and without its finishing programs.
 out["consumer_mixes_deferred"] = ptx(consumer_kernel, sig, dict(mixes, MIXES=1,
                                                                 COMBINE=False), 4)
+out["consumer_same_pre_deferred"] = ptx(consumer_kernel, sig, dict(mixes, MIXES=2,
+                                                                   COMBINE=False), 4)
 gemm_sig = {"w_ptr": "*fp8e4nv", "w_scale_ptr": "*u8", "a_ptr": "*fp8e4nv", "a_scale_ptr": "*u8",
     "out_ptr": "*bf16", "partial_ptr": "*fp32", "counter_ptr": "*i32", "peer_ptrs_ptr": "*i64",
     "stage_ptr": "*i32", "stamp_ptr": "*i64", "stamp_base": "i32", "M": "i32",
@@ -169,7 +171,7 @@ def test_consumer_has_no_spills_and_a_short_body(ptx):
     last-program whole-row norm it replaced was ~7,000 at 2 warps)."""
     for name in ("consumer", "consumer_serial", "consumer_plain", "consumer_mixes",
                  "consumer_same_pre", "consumer_mixes_early", "consumer_same_pre_early",
-                 "consumer_mixes_deferred", "gemm_finishing"):
+                 "consumer_mixes_deferred", "consumer_same_pre_deferred", "gemm_finishing"):
         code = ptx[name]
         assert "ld.local" not in code and "st.local" not in code, name
     body = [line for line in ptx["consumer"].splitlines()
@@ -211,6 +213,9 @@ def test_the_next_gemm_combines_with_the_consumers_roundings(ptx):
     the same bits."""
     assert "rcp.approx.ftz.f32" not in ptx["consumer_mixes_deferred"]
     assert "rcp.approx.ftz.f32" in ptx["consumer_mixes"]
+    # V4 keeps its pre (4 sigmoids: one reciprocal each), not comb's Sinkhorn rounds.
+    assert ptx["consumer_same_pre_deferred"].count("rcp.approx.ftz.f32") == 4
+    assert ptx["consumer_same_pre"].count("rcp.approx.ftz.f32") > 4
     plain, finishing = ptx["gemm"], ptx["gemm_finishing"]
     assert finishing.count("fma.rn.f32") == plain.count("fma.rn.f32") > 0
     assert "mul.rn.f32" not in plain and finishing.count("mul.rn.f32") >= 3 * 4 + 2 * 16
@@ -224,7 +229,7 @@ def test_no_fma_no_multicast(ptx):
         assert "multimem" not in code, name
     for name in ("consumer", "consumer_serial", "consumer_plain", "consumer_mixes",
                  "consumer_same_pre", "consumer_mixes_early", "consumer_same_pre_early",
-                 "consumer_mixes_deferred"):
+                 "consumer_mixes_deferred", "consumer_same_pre_deferred"):
         assert "fma.rn.f32" not in ptx[name], name
     assert "fma.rn.f32" not in ptx["finalize"]
 

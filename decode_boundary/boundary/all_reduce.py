@@ -334,14 +334,16 @@ class BoundaryAllReduce:
         combine while the products run, instead of the consumer's grid ending
         with the combine, which the next kernel's grid wait waited for
         (benchmarks/NOTES.md "V4-family mixes" item 13); the bits are the
-        same. It is None where nothing is left (the mixes kernel combined, or
-        under torch.compile, where the consumer combines): the GEMM then runs
-        without it.
+        same. It is None where nothing is left (the mixes kernel combined, PTX
+        is off on the GPU, or under torch.compile, where the consumer
+        combines): the GEMM then runs without it.
 
         Every argument is checked before anything of this step is written to a
         peer or to the stage words; a rejected one aborts the step on every rank
         (this one raises ``ValueError``, its peers ``RuntimeError`` naming it;
         docs/FAILURES.md)."""
+        if not isinstance(combine_mixes, bool):
+            raise ValueError(f"combine_mixes must be a bool, got {combine_mixes!r}")
         full = pre is not None or self.collapse_pre == "same"
         inputs = dict(residual=residual, post=post, comb=comb, pre=pre,
                       norm_weight=norm_weight, eps=norm_eps, mxfp8_out=mxfp8_out,
@@ -352,14 +354,19 @@ class BoundaryAllReduce:
 
     def deferred_finish(self, rows: int, eps: float = 0.0):
         """The ``MixesFinish`` a full call of ``rows`` tokens with
-        ``combine_mixes=False`` returns (its outputs freshly allocated), or None
-        where it returns None: what compiling the finishing GEMM ahead needs
-        (``gemm.precompile(..., finish_mixes=...)``)."""
+        ``combine_mixes=False`` and norm eps ``eps`` returns (its outputs
+        freshly allocated), or None where it returns None: what compiling the
+        finishing GEMM ahead needs (``gemm.precompile(..., finish_mixes=...)``;
+        ``eps`` is a run-time argument, any value compiles the same kernel)."""
+        if isinstance(rows, bool) or not isinstance(rows, int) or not 0 < rows <= self.capacity:
+            raise ValueError(f"rows must be an int in [1, capacity = {self.capacity}], got "
+                             f"{rows!r}")
         m, hc, h = rows, self.hc_mult, self.hidden_size
-        if self.collapse_pre is None or not fuses_mixes(m, hc, self.collapse_pre):
+        ptx = env.use_ptx(self.device)
+        if self.collapse_pre is None or not fuses_mixes(m, hc, self.collapse_pre) or (
+                self.device.type == "cuda" and not ptx):
             return None
         box = self._open()
-        ptx = env.use_ptx(self.device)
         f32 = dict(dtype=torch.float32, device=self.device)
         fn = torch.empty(0, **f32)
         mixes = MhcMixes(fn, torch.empty(3, **f32), torch.empty((2 + hc) * hc, **f32),
@@ -374,12 +381,12 @@ class BoundaryAllReduce:
 
     def finalize(self, gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx,
                  shared_output, residual, post, comb, pre, norm_weight, norm_eps,
-                 mxfp8_out=None, mix_weights=None) -> tuple:
+                 mxfp8_out=None, mix_weights=None, combine_mixes: bool = True) -> tuple:
         """MoE finalize + publish in one kernel, then the consumer (as ``__call__``)."""
         partial = self.publish_finalize(gemm2_permuted, expert_weights,
                                         expanded_idx_to_permuted_idx, shared_output)
         return self(partial, residual, post, comb, pre, norm_weight, norm_eps, mxfp8_out,
-                    mix_weights)
+                    mix_weights, combine_mixes)
 
     def plain_sum(self, x: torch.Tensor) -> torch.Tensor:
         """The same two kernels with mHC, norm and quantization switched off:

@@ -463,7 +463,10 @@ def consume(
     combine (pre, post and comb: then unwritten) to the kernel launched right
     after it, ``mxfp8_mm(..., finish_mixes=...)``, so the consumer's grid ends
     without the combine's serial tail (benchmarks/NOTES.md "V4-family mixes"
-    item 13); None where the mixes kernel finished them.
+    item 13); None where nothing is left: the mixes kernel finished them, or
+    PTX is off on the GPU (``DECODE_BOUNDARY_DISABLE_PTX``: the combine's
+    bits would then depend on the kernel's FMA contraction), so the consumer
+    combined.
 
     Early inputs (module docstring): ``residual``, ``post``, ``comb``, ``pre``
     and ``norm_weight`` (and with ``mixes`` ``hc_fn``, early where the tactic
@@ -513,6 +516,11 @@ def consume(
     tactic = ConsumerTactic(*(tactic or consumer_tactic(m, hidden,
                                                         mixes.collapse if fused else None)))
     _check_tactic(tactic, hidden, mode, fused, isinstance(mixes, MhcMixes) and not fused)
+    if not isinstance(combine_mixes, bool):
+        raise ValueError(f"combine_mixes must be a bool, got {combine_mixes!r}")
+    # Left to the next GEMM only where its combine gives the consumer's bits: with PTX
+    # (mhc_combine's docstring), or off the GPU (the interpreter contracts nothing).
+    defer = not combine_mixes and fused and (ptx or device.type != "cuda")
     layer_input = None
     quant = mxfp8_out is not None
     same_pre = isinstance(mixes, MhcMixes) and mixes.collapse == "same"
@@ -580,7 +588,7 @@ def consume(
         LAMPORT=lamport, COOPERATIVE=tactic.cooperative, USE_PTX=ptx,
         USE_PDL=pdl, TIMELINE=timeline, num_warps=tactic.warps, enable_fp_fusion=False,
         launch_pdl=pdl, **_mix_constants(mixes if fused else None, hc, hidden, tactic),
-        COMBINE=combine_mixes or not fused, **kwargs,
+        COMBINE=not defer, **kwargs,
     )
     if compile_only:
         load_module(compiled)
@@ -594,7 +602,7 @@ def consume(
     if combine_mixes:
         return out, layer_input, mixes_out
     finish = mixes_finish(mixes, mix_words, generation, status, mixes_out, eps, wait_bound,
-                          hidden, tactic, ptx) if fused else None
+                          hidden, tactic, ptx) if defer else None
     return out, layer_input, mixes_out, finish
 
 

@@ -59,7 +59,10 @@ class MixesFinish(NamedTuple):
     post [M, hc], comb [M, hc, hc] FP32) and the geometry of the launch's
     shares. The finishing kernel must run after the consumer in stream order
     and read these only after its grid wait (the consumer's grid complete);
-    nothing may touch the mix rows or ``generation`` in between."""
+    nothing may touch the mix rows or ``generation`` in between. A share
+    missing there (never expected) sets ``NORM_TIMEOUT_BIT`` in ``status``
+    after the bound and makes that token's mixes NaN; the all-reduce's next
+    ``check()`` reports it."""
 
     mix_words: torch.Tensor  # int64 [rows, mix_columns(H, hc)]
     generation: torch.Tensor  # int32 [rows]: generation[m] is the shares' tag

@@ -203,15 +203,27 @@ def _check_finish(f: MixesFinish, rows: int, device: torch.device) -> None:
     if not isinstance(f, MixesFinish):
         raise ValueError(f"finish_mixes must be a MixesFinish, got {type(f).__name__}")
     hc = f.hc
-    want = dict(pre=(rows, hc), post=(rows, hc), comb=(rows, hc, hc))
-    for name, shape in want.items():
+    n_mix = (2 + hc) * hc
+    want = dict(pre=(torch.float32, (rows, hc)), post=(torch.float32, (rows, hc)),
+                comb=(torch.float32, (rows, hc, hc)), hc_scale=(torch.float32, (3,)),
+                hc_base=(torch.float32, (n_mix,)), status=(torch.int32, (1,)),
+                generation=(torch.int32, None), mix_words=(torch.int64, None))
+    for name, (dtype, shape) in want.items():
         t = getattr(f, name)
-        if t.dtype != torch.float32 or tuple(t.shape) != shape or t.device != device:
-            raise ValueError(f"finish_mixes.{name} must be float32 {shape} on {device}, got "
-                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
-    if f.mix_words.shape[0] < rows or f.generation.shape[0] < rows:
-        raise ValueError(f"finish_mixes' scratch rows ({f.mix_words.shape[0]}, "
-                         f"{f.generation.shape[0]}) are fewer than the GEMM's {rows}")
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.device != device or \
+                not t.is_contiguous() or (shape is not None and tuple(t.shape) != shape):
+            got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) \
+                else type(t).__name__
+            raise ValueError(f"finish_mixes.{name} must be a contiguous {dtype} "
+                             f"{shape or 'tensor'} on {device}, got {got}")
+    if f.mix_words.ndim != 2 or f.mix_words.shape[0] < rows or f.generation.shape[0] < rows:
+        raise ValueError(f"finish_mixes' scratch rows ({tuple(f.mix_words.shape)}, "
+                         f"{tuple(f.generation.shape)}) are fewer than the GEMM's {rows}")
+    if f.slots < n_mix + 1 or f.mix_row > f.mix_words.shape[1] or \
+            f.chunks * f.slots > f.totals_off or f.totals_off + f.slots > f.mix_row:
+        raise ValueError(f"finish_mixes' geometry (chunks {f.chunks}, slots {f.slots}, totals "
+                         f"at {f.totals_off}, row {f.mix_row}) does not fit mix_words "
+                         f"{tuple(f.mix_words.shape)}")
 
 
 def _launch_config(layer, a, out, tactic: Tactic, publish, finish: MixesFinish | None = None):

@@ -108,7 +108,7 @@ then has M more columns in front (``pid_n < M``; in front so they are
 dispatched with the first weight owners): the one at split 0, row block 0
 combines token ``pid_n`` (``common.mhc_combine.finish_token_mixes``) after
 the grid wait, while the weight owners run their products; the copies at
-other grid positions only pass the PDL calls. They load nothing before the
+other grid positions exit at once. They load nothing before the
 wait and write only pre, post, comb and the mix row's totals words. The
 shares are complete at the wait (the consumer's grid has completed), so the
 poll's first probe finds them; their tag is ``generation[m]``. Its roundings
@@ -263,24 +263,27 @@ def _write_block(vals, out_ptr, rows, cols, M, N: tl.constexpr, is_first_block,
 
 @triton.jit
 def _finish_mixes_program(mix_ptr, generation_ptr, status_ptr, hc_scale_ptr, hc_base_ptr,
-                          pre_out_ptr, post_out_ptr, comb_out_ptr, m, active, mix_eps, hc_eps,
-                          mix_rounds, wait_bound, USE_PDL: tl.constexpr, HC: tl.constexpr,
+                          pre_out_ptr, post_out_ptr, comb_out_ptr, m, mix_eps, hc_eps,
+                          mix_rounds, wait_bound, stamp_ptr, slot, TIMELINE: tl.constexpr,
+                          USE_PDL: tl.constexpr, HC: tl.constexpr,
                           MIX_HIDDEN: tl.constexpr, MIX_CHUNKS: tl.constexpr,
                           MIX_CHUNKS_P2: tl.constexpr, SLOTS: tl.constexpr,
                           MIX_ROW: tl.constexpr, TOTALS_OFF: tl.constexpr,
                           USE_PTX: tl.constexpr):
     """``FINISH_MIXES``: token m's next mixes, combined from the shares the
     consumer before this GEMM left (``common.mhc_combine``), by a program that
-    loads no weight; ``active`` False for its copies at other (split, row
-    block) grid positions, which only pass the PDL calls."""
+    loads no weight. Timeline marks: WAITED and MARK2 at the grid wait, MARK1
+    once combined."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()  # the consumer's grid has completed: every share is in
-    if active:
-        finish_token_mixes(mix_ptr, generation_ptr, status_ptr, hc_scale_ptr, hc_base_ptr,
-                           pre_out_ptr, post_out_ptr, comb_out_ptr, m, mix_eps, hc_eps,
-                           mix_rounds, wait_bound, HC, MIX_HIDDEN, MIX_CHUNKS, MIX_CHUNKS_P2,
-                           SLOTS, MIX_ROW, TOTALS_OFF, USE_PTX)
+    stamp(stamp_ptr, slot, WAITED, TIMELINE)
+    stamp(stamp_ptr, slot, MARK2, TIMELINE)
+    finish_token_mixes(mix_ptr, generation_ptr, status_ptr, hc_scale_ptr, hc_base_ptr,
+                       pre_out_ptr, post_out_ptr, comb_out_ptr, m, mix_eps, hc_eps, mix_rounds,
+                       wait_bound, HC, MIX_HIDDEN, MIX_CHUNKS, MIX_CHUNKS_P2, SLOTS, MIX_ROW,
+                       TOTALS_OFF, USE_PTX)
+    stamp(stamp_ptr, slot, MARK1, TIMELINE)
 
 
 @triton.jit(do_not_specialize=["M", "stamp_base", "mix_rounds", "wait_bound"])
@@ -314,11 +317,19 @@ def mxfp8_gemm_kernel(
         # the weight owners, so they wait at the grid dependency like them, and combine
         # while the products run; the consumer no longer ends with the combine).
         if pid_n < M:
-            _finish_mixes_program(mix_ptr, generation_ptr, status_ptr, hc_scale_ptr, hc_base_ptr,
-                                  pre_out_ptr, post_out_ptr, comb_out_ptr, pid_n,
-                                  (pid_k == 0) & (pid_m == 0), mix_eps, hc_eps, mix_rounds,
-                                  wait_bound, USE_PDL, HC, MIX_HIDDEN, MIX_CHUNKS, MIX_CHUNKS_P2,
-                                  SLOTS, MIX_ROW, TOTALS_OFF, USE_PTX)
+            if (pid_k == 0) & (pid_m == 0):
+                _finish_mixes_program(mix_ptr, generation_ptr, status_ptr, hc_scale_ptr,
+                                      hc_base_ptr, pre_out_ptr, post_out_ptr, comb_out_ptr, pid_n,
+                                      mix_eps, hc_eps, mix_rounds, wait_bound, stamp_ptr, slot,
+                                      TIMELINE, USE_PDL, HC, MIX_HIDDEN, MIX_CHUNKS,
+                                      MIX_CHUNKS_P2, SLOTS, MIX_ROW, TOTALS_OFF, USE_PTX)
+            else:
+                # Its copies at the other (split, row block) positions have nothing to do:
+                # they leave at once (a program that exits has released its dependents),
+                # not holding a slot until the grid wait. Every mark set (a diagnostic).
+                stamp(stamp_ptr, slot, WAITED, TIMELINE)
+                stamp(stamp_ptr, slot, MARK2, TIMELINE)
+                stamp(stamp_ptr, slot, MARK1, TIMELINE)
             stamp(stamp_ptr, slot, END, TIMELINE)
             return
         pid_n -= M

@@ -182,11 +182,12 @@ class AttentionBoundary:
         gemm_precompile(self.fused_wqa_wkv, rows_list, bf16_input=False)  # the consumer's MXFP8
         for rows in rows_list:
             self.publisher.precompile(self.wo_b, rows)
-        self.all_reduce.precompile(rows_list)
-        for rows in rows_list:  # the variant that finishes the consumer's mixes (consume)
+            # The variant that finishes the consumer's mixes (consume); before the
+            # all-reduce's precompile, whose barrier then covers this compile too.
             finish = self.all_reduce.deferred_finish(rows)
             if finish is not None:
                 gemm_precompile(self.fused_wqa_wkv, [rows], bf16_input=False, finish_mixes=finish)
+        self.all_reduce.precompile(rows_list)
 
     def close(self) -> None:
         if self._owns_all_reduce:

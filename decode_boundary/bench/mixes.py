@@ -99,25 +99,25 @@ class MixesTimer:
             return quantize_mxfp8(layer_input), mixes
         return self.separate(residual_out, *v.mix_weights, c.eps, c.hc_eps, c.hc_sinkhorn_iters)
 
-    def _consumer(self, v: AttentionBoundary, inputs, partial, pre):
-        c, rows = self.config, inputs.rows
-        data = torch.empty(rows, c.hidden, dtype=torch.float8_e4m3fn, device=v.device)
-        scale = torch.empty(mxfp8_scale_bytes(rows, c.hidden), dtype=torch.uint8,
-                            device=v.device)
+    def _mxfp8_buffers(self, v: AttentionBoundary, rows: int):
+        """(data, swizzled scales) for the MXFP8 layer input of ``rows`` tokens."""
+        h = self.config.hidden
+        return (torch.empty(rows, h, dtype=torch.float8_e4m3fn, device=v.device),
+                torch.empty(mxfp8_scale_bytes(rows, h), dtype=torch.uint8, device=v.device))
+
+    def _consumer(self, v: AttentionBoundary, inputs, partial, pre, mxfp8_out=None):
+        """The consumer without mixes (residual-only where ``pre`` is None)."""
+        if pre is not None and mxfp8_out is None:
+            mxfp8_out = self._mxfp8_buffers(v, inputs.rows)
         return self.plain(partial, inputs.residual, inputs.post, inputs.comb, pre, v.norm_weight,
-                          c.eps, mxfp8_out=(data, scale) if pre is not None else None)
+                          self.config.eps, mxfp8_out=mxfp8_out)
 
     def _consumer_with_gemm(self, v: AttentionBoundary, inputs, partial):
         """The consumer without mixes (given pre), then fused_wqa_wkv on its
         MXFP8 layer input: (residual_out, layer_input, q)."""
-        c, rows = self.config, inputs.rows
-        data = torch.empty(rows, c.hidden, dtype=torch.float8_e4m3fn, device=v.device)
-        scale = torch.empty(mxfp8_scale_bytes(rows, c.hidden), dtype=torch.uint8,
-                            device=v.device)
-        res_out, layer_input = self.plain(partial, inputs.residual, inputs.post, inputs.comb,
-                                          inputs.pre, v.norm_weight, c.eps,
-                                          mxfp8_out=(data, scale))
-        q = mxfp8_mm(v.fused_wqa_wkv, QuantizedActivation(data, scale, torch.bfloat16,
+        next_in = self._mxfp8_buffers(v, inputs.rows)
+        res_out, layer_input = self._consumer(v, inputs, partial, inputs.pre, next_in)
+        q = mxfp8_mm(v.fused_wqa_wkv, QuantizedActivation(*next_in, torch.bfloat16,
                                                           layer_input.shape))
         return res_out, layer_input, q
 
@@ -132,8 +132,10 @@ class MixesTimer:
 
     def steps(self, inputs) -> dict[str, list]:
         """name -> one callable per weight copy."""
-        names = ["fused", "consumer", "separate", "consumer_then_separate"]
-        out = {name: [] for name in names + ([] if self.same else ["mixes_kernel"])}
+        names = ["fused", "consumer", "separate", "consumer_then_separate",
+                 *([] if self.same else ["mixes_kernel"]), "fused_with_gemm",
+                 "consumer_with_gemm"]
+        out = {name: [] for name in names}
         for v in self.views:
             partial = mxfp8_mm(v.wo_b, mxfp8_mm(v.wo_a, inputs.attn_out))
             residual_out = v.reduce(inputs, partial)[0]
@@ -150,11 +152,9 @@ class MixesTimer:
                 return self._tail(v, self._consumer(v, inputs, partial, pre)[0])
 
             out["consumer_then_separate"].append(both)
-        for v in self.views:
-            partial = mxfp8_mm(v.wo_b, mxfp8_mm(v.wo_a, inputs.attn_out))
-            out.setdefault("fused_with_gemm", []).append(
+            out["fused_with_gemm"].append(
                 functools.partial(self._fused_with_gemm, v, inputs, partial))
-            out.setdefault("consumer_with_gemm", []).append(
+            out["consumer_with_gemm"].append(
                 functools.partial(self._consumer_with_gemm, v, inputs, partial))
         return out
 

@@ -55,6 +55,7 @@ from .consumer import (
     ConsumerTactic,
     MhcMixes,
     WaitTimeout,
+    can_leave_combine,
     compile_inputs,
     consume,
     consumer_tactic,
@@ -363,8 +364,8 @@ class BoundaryAllReduce:
                              f"{rows!r}")
         m, hc, h = rows, self.hc_mult, self.hidden_size
         ptx = env.use_ptx(self.device)
-        if self.collapse_pre is None or not fuses_mixes(m, hc, self.collapse_pre) or (
-                self.device.type == "cuda" and not ptx):
+        if self.collapse_pre is None or not fuses_mixes(m, hc, self.collapse_pre) or \
+                not can_leave_combine(ptx, self.device):
             return None
         box = self._open()
         f32 = dict(dtype=torch.float32, device=self.device)

@@ -518,9 +518,7 @@ def consume(
     _check_tactic(tactic, hidden, mode, fused, isinstance(mixes, MhcMixes) and not fused)
     if not isinstance(combine_mixes, bool):
         raise ValueError(f"combine_mixes must be a bool, got {combine_mixes!r}")
-    # Left to the next GEMM only where its combine gives the consumer's bits: with PTX
-    # (mhc_combine's docstring), or off the GPU (the interpreter contracts nothing).
-    defer = not combine_mixes and fused and (ptx or device.type != "cuda")
+    defer = not combine_mixes and fused and can_leave_combine(ptx, device)
     layer_input = None
     quant = mxfp8_out is not None
     same_pre = isinstance(mixes, MhcMixes) and mixes.collapse == "same"
@@ -604,6 +602,13 @@ def consume(
     finish = mixes_finish(mixes, mix_words, generation, status, mixes_out, eps, wait_bound,
                           hidden, tactic, ptx) if defer else None
     return out, layer_input, mixes_out, finish
+
+
+def can_leave_combine(ptx: bool, device: torch.device) -> bool:
+    """Whether a later kernel (the next GEMM) may combine the mixes a consumer
+    launch left and get the consumer's bits: with PTX (``common.mhc_combine``'s
+    docstring), or off the GPU (the interpreter contracts nothing)."""
+    return ptx or device.type != "cuda"
 
 
 def mixes_finish(mixes: MhcMixes, mix_words: torch.Tensor, generation: torch.Tensor,

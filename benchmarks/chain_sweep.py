@@ -14,7 +14,7 @@ mixes" item 10).
 The chosen tactics are checked (fused = unfused bit for bit, both against the
 reference) and printed as TABLE entries.
 
-    PYTHONPATH=. python benchmarks/chain_sweep.py [--tp-shapes 4] [--rows 1 8]
+    PYTHONPATH=. python benchmarks/chain_sweep.py [--tp-shapes 4] [--rows 1 8] [--consumer-only]
 """
 
 from __future__ import annotations
@@ -48,6 +48,14 @@ CONSUMER_SWEEP = tuple(ConsumerTactic(cols, warps, True, early)
                        for cols, warps in ((64, 2), (64, 4), (128, 4), (128, 8), (256, 4),
                                            (256, 8), (512, 4))
                        for early in ((False, True) if cols <= 32 * warps else (False,)))
+# Several tokens per program (fused mixes only; hc_fn read once per program): the
+# shapes that compile without spills for both collapses (sm_90 ptxas here: V4 at 4
+# tokens needs 8 warps at 128 columns).
+TOKENS_SWEEP = tuple(ConsumerTactic(cols, warps, True, early, tokens)
+                     for cols, warps, tokens, early in (
+                         (128, 4, 2, False), (128, 4, 2, True), (128, 8, 2, False),
+                         (128, 8, 4, False), (128, 8, 4, True), (128, 8, 8, False),
+                         (256, 8, 2, False), (256, 8, 4, False)))
 
 
 def sweep_consumer(ab: AttentionBoundary, steps: list, rows: int, device: torch.device,
@@ -58,7 +66,8 @@ def sweep_consumer(ab: AttentionBoundary, steps: list, rows: int, device: torch.
     fused = fuses_mixes(rows, c.hc_mult, c.collapse_pre)
     base = consumer_tactic(rows, c.hidden, c.collapse_pre if fused else None)
     timed = []
-    for tactic in [base, *(t for t in CONSUMER_SWEEP if t != base)]:
+    candidates = [*CONSUMER_SWEEP, *(t for t in TOKENS_SWEEP if fused and t.tokens <= rows)]
+    for tactic in [base, *(t for t in candidates if t != base)]:
         if not fused and tactic.mix_weights_early:
             continue  # no mixes in the consumer: the flag changes nothing
         ab.all_reduce.tactic = tactic
@@ -71,12 +80,13 @@ def sweep_consumer(ab: AttentionBoundary, steps: list, rows: int, device: torch.
     return {"tactic": best._asdict(), "us": best_us, "table_us": timed[0][0]}
 
 
-def sweep(ab: AttentionBoundary, views: list, rows: int, device: torch.device) -> dict:
+def sweep(ab: AttentionBoundary, views: list, rows: int, device: torch.device,
+          layers: tuple = LAYERS) -> dict:
     inputs = ab.make_inputs(rows, seed=rows)
     steps = [functools.partial(v, inputs, fused=True) for v in views]
     chosen = {}
     trials = []
-    for name in LAYERS:
+    for name in layers:
         layer = getattr(ab, name)
         n, k, groups, bucket = key = cache_key(layer, rows)
         base = table_tactic(n, k, rows, groups) or sweep_tactics(n, k, rows, groups)[0]
@@ -101,11 +111,15 @@ def sweep(ab: AttentionBoundary, views: list, rows: int, device: torch.device) -
 
 
 def main() -> None:
-    args = one_gpu_parser(__doc__.splitlines()[0]).parse_args()
+    parser = one_gpu_parser(__doc__.splitlines()[0])
+    parser.add_argument("--consumer-only", action="store_true",
+                        help="sweep only the consumer (the GEMMs keep their table tactics)")
+    args = parser.parse_args()
     ab, views = one_gpu_boundary(args, seed=5)
     device = ab.device
     result = one_gpu_result("chain_sweep", args)
-    result["sweeps"] = [sweep(ab, views, rows, device) for rows in args.rows]
+    layers = () if args.consumer_only else LAYERS
+    result["sweeps"] = [sweep(ab, views, rows, device, layers) for rows in args.rows]
     ab.close()
     for s in result["sweeps"]:
         print(f"\nM = {s['rows']}: {'; '.join(s['failures']) or 'checks ok'}")

@@ -48,14 +48,6 @@ CONSUMER_SWEEP = tuple(ConsumerTactic(cols, warps, True, early)
                        for cols, warps in ((64, 2), (64, 4), (128, 4), (128, 8), (256, 4),
                                            (256, 8), (512, 4))
                        for early in ((False, True) if cols <= 32 * warps else (False,)))
-# Several tokens per program (fused mixes only; hc_fn read once per program): the
-# shapes that compile without spills for both collapses (sm_90 ptxas here: V4 at 4
-# tokens needs 8 warps at 128 columns).
-TOKENS_SWEEP = tuple(ConsumerTactic(cols, warps, True, early, tokens)
-                     for cols, warps, tokens, early in (
-                         (128, 4, 2, False), (128, 4, 2, True), (128, 8, 2, False),
-                         (128, 8, 4, False), (128, 8, 4, True), (128, 8, 8, False),
-                         (256, 8, 2, False), (256, 8, 4, False)))
 
 
 def sweep_consumer(ab: AttentionBoundary, steps: list, rows: int, device: torch.device,
@@ -66,8 +58,7 @@ def sweep_consumer(ab: AttentionBoundary, steps: list, rows: int, device: torch.
     fused = fuses_mixes(rows, c.hc_mult, c.collapse_pre)
     base = consumer_tactic(rows, c.hidden, c.collapse_pre if fused else None)
     timed = []
-    candidates = [*CONSUMER_SWEEP, *(t for t in TOKENS_SWEEP if fused and t.tokens <= rows)]
-    for tactic in [base, *(t for t in candidates if t != base)]:
+    for tactic in [base, *(t for t in CONSUMER_SWEEP if t != base)]:
         if not fused and tactic.mix_weights_early:
             continue  # no mixes in the consumer: the flag changes nothing
         ab.all_reduce.tactic = tactic

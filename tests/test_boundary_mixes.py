@@ -271,6 +271,13 @@ def _left_to_next_gemm(dev, h, rows, tactic=None, n_out=96, pin_gemm=None):
             ar.check()
             with pytest.raises(ValueError, match="finish_mixes.pre must be a contiguous"):
                 mxfp8_mm(linear, a2, finish_mixes=finish._replace(pre=finish.pre[:, :1]))
+            # A geometry that is not the mix row's (a wrong slot count, totals offset,
+            # chunk count or hidden) is refused before anything launches.
+            for wrong in (dict(slots=finish.slots * 2), dict(totals_off=finish.totals_off - 1),
+                          dict(chunks=0), dict(chunks=h), dict(hidden=h * 2),
+                          dict(mix_row=finish.mix_row + 16)):
+                with pytest.raises(ValueError, match="is not the mix row of hidden"):
+                    mxfp8_mm(linear, a2, finish_mixes=finish._replace(**wrong))
         ar.close()
 
 

@@ -62,7 +62,13 @@ import torch
 import triton
 
 from .. import env
+from ..common.contract import (  # the mix row's geometry, re-exported
+    MIX_MIN_BLOCK as MIX_MIN_BLOCK,
+)
 from ..common.contract import STAGES, MixesFinish
+from ..common.contract import mix_columns as mix_columns
+from ..common.contract import mix_slots as mix_slots
+from ..common.contract import mix_totals_offset as mix_totals_offset
 from ..common.timeline import launch_args
 from ..mxfp8.format import check_scale_buffer, mxfp8_scale_bytes
 from .consumer_kernel import (
@@ -135,7 +141,6 @@ SAME_PRE_MIXES_TACTICS = (
     (16, ConsumerTactic(128, 4)),
     (1 << 30, ConsumerTactic(256, 4)),
 )
-MIX_MIN_BLOCK = 64  # the mix row has one SLOTS-wide share per chunk of >= 64 columns
 # Beyond this many tokens V4.1's next mixes come from the mixes kernel after the
 # consumer (mixes_kernel.py: hc_fn read once per 16 tokens, not once per token). One
 # H200, TP-4 shapes: the consumer alone + the kernel beats the fused mixes from M = 32
@@ -175,25 +180,6 @@ def sumsq_columns(hidden: int) -> int:
     """Row length of the per-token sum-of-squares scratch (one tagged word per
     32 columns, the finest chunk a tactic may use)."""
     return triton.cdiv(hidden, QUANT_GROUP)
-
-
-def mix_slots(hc: int) -> int:
-    """Words per chunk in a token's mix row: the (2 + hc) * hc dots and the sum
-    of squares, padded to a power of two."""
-    return triton.next_power_of_2((2 + hc) * hc + 1)
-
-
-def mix_totals_offset(hidden: int, hc: int) -> int:
-    """Where chunk 0 puts the shares' sums in a token's mix row (``mix_slots``
-    words, its own scratch, read back as scalars): after one share per chunk
-    of >= ``MIX_MIN_BLOCK`` columns."""
-    return triton.cdiv(hidden, MIX_MIN_BLOCK) * mix_slots(hc)
-
-
-def mix_columns(hidden: int, hc: int) -> int:
-    """Row length of the per-token mix scratch (int64 tagged words, a multiple
-    of 16: 128-byte lines): the shares, then chunk 0's sums of them."""
-    return triton.cdiv(mix_totals_offset(hidden, hc) + mix_slots(hc), 16) * 16
 
 
 def is_nonnegative_real(value) -> bool:

@@ -9,7 +9,7 @@ token group.
 
 **Layout.** ``streams``: the consumer's ``residual_out`` BF16 ``[M, HC, H]``;
 ``hc_fn`` FP32 ``[(2 + HC) * HC, HC * H]``; the mix rows int64 ``[rows,
-MIX_ROW]`` in the consumer's layout (``consumer.mix_columns``: a share of
+MIX_ROW]`` in the consumer's layout (``common.contract.mix_columns``: a share of
 ``SLOTS`` words per chunk, then chunk 0's sums). Grid: (column chunks, token
 groups), chunks fastest. Program (c, g) holds ``hc_fn``'s columns of chunk c
 (loaded before its grid wait: a weight, overlapping the consumer), then for

@@ -51,6 +51,33 @@ class PublishTarget:
     hidden: int
 
 
+# A token's mix row (int64 tagged words, docs/DESIGN.md §5.1): one share of
+# mix_slots(hc) words per chunk of its columns, chunks of >= MIX_MIN_BLOCK columns,
+# then the combining program's sums of them. Written by the consumer (or the mixes
+# kernel), read by whichever kernel combines: the consumer, the mixes kernel or the
+# GEMM after the consumer (FINISH_MIXES).
+MIX_MIN_BLOCK = 64
+
+
+def mix_slots(hc: int) -> int:
+    """Words per chunk in a token's mix row: the (2 + hc) * hc dots and the sum
+    of squares, padded to a power of two."""
+    return 1 << ((2 + hc) * hc).bit_length()
+
+
+def mix_totals_offset(hidden: int, hc: int) -> int:
+    """Where the combining program puts the shares' sums in a token's mix row
+    (``mix_slots`` words, its own scratch, read back as scalars): after one
+    share per chunk of >= ``MIX_MIN_BLOCK`` columns."""
+    return -(-hidden // MIX_MIN_BLOCK) * mix_slots(hc)
+
+
+def mix_columns(hidden: int, hc: int) -> int:
+    """Row length of the per-token mix scratch (int64 tagged words, a multiple
+    of 16: 128-byte lines): the shares, then the combining program's sums."""
+    return -(-(mix_totals_offset(hidden, hc) + mix_slots(hc)) // 16) * 16
+
+
 class MixesFinish(NamedTuple):
     """A consumer launch's next mHC mixes, left for the next kernel to combine
     (``consume(..., combine_mixes=False)``; the device side is

@@ -57,7 +57,15 @@ from __future__ import annotations
 import torch
 import triton
 
-from decode_boundary.common.contract import NO_PUBLISH, MixesFinish, check_publish_target
+from decode_boundary.common.contract import (
+    MIX_MIN_BLOCK,
+    NO_PUBLISH,
+    MixesFinish,
+    check_publish_target,
+    mix_columns,
+    mix_slots,
+    mix_totals_offset,
+)
 from decode_boundary.common.timeline import launch_args
 from decode_boundary.env import interpret_mode, use_pdl
 from decode_boundary.mxfp8.format import QuantizedActivation, check_scale_buffer, mxfp8_scale_bytes
@@ -219,11 +227,16 @@ def _check_finish(f: MixesFinish, rows: int, device: torch.device) -> None:
     if f.mix_words.ndim != 2 or f.mix_words.shape[0] < rows or f.generation.shape[0] < rows:
         raise ValueError(f"finish_mixes' scratch rows ({tuple(f.mix_words.shape)}, "
                          f"{tuple(f.generation.shape)}) are fewer than the GEMM's {rows}")
-    if f.slots < n_mix + 1 or f.mix_row > f.mix_words.shape[1] or \
-            f.chunks * f.slots > f.totals_off or f.totals_off + f.slots > f.mix_row:
+    row = mix_columns(f.hidden, hc)
+    if (f.slots, f.totals_off, f.mix_row) != (mix_slots(hc), mix_totals_offset(f.hidden, hc),
+                                              row) or \
+            not 1 <= f.chunks <= -(-f.hidden // MIX_MIN_BLOCK) or f.mix_words.shape[1] != row:
         raise ValueError(f"finish_mixes' geometry (chunks {f.chunks}, slots {f.slots}, totals "
-                         f"at {f.totals_off}, row {f.mix_row}) does not fit mix_words "
-                         f"{tuple(f.mix_words.shape)}")
+                         f"at {f.totals_off}, row {f.mix_row}, mix_words "
+                         f"{tuple(f.mix_words.shape)}) is not the mix row of hidden {f.hidden}, "
+                         f"hc {hc} (common.contract: slots {mix_slots(hc)}, totals at "
+                         f"{mix_totals_offset(f.hidden, hc)}, row {row}, <= "
+                         f"{-(-f.hidden // MIX_MIN_BLOCK)} chunks)")
 
 
 def _launch_config(layer, a, out, tactic: Tactic, publish, finish: MixesFinish | None = None):

@@ -102,7 +102,12 @@ def test_strong_baseline_is_close_to_the_reference(tiny_boundary):
     """cuBLAS-BF16-style GEMMs + the traced mHC (aot_eager: the graph torch.compile
     would hand inductor) against the MXFP8 reference: a speed baseline, so close,
     not equal; the eager mhc_rmsnorm matches the consumer reference on the same sum."""
-    from decode_boundary.bench.baselines import BASELINE_RTOL, StrongBaseline, mhc_rmsnorm
+    from decode_boundary.bench.baselines import (
+        BASELINE_RTOL,
+        StrongBaseline,
+        check_baseline,
+        mhc_rmsnorm,
+    )
     from decode_boundary.boundary.reference import consumer_ref
 
     ab = tiny_boundary
@@ -110,7 +115,7 @@ def test_strong_baseline_is_close_to_the_reference(tiny_boundary):
     inputs = ab.make_inputs(5, seed=21)
     args = (inputs.residual, inputs.post, inputs.comb, inputs.pre, ab.norm_weight, ab.config.eps)
     out = strong(inputs)
-    assert check_outputs(out, ab.reference(inputs), BASELINE_RTOL) == []
+    assert check_baseline(out, ab.reference(inputs), ab, BASELINE_RTOL) == []
     reduced = torch.randn(5, ab.config.hidden).bfloat16()
     residual_out, layer_input = mhc_rmsnorm(reduced, *args)
     ref_residual, ref_input, _ = consumer_ref([reduced], *args, quantize=False)

@@ -243,15 +243,16 @@ def test_eager_baseline_on_cpu():
     """EagerBaseline (the ``baseline`` path) runs on CPU: its row-wise FP8 pieces
     against independent FP64 computations, its consumer (``all_reduce_then_mhc``,
     one rank) against the bars at eps = 1, and the whole path close to the
-    MXFP8 reference (a speed baseline of other numerics: BASELINE_RTOL)."""
+    MXFP8 reference (a speed baseline of other numerics: EAGER_RTOL)."""
     from decode_boundary.bench.baselines import (
-        BASELINE_RTOL,
+        EAGER_RTOL,
         EagerBaseline,
         RowwiseFp8Linear,
         all_reduce_then_mhc,
+        check_baseline,
         rowwise_fp8,
     )
-    from decode_boundary.model.chain import AttentionBoundary, check_outputs
+    from decode_boundary.model.chain import AttentionBoundary
     from decode_boundary.model.config import MODELS
 
     g = torch.Generator().manual_seed(6)
@@ -285,7 +286,7 @@ def test_eager_baseline_on_cpu():
     # The whole path.
     eager = EagerBaseline(tiny)
     inputs = tiny.make_inputs(5, seed=21)
-    assert check_outputs(eager(inputs), tiny.reference(inputs), BASELINE_RTOL) == []
+    assert check_baseline(eager(inputs), tiny.reference(inputs), tiny, EAGER_RTOL) == []
     tiny.close()
 
 
@@ -332,3 +333,39 @@ def test_gpu_strong_baseline_mhc_rmsnorm_at_an_eps_that_matters():
     # measured on the H200, 147 of 1280 elements one BF16 step from the once-rounded
     # FP64 value. A speed baseline (BASELINE_RTOL), so one step is its bar.
     check_step(d, res_out, layer, rounded_once=False)
+
+
+def test_baseline_bars_at_the_real_shapes():
+    """The bench's bars for its baselines (``check_baseline``) at DSV4.1-Flash's
+    TP-4 shapes, M = 2: the eager baseline (row-wise FP8), which missed the
+    common 8e-2 bar there (q 8.04 %, next_post 11 % from its own residual_out),
+    passes its own; wrong outputs fail: q off by 30 %, and mixes 1e-4 away
+    from those of the baseline's own residual_out (close to the reference's,
+    far from the spec)."""
+    import dataclasses
+
+    from decode_boundary.bench.baselines import (
+        BASELINE_RTOL,
+        EAGER_RTOL,
+        EagerBaseline,
+        baseline_rtol,
+        check_baseline,
+    )
+    from decode_boundary.model.chain import AttentionBoundary, check_outputs
+    from decode_boundary.model.config import MODELS
+
+    assert baseline_rtol("baseline") == EAGER_RTOL
+    assert baseline_rtol("strong_baseline") == baseline_rtol("compiled_step") == BASELINE_RTOL
+    ab = AttentionBoundary(MODELS["v4.1-flash"], 4, 0, None, torch.device("cpu"), 2, seed=0)
+    inputs = ab.make_inputs(2, seed=2)
+    ref = ab.reference(inputs)
+    out = EagerBaseline(ab)(inputs)
+    old_bar = check_outputs(out, ref, BASELINE_RTOL)
+    assert any(f.startswith("q:") for f in old_bar), old_bar
+    assert check_baseline(out, ref, ab, EAGER_RTOL) == []
+    wrong_q = dataclasses.replace(out, q=(out.q.float() * 1.3).to(out.q.dtype))
+    assert [f for f in check_baseline(wrong_q, ref, ab, EAGER_RTOL) if f.startswith("q:")]
+    nudged = dataclasses.replace(out, next_post=out.next_post + 1e-4)
+    assert [f for f in check_baseline(nudged, ref, ab, EAGER_RTOL)
+            if f.startswith("next_post:")]
+    ab.close()

@@ -39,7 +39,7 @@ from decode_boundary.model.chain import (
 )
 from decode_boundary.model.config import MODELS, BoundaryConfig
 
-from .baselines import BASELINE_RTOL
+from .baselines import baseline_rtol, check_baseline
 from .gemm import mxfp8_weight_bytes
 from .mixes import time_mixes
 from .paths import BASELINES, PATHS, STAGES, Step, build
@@ -139,7 +139,7 @@ def verify_rows(ab: AttentionBoundary, rows: int, group: dist.ProcessGroup | Non
                 baselines: dict[str, Step] | None = None) -> dict:
     """Correctness of one row count: ``{"rows", "ok", "failures", "ranks_identical"}``.
     ``baselines``: the steps of ``BASELINES`` for ``ab`` (built here if not
-    given), each checked against the reference within ``BASELINE_RTOL``.
+    given), each checked by ``baselines.check_baseline`` (its bar: ``baseline_rtol``).
 
     Must be called on every rank (it gathers the output digests)."""
     inputs = ab.make_inputs(rows, seed=rows)
@@ -149,7 +149,7 @@ def verify_rows(ab: AttentionBoundary, rows: int, group: dist.ProcessGroup | Non
     if baselines is None:
         baselines = {name: build(name, ab) for name in BASELINES}
     baseline_failures = [f"{name} {f}" for name, step in baselines.items()
-                         for f in check_outputs(step(inputs), ref, BASELINE_RTOL)]
+                         for f in check_baseline(step(inputs), ref, ab, baseline_rtol(name))]
     identical = True
     if group is not None:
         digests = [None] * dist.get_world_size(group)

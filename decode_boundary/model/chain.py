@@ -337,11 +337,11 @@ def run_simulated(boundaries: list[AttentionBoundary], inputs: list[BoundaryInpu
 CHAIN_RTOL = 2e-2
 
 
-def check_outputs(out: BoundaryOutputs, ref: BoundaryOutputs,
-                  rtol: float = CHAIN_RTOL) -> list[str]:
-    """Failures (empty when fine) of a path's outputs against the reference."""
+def check_outputs(out: BoundaryOutputs, ref: BoundaryOutputs, rtol: float = CHAIN_RTOL,
+                  names: tuple = OUTPUT_NAMES + MIX_NAMES) -> list[str]:
+    """Failures (empty when fine) of a path's outputs ``names`` against the reference."""
     failures = []
-    for name in OUTPUT_NAMES + MIX_NAMES:
+    for name in names:
         got, want = getattr(out, name).float(), getattr(ref, name).float()
         if got.shape != want.shape:
             failures.append(f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}")

@@ -311,3 +311,42 @@ def test_gpu_mixes_left_to_the_next_gemm():
 
     n_out = MODELS["v4.1-flash"].fused_wqa_wkv_shape()[0]
     _left_to_next_gemm("cuda", 5120, (1, 2, 4, 16), n_out=n_out)
+
+
+def test_a_finish_left_unlaunched_is_refused():
+    """``combine_mixes=False`` leaves pre / post / comb unwritten for the next
+    GEMM: the all-reduce's next call refuses (``RuntimeError``, before anything
+    of that step runs) while no GEMM launched with the returned
+    ``MixesFinish``, and goes on once one did (or after ``reset()``); the
+    refused call leaves the instance usable."""
+    from decode_boundary.gemm import mxfp8_mm
+    from decode_boundary.gemm.linear import Mxfp8Linear
+    from decode_boundary.mxfp8.format import QuantizedActivation, mxfp8_scale_bytes
+
+    (ar,) = db.BoundaryAllReduce.simulated(1, H, HC, CAP, 2, quantize_layer_input=True,
+                                           residual_only=False, collapse_pre="previous")
+    linear = Mxfp8Linear.from_float(torch.randn(32, H).bfloat16() * 0.05)
+    d = inputs(2, seed=12)
+
+    def call(combine):
+        q = (torch.empty(2, H, dtype=torch.float8_e4m3fn),
+             torch.empty(mxfp8_scale_bytes(2, H), dtype=torch.uint8))
+        out = ar(d["xs"][0], d["residual"], d["post"], d["comb"], d["pre"], d["gamma"], EPS, q,
+                 mix_weights=d["weights"], combine_mixes=combine)
+        return out, QuantizedActivation(*q, torch.bfloat16, torch.Size((2, H)))
+
+    (_, _, mixes, finish), a = call(False)
+    assert finish is not None and finish.launched == [False]
+    with pytest.raises(RuntimeError, match="no GEMM launched with its MixesFinish"):
+        call(True)
+    (_, _, want), _ = call(True)  # refused once, then usable
+    (_, _, mixes, finish), a = call(False)
+    mxfp8_mm(linear, a, finish_mixes=finish)
+    assert finish.launched == [True]
+    for got, exp in zip(mixes, want, strict=True):
+        assert torch.equal(got.view(torch.int32), exp.view(torch.int32))
+    call(False)
+    ar.reset()
+    call(True)
+    assert ar._box.status.item() == 0
+    ar.close()

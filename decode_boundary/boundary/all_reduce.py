@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from .. import env
 from ..common.contract import (
+    MixesFinish,
     PublishTarget,
 )
 from . import host_wait, ops
@@ -208,6 +209,8 @@ class BoundaryAllReduce:
         self._box: Mailbox | None = _mailbox
         self.tp, self.rank = _mailbox.tp, _mailbox.rank
         self._published: torch.Tensor | None = None
+        # The MixesFinish the last call left to the next GEMM (combine_mixes=False).
+        self._left_to_gemm: MixesFinish | None = None
         self.handle = ops.register(self)  # what the custom ops name this instance by
         self.tactic = tactic
         self._compiled: set[tuple] = set()
@@ -451,7 +454,7 @@ class BoundaryAllReduce:
         ``host_timeout_s`` each: a rank that does not arrive is named in a
         ``RuntimeError`` (a dead peer: recreate the group)."""
         box = self._open()
-        self._published = None
+        self._published = self._left_to_gemm = None
         if not collective:
             return
         work, self._abort_work = self._abort_work, None
@@ -663,6 +666,13 @@ class BoundaryAllReduce:
 
         self._ready()
         try:
+            left, self._left_to_gemm = self._left_to_gemm, None
+            if left is not None and not left.launched[0]:
+                raise RuntimeError(
+                    "the previous call left its next mixes to the GEMM after it "
+                    "(combine_mixes=False), but no GEMM launched with its MixesFinish: pass it "
+                    "to mxfp8_mm(layer, x, finish_mixes=...) before the next reduce, or call "
+                    "with combine_mixes=True (pre, post and comb of that call are unwritten)")
             check_reduce_call(self, x, mode, inputs)
             quant = inputs.get("mxfp8_out") is not None
             combine = inputs.get("combine_mixes", True)
@@ -679,6 +689,8 @@ class BoundaryAllReduce:
                 self._failed = f"{type(error).__name__}: {error}"
             raise
         self._last_rows = x.shape[0]
+        if len(out) == 4 and out[3] is not None:
+            self._left_to_gemm = out[3]
         if not self._capturing():
             self.check()
         return out

@@ -607,7 +607,7 @@ def mixes_finish(mixes: MhcMixes, mix_words: torch.Tensor, generation: torch.Ten
     return MixesFinish(mix_words, generation, status, mixes.hc_scale, mixes.hc_base, *outputs,
                        float(eps), float(mixes.hc_eps), mixes.sinkhorn_iters - 1,
                        int(wait_bound), hc, hidden, triton.cdiv(hidden, tactic.block_h),
-                       row["SLOTS"], row["MIX_ROW"], row["TOTALS_OFF"], ptx)
+                       row["SLOTS"], row["MIX_ROW"], row["TOTALS_OFF"], ptx, [False])
 
 
 def _mix_row(hidden: int, hc: int) -> dict:

@@ -89,7 +89,10 @@ class MixesFinish(NamedTuple):
     nothing may touch the mix rows or ``generation`` in between. A share
     missing there (never expected) sets ``NORM_TIMEOUT_BIT`` in ``status``
     after the bound and makes that token's mixes NaN; the all-reduce's next
-    ``check()`` reports it."""
+    ``check()`` reports it. ``launched`` (host side): a one-element list the
+    GEMM sets to True when it launches with this finish; the all-reduce that
+    returned it refuses its next call while it is still False (pre, post and
+    comb would be left unwritten: the next boundary would read garbage)."""
 
     mix_words: torch.Tensor  # int64 [rows, mix_columns(H, hc)]
     generation: torch.Tensor  # int32 [rows]: generation[m] is the shares' tag
@@ -110,6 +113,7 @@ class MixesFinish(NamedTuple):
     mix_row: int
     totals_off: int
     use_ptx: bool
+    launched: list | None = None
 
 
 # The launch arguments of a producer that does not publish (kernels compile the

@@ -318,7 +318,9 @@ def test_a_finish_left_unlaunched_is_refused():
     GEMM: the all-reduce's next call refuses (``RuntimeError``, before anything
     of that step runs) while no GEMM launched with the returned
     ``MixesFinish``, and goes on once one did (or after ``reset()``); the
-    refused call leaves the instance usable."""
+    refused call leaves the instance usable. A finish older than the
+    all-reduce's last call (or than a reset) is refused by the GEMM: its
+    shares have been rewritten."""
     from decode_boundary.gemm import mxfp8_mm
     from decode_boundary.gemm.linear import Mxfp8Linear
     from decode_boundary.mxfp8.format import QuantizedActivation, mxfp8_scale_bytes
@@ -339,14 +341,21 @@ def test_a_finish_left_unlaunched_is_refused():
     assert finish is not None and finish.launched == [False]
     with pytest.raises(RuntimeError, match="no GEMM launched with its MixesFinish"):
         call(True)
+    with pytest.raises(ValueError, match="older than its last one"):  # expired there
+        mxfp8_mm(linear, a, finish_mixes=finish)
     (_, _, want), _ = call(True)  # refused once, then usable
     (_, _, mixes, finish), a = call(False)
     mxfp8_mm(linear, a, finish_mixes=finish)
     assert finish.launched == [True]
     for got, exp in zip(mixes, want, strict=True):
         assert torch.equal(got.view(torch.int32), exp.view(torch.int32))
-    call(False)
+    call(True)  # the next call expires the launched finish too: the mix rows change
+    with pytest.raises(ValueError, match="older than its last one"):
+        mxfp8_mm(linear, a, finish_mixes=finish)
+    (_, _, _, finish), a = call(False)
     ar.reset()
+    with pytest.raises(ValueError, match="older than its last one"):
+        mxfp8_mm(linear, a, finish_mixes=finish)
     call(True)
     assert ar._box.status.item() == 0
     ar.close()

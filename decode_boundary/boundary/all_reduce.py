@@ -454,6 +454,8 @@ class BoundaryAllReduce:
         ``host_timeout_s`` each: a rank that does not arrive is named in a
         ``RuntimeError`` (a dead peer: recreate the group)."""
         box = self._open()
+        if self._left_to_gemm is not None:
+            self._left_to_gemm.launched[0] = None
         self._published = self._left_to_gemm = None
         if not collective:
             return
@@ -667,7 +669,10 @@ class BoundaryAllReduce:
         self._ready()
         try:
             left, self._left_to_gemm = self._left_to_gemm, None
-            if left is not None and not left.launched[0]:
+            launched = left is None or left.launched[0]
+            if left is not None:
+                left.launched[0] = None  # expired: this call rewrites the mix rows
+            if not launched:
                 raise RuntimeError(
                     "the previous call left its next mixes to the GEMM after it "
                     "(combine_mixes=False), but no GEMM launched with its MixesFinish: pass it "

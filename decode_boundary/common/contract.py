@@ -92,7 +92,9 @@ class MixesFinish(NamedTuple):
     ``check()`` reports it. ``launched`` (host side): a one-element list the
     GEMM sets to True when it launches with this finish; the all-reduce that
     returned it refuses its next call while it is still False (pre, post and
-    comb would be left unwritten: the next boundary would read garbage)."""
+    comb would be left unwritten: the next boundary would read garbage), and
+    at that call sets it to None: the mix rows are about to be rewritten, so a
+    GEMM refuses the finish from then on."""
 
     mix_words: torch.Tensor  # int64 [rows, mix_columns(H, hc)]
     generation: torch.Tensor  # int32 [rows]: generation[m] is the shares' tag

@@ -210,6 +210,10 @@ def _check_finish(f: MixesFinish, rows: int, device: torch.device) -> None:
     """A ``MixesFinish`` as ``consume`` makes it, for these rows."""
     if not isinstance(f, MixesFinish):
         raise ValueError(f"finish_mixes must be a MixesFinish, got {type(f).__name__}")
+    if f.launched is not None and f.launched[0] is None:
+        raise ValueError("finish_mixes is from an all-reduce call older than its last one: "
+                         "its shares have been rewritten since (pass a call's MixesFinish to "
+                         "the GEMM right after that call)")
     hc = f.hc
     n_mix = (2 + hc) * hc
     want = dict(pre=(torch.float32, (rows, hc)), post=(torch.float32, (rows, hc)),

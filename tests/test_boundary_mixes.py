@@ -313,14 +313,15 @@ def test_gpu_mixes_left_to_the_next_gemm():
     _left_to_next_gemm("cuda", 5120, (1, 2, 4, 16), n_out=n_out)
 
 
-def test_a_finish_left_unlaunched_is_refused():
+def test_a_finish_left_unlaunched_or_stale_is_refused():
     """``combine_mixes=False`` leaves pre / post / comb unwritten for the next
-    GEMM: the all-reduce's next call refuses (``RuntimeError``, before anything
-    of that step runs) while no GEMM launched with the returned
-    ``MixesFinish``, and goes on once one did (or after ``reset()``); the
-    refused call leaves the instance usable. A finish older than the
-    all-reduce's last call (or than a reset) is refused by the GEMM: its
-    shares have been rewritten."""
+    GEMM: the all-reduce's next call refuses (``RuntimeError``; at tp = 1 the
+    instance stays usable) while no GEMM launched with the returned
+    ``MixesFinish``; the finish is still good then (nothing rewrote its
+    shares) and its GEMM gives the combining call's bits. A GEMM refuses a
+    finish older than the last consumer launch on its rows, one from before a
+    collective reset (the rows re-armed), one made only to compile
+    (``deferred_finish``), a 0-row input, and a misaligned output."""
     from decode_boundary.gemm import mxfp8_mm
     from decode_boundary.gemm.linear import Mxfp8Linear
     from decode_boundary.mxfp8.format import QuantizedActivation, mxfp8_scale_bytes
@@ -337,25 +338,37 @@ def test_a_finish_left_unlaunched_is_refused():
                  mix_weights=d["weights"], combine_mixes=combine)
         return out, QuantizedActivation(*q, torch.bfloat16, torch.Size((2, H)))
 
+    (_, _, want), _ = call(True)
     (_, _, mixes, finish), a = call(False)
-    assert finish is not None and finish.launched == [False]
+    assert finish is not None and finish.launched == [False] and finish.epoch > 0
     with pytest.raises(RuntimeError, match="no GEMM launched with its MixesFinish"):
         call(True)
-    with pytest.raises(ValueError, match="older than its last one"):  # expired there
-        mxfp8_mm(linear, a, finish_mixes=finish)
-    (_, _, want), _ = call(True)  # refused once, then usable
-    (_, _, mixes, finish), a = call(False)
-    mxfp8_mm(linear, a, finish_mixes=finish)
+    with pytest.raises(RuntimeError, match="no GEMM launched"):  # still pending
+        call(False)
+    with pytest.raises(ValueError, match="got 0 rows"):
+        mxfp8_mm(linear, torch.empty(0, H).bfloat16(), finish_mixes=finish)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        shifted = torch.empty(2 * HC + 1)[1:].view(2, HC)
+        mxfp8_mm(linear, a, finish_mixes=finish._replace(pre=shifted))
+    mxfp8_mm(linear, a, finish_mixes=finish)  # the refused calls rewrote nothing
     assert finish.launched == [True]
     for got, exp in zip(mixes, want, strict=True):
         assert torch.equal(got.view(torch.int32), exp.view(torch.int32))
-    call(True)  # the next call expires the launched finish too: the mix rows change
-    with pytest.raises(ValueError, match="older than its last one"):
+    call(True)  # the next consumer launch rewrites the mix rows: the finish is stale
+    with pytest.raises(ValueError, match="older than the last consumer launch"):
         mxfp8_mm(linear, a, finish_mixes=finish)
     (_, _, _, finish), a = call(False)
-    ar.reset()
-    with pytest.raises(ValueError, match="older than its last one"):
+    ar.reset()  # not collective: forgets the pending finish, rewrites nothing
+    call(True)
+    (_, _, _, finish), a = call(False)
+    ar.reset(collective=True)  # re-arms (zeroes) the mix rows
+    with pytest.raises(ValueError, match="older than the last consumer launch"):
         mxfp8_mm(linear, a, finish_mixes=finish)
+    with pytest.raises(ValueError, match="made to compile"):
+        mxfp8_mm(linear, a, finish_mixes=ar.deferred_finish(2))
+    with pytest.raises(ValueError, match="serves one row count"):
+        from decode_boundary.gemm import precompile
+        precompile(linear, [1, 2], finish_mixes=ar.deferred_finish(2))
     call(True)
     assert ar._box.status.item() == 0
     ar.close()

@@ -340,7 +340,15 @@ class BoundaryAllReduce:
         (benchmarks/NOTES.md "V4-family mixes" item 13); the bits are the
         same. It is None where nothing is left (the mixes kernel combined, PTX
         is off on the GPU, or under torch.compile, where the consumer
-        combines): the GEMM then runs without it.
+        combines): the GEMM then runs without it. The GEMM must run on this
+        call's stream before the next consumer launch on these scratch rows
+        (else it refuses the finish: ``ValueError``), and this instance refuses
+        its next call (``RuntimeError``, the step aborted as for a bad
+        argument) while no GEMM launched with it. pre, post and comb are
+        complete when that GEMM's grid is: a kernel that reads them before its
+        own grid wait (the next consumer does, for its early inputs) must not
+        be able to start while the GEMM runs, i.e. not sit in an unbroken chain
+        of kernels that release their dependents early (PDL) behind it.
 
         Every argument is checked before anything of this step is written to a
         peer or to the stage words; a rejected one aborts the step on every rank
@@ -454,8 +462,6 @@ class BoundaryAllReduce:
         ``host_timeout_s`` each: a rank that does not arrive is named in a
         ``RuntimeError`` (a dead peer: recreate the group)."""
         box = self._open()
-        if self._left_to_gemm is not None:
-            self._left_to_gemm.launched[0] = None
         self._published = self._left_to_gemm = None
         if not collective:
             return
@@ -668,16 +674,17 @@ class BoundaryAllReduce:
 
         self._ready()
         try:
-            left, self._left_to_gemm = self._left_to_gemm, None
-            launched = left is None or left.launched[0]
-            if left is not None:
-                left.launched[0] = None  # expired: this call rewrites the mix rows
-            if not launched:
+            left = self._left_to_gemm
+            if left is not None and not left.launched[0]:
+                # Refused like a bad argument (the step aborts on every rank); the finish
+                # stays valid (nothing rewrote its shares), so it can still be launched.
                 raise RuntimeError(
                     "the previous call left its next mixes to the GEMM after it "
-                    "(combine_mixes=False), but no GEMM launched with its MixesFinish: pass it "
-                    "to mxfp8_mm(layer, x, finish_mixes=...) before the next reduce, or call "
-                    "with combine_mixes=True (pre, post and comb of that call are unwritten)")
+                    "(combine_mixes=False), but no GEMM launched with its MixesFinish, so its "
+                    "pre, post and comb are unwritten: launch mxfp8_mm(layer, x, "
+                    "finish_mixes=...) with it right after such a call (or call with "
+                    "combine_mixes=True)")
+            self._left_to_gemm = None
             check_reduce_call(self, x, mode, inputs)
             quant = inputs.get("mxfp8_out") is not None
             combine = inputs.get("combine_mixes", True)

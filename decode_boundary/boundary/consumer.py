@@ -65,7 +65,7 @@ from .. import env
 from ..common.contract import (  # the mix row's geometry, re-exported
     MIX_MIN_BLOCK as MIX_MIN_BLOCK,
 )
-from ..common.contract import STAGES, MixesFinish
+from ..common.contract import STAGES, MixesFinish, advance_mix_rows
 from ..common.contract import mix_columns as mix_columns
 from ..common.contract import mix_slots as mix_slots
 from ..common.contract import mix_totals_offset as mix_totals_offset
@@ -583,10 +583,12 @@ def consume(
                           compile_only=compile_only)
     if mixes is None:
         return out, layer_input
+    # This launch rewrote the mix rows: a finish of an earlier one is stale from now on.
+    epoch = -1 if compile_only else advance_mix_rows(mix_words)
     if combine_mixes:
         return out, layer_input, mixes_out
     finish = mixes_finish(mixes, mix_words, generation, status, mixes_out, eps, wait_bound,
-                          hidden, tactic, ptx) if defer else None
+                          hidden, tactic, ptx, epoch) if defer else None
     return out, layer_input, mixes_out, finish
 
 
@@ -599,15 +601,20 @@ def can_leave_combine(ptx: bool, device: torch.device) -> bool:
 
 def mixes_finish(mixes: MhcMixes, mix_words: torch.Tensor, generation: torch.Tensor,
                  status: torch.Tensor, outputs: tuple, eps: float, wait_bound: int,
-                 hidden: int, tactic: ConsumerTactic, ptx: bool) -> MixesFinish:
+                 hidden: int, tactic: ConsumerTactic, ptx: bool, epoch: int = -1) -> MixesFinish:
     """The ``MixesFinish`` of a consumer launch with ``tactic`` (its chunks'
-    shares) that left the combine, for ``outputs`` = (pre, post, comb)."""
+    shares) that left the combine, for ``outputs`` = (pre, post, comb);
+    ``epoch``: that launch's (``common.contract.advance_mix_rows``), -1 for a
+    finish made only to compile the finishing variant."""
     hc = outputs[0].shape[1]
     row = _mix_row(hidden, hc)
+    device = mix_words.device
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
     return MixesFinish(mix_words, generation, status, mixes.hc_scale, mixes.hc_base, *outputs,
                        float(eps), float(mixes.hc_eps), mixes.sinkhorn_iters - 1,
                        int(wait_bound), hc, hidden, triton.cdiv(hidden, tactic.block_h),
-                       row["SLOTS"], row["MIX_ROW"], row["TOTALS_OFF"], ptx, [False])
+                       row["SLOTS"], row["MIX_ROW"], row["TOTALS_OFF"], ptx, [False], epoch,
+                       stream)
 
 
 def _mix_row(hidden: int, hc: int) -> dict:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..common.contract import SENTINEL, STAGES
+from ..common.contract import SENTINEL, STAGES, advance_mix_rows
 from ..env import disable_multicast, logger
 from .consumer import sumsq_columns
 
@@ -61,6 +61,7 @@ class Mailbox:
         self.sumsq.zero_()
         if self.mix_words is not None:
             self.mix_words.zero_()
+            advance_mix_rows(self.mix_words)  # a finish left before it is stale
 
 
 def _words(rank, tp, capacity, hidden, device, buffer, peer_ptrs, keepalive=None) -> Mailbox:

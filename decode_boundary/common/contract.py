@@ -89,12 +89,17 @@ class MixesFinish(NamedTuple):
     nothing may touch the mix rows or ``generation`` in between. A share
     missing there (never expected) sets ``NORM_TIMEOUT_BIT`` in ``status``
     after the bound and makes that token's mixes NaN; the all-reduce's next
-    ``check()`` reports it. ``launched`` (host side): a one-element list the
-    GEMM sets to True when it launches with this finish; the all-reduce that
-    returned it refuses its next call while it is still False (pre, post and
-    comb would be left unwritten: the next boundary would read garbage), and
-    at that call sets it to None: the mix rows are about to be rewritten, so a
-    GEMM refuses the finish from then on."""
+    ``check()`` reports it.
+
+    Host-side bookkeeping: ``launched``, a one-element list the GEMM sets to
+    True when it launches with this finish (the all-reduce that returned it
+    refuses its next call while it is False: pre, post and comb would stay
+    unwritten); ``epoch``, the mix rows' epoch (:func:`mix_rows_epoch`) of the
+    consumer launch that left it: a GEMM refuses the finish once a later
+    launch (or a re-arm) has rewritten the rows, and -1 marks a finish made
+    only to compile the variant (``deferred_finish``), which no launch takes;
+    ``stream``, the CUDA stream it was made on (0 off the GPU): the GEMM must
+    launch on it (its grid wait orders it after the consumer only there)."""
 
     mix_words: torch.Tensor  # int64 [rows, mix_columns(H, hc)]
     generation: torch.Tensor  # int32 [rows]: generation[m] is the shares' tag
@@ -116,6 +121,29 @@ class MixesFinish(NamedTuple):
     totals_off: int
     use_ptx: bool
     launched: list | None = None
+    epoch: int = -1
+    stream: int = 0
+
+
+# Host-side count of the launches that (re)wrote each mix-row buffer, by its storage:
+# a MixesFinish records the count of the launch that left it (MixesFinish.epoch).
+_MIX_ROWS_EPOCHS: dict[tuple[str, int], int] = {}
+
+
+def _mix_rows_key(mix_words: torch.Tensor) -> tuple[str, int]:
+    return str(mix_words.device), mix_words.untyped_storage().data_ptr()
+
+
+def mix_rows_epoch(mix_words: torch.Tensor) -> int:
+    """How many consumer launches (or re-arms) have written these mix rows."""
+    return _MIX_ROWS_EPOCHS.get(_mix_rows_key(mix_words), 0)
+
+
+def advance_mix_rows(mix_words: torch.Tensor) -> int:
+    """Count one more launch (or re-arm) writing these mix rows; the new epoch."""
+    key = _mix_rows_key(mix_words)
+    _MIX_ROWS_EPOCHS[key] = _MIX_ROWS_EPOCHS.get(key, 0) + 1
+    return _MIX_ROWS_EPOCHS[key]
 
 
 # The launch arguments of a producer that does not publish (kernels compile the

@@ -115,6 +115,8 @@ def _run(layer, x, tactic_for, finish=None) -> torch.Tensor | None:
     n = layer.weight.shape[1]
     device = layer.weight.device
     if rows == 0:
+        if finish is not None:  # it would be dropped: pre, post and comb left unwritten
+            raise ValueError("finish_mixes needs the GEMM of the consumer's rows, got 0 rows")
         return _finish(layer, torch.empty(0, n, dtype=torch.bfloat16, device=device), dtype,
                        shape)
     tactic = tactic_for(rows)
@@ -202,6 +204,10 @@ def precompile(layer, rows_list: Iterable[int], publish=None, bf16_input: bool |
     Call it again after the autotuner changes a choice."""
     if not mxfp8_eligible(layer):
         return
+    rows_list = list(rows_list)
+    if finish_mixes is not None and len(set(rows_list)) != 1:
+        raise ValueError(f"a finish_mixes serves one row count (its pre is [rows, hc]), got "
+                         f"rows {rows_list}: precompile each row count with its own")
     kinds = (False, True) if bf16_input is None else (bf16_input,)
     n, k, groups = _shape(layer)
     for rows in rows_list:

@@ -63,6 +63,7 @@ from decode_boundary.common.contract import (
     MixesFinish,
     check_publish_target,
     mix_columns,
+    mix_rows_epoch,
     mix_slots,
     mix_totals_offset,
 )
@@ -193,11 +194,13 @@ def _check_activation(a, rows: int, a_k: int) -> bool:
     return False
 
 
-def _finish_args(finish: MixesFinish | None, rows: int, device: torch.device, dummy):
-    """(positional, constexpr) arguments of ``FINISH_MIXES`` (dummies without)."""
+def _finish_args(finish: MixesFinish | None, rows: int, device: torch.device, dummy,
+                 launching: bool = True):
+    """(positional, constexpr) arguments of ``FINISH_MIXES`` (dummies without);
+    ``launching``: for a launch, not only a compile (the finish must be current)."""
     if finish is None:
         return (dummy,) * 8 + (0.0, 0.0, 0, 0), {}
-    _check_finish(finish, rows, device)
+    _check_finish(finish, rows, device, launching)
     f = finish
     return (f.mix_words, f.generation, f.status, f.hc_scale, f.hc_base, f.pre, f.post, f.comb,
             float(f.eps), float(f.hc_eps), int(f.rounds), int(f.wait_bound)), dict(
@@ -206,14 +209,25 @@ def _finish_args(finish: MixesFinish | None, rows: int, device: torch.device, du
         TOTALS_OFF=f.totals_off, USE_PTX=f.use_ptx)
 
 
-def _check_finish(f: MixesFinish, rows: int, device: torch.device) -> None:
-    """A ``MixesFinish`` as ``consume`` makes it, for these rows."""
+def _check_finish(f: MixesFinish, rows: int, device: torch.device,
+                  launching: bool = True) -> None:
+    """A ``MixesFinish`` as ``consume`` makes it, for these rows; for a launch
+    also current (its shares not rewritten since) and on its stream."""
     if not isinstance(f, MixesFinish):
         raise ValueError(f"finish_mixes must be a MixesFinish, got {type(f).__name__}")
-    if f.launched is not None and f.launched[0] is None:
-        raise ValueError("finish_mixes is from an all-reduce call older than its last one: "
-                         "its shares have been rewritten since (pass a call's MixesFinish to "
-                         "the GEMM right after that call)")
+    if launching:
+        if f.epoch < 0:
+            raise ValueError("finish_mixes was made to compile the finishing variant "
+                             "(deferred_finish), not left by a consumer launch")
+        if f.epoch != mix_rows_epoch(f.mix_words):
+            raise ValueError("finish_mixes is older than the last consumer launch (or re-arm) "
+                             "on its mix rows: its shares have been rewritten (launch the "
+                             "GEMM with a call's MixesFinish right after that call)")
+        stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+        if stream != f.stream:
+            raise ValueError("finish_mixes was left on another stream: the GEMM must run on "
+                             "the consumer's stream, right after it (its grid wait orders it "
+                             "after the consumer only there)")
     hc = f.hc
     n_mix = (2 + hc) * hc
     want = dict(pre=(torch.float32, (rows, hc)), post=(torch.float32, (rows, hc)),
@@ -222,12 +236,15 @@ def _check_finish(f: MixesFinish, rows: int, device: torch.device) -> None:
                 generation=(torch.int32, None), mix_words=(torch.int64, None))
     for name, (dtype, shape) in want.items():
         t = getattr(f, name)
+        # 16-byte aligned, as the precompiled variant assumes (Triton specializes pointers
+        # on it: a misaligned one would compile anew, perhaps inside a graph capture).
         if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.device != device or \
-                not t.is_contiguous() or (shape is not None and tuple(t.shape) != shape):
+                not t.is_contiguous() or (shape is not None and tuple(t.shape) != shape) or \
+                t.data_ptr() % 16:
             got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) \
                 else type(t).__name__
-            raise ValueError(f"finish_mixes.{name} must be a contiguous {dtype} "
-                             f"{shape or 'tensor'} on {device}, got {got}")
+            raise ValueError(f"finish_mixes.{name} must be a contiguous, 16-byte aligned "
+                             f"{dtype} {shape or 'tensor'} on {device}, got {got}")
     if f.mix_words.ndim != 2 or f.mix_words.shape[0] < rows or f.generation.shape[0] < rows:
         raise ValueError(f"finish_mixes' scratch rows ({tuple(f.mix_words.shape)}, "
                          f"{tuple(f.generation.shape)}) are fewer than the GEMM's {rows}")
@@ -243,7 +260,8 @@ def _check_finish(f: MixesFinish, rows: int, device: torch.device) -> None:
                          f"{-(-f.hidden // MIX_MIN_BLOCK)} chunks)")
 
 
-def _launch_config(layer, a, out, tactic: Tactic, publish, finish: MixesFinish | None = None):
+def _launch_config(layer, a, out, tactic: Tactic, publish, finish: MixesFinish | None = None,
+                   launching: bool = True):
     """(grid, positional args, keyword args) shared by launch and warmup, so a
     warmed-up kernel is exactly the one a launch looks up. ``a`` is a BF16
     [rows, G*K] tensor or a QuantizedActivation (2-D data); with ``finish``,
@@ -265,7 +283,7 @@ def _launch_config(layer, a, out, tactic: Tactic, publish, finish: MixesFinish |
     if publish is not None:
         check_publish_target(publish, n, rows, device)
     buffers = _buffers(device, n, rows, tactic, publish)
-    mix_args, mix_kwargs = _finish_args(finish, rows, device, buffers[0])
+    mix_args, mix_kwargs = _finish_args(finish, rows, device, buffers[0], launching)
     grid = (n // tactic.block_n + (rows if finish is not None else 0), tactic.split_k,
             -(-rows // tactic.rows_tile))
     stamps, first_slot, timeline = launch_args("mxfp8_gemm_kernel", grid[0] * grid[1] * grid[2],
@@ -327,5 +345,5 @@ def warmup_low_latency(layer, rows: int, tactic: Tactic, publish=None, bf16_inpu
     out = torch.empty(rows, n, dtype=torch.bfloat16, device=device)
     if publish is not None and any(ptr % 16 for ptr in publish.peer_ptrs.tolist()):
         raise ValueError("publish.peer_ptrs must hold 16-byte aligned mailbox addresses")
-    grid, args, kwargs = _launch_config(layer, a, out, tactic, publish, finish)
+    grid, args, kwargs = _launch_config(layer, a, out, tactic, publish, finish, launching=False)
     return mxfp8_gemm_kernel.warmup(*args, grid=grid, **kwargs)

@@ -109,7 +109,9 @@ dispatched with the first weight owners): the one at split 0, row block 0
 combines token ``pid_n`` (``common.mhc_combine.finish_token_mixes``) after
 the grid wait, while the weight owners run their products; the copies at
 other grid positions exit at once. They load nothing before the
-wait and write only pre, post, comb and the mix row's totals words. The
+wait and write only pre, post, comb and the mix row's totals words (and,
+should a share be missing after the bound, ``NORM_TIMEOUT_BIT`` in the status
+word, the mixes then NaN). The
 shares are complete at the wait (the consumer's grid has completed), so the
 poll's first probe finds them; their tag is ``generation[m]``. Its roundings
 do not depend on this kernel's FMA contraction or warps (mhc_combine's

@@ -80,3 +80,31 @@ def test_both_ways_compute_the_same(collapse, monkeypatch):
     cells = [list(column.cells) for column in table.columns[-3:]]
     assert cells == [[f"{want['fused_with_gemm']:.2f}"], [f"{want['consumer_with_gemm']:.2f}"],
                      [f"{want['fused_with_gemm'] - want['consumer_with_gemm']:+.2f}"]]
+
+
+def test_parts_rotate_over_enough_copies(monkeypatch):
+    """The breakdown's stages and the mixes paths read one layer or only
+    hc_fn: they rotate over enough copies for their smallest part (here an
+    L2 stub of 8 x the smallest part's bytes, 2 of them: 17 copies; tiny's
+    smallest is wo_a), the whole step over the first of those (the same
+    seeds as ``cold_copies``)."""
+    from decode_boundary.bench import harness
+    from decode_boundary.bench.gemm import mxfp8_weight_bytes
+
+    ab = AttentionBoundary(MODELS["tiny"], 1, 0, None, torch.device("cpu"), 4, seed=5)
+    c = ab.config
+    sizes = (harness.mix_weight_bytes(ab), mxfp8_weight_bytes(*c.wo_a_shape()),
+             mxfp8_weight_bytes(*c.wo_b_shape(1)), mxfp8_weight_bytes(*c.fused_wqa_wkv_shape()))
+    l2 = 8 * min(sizes)
+    monkeypatch.setattr(harness, "copies_for_cold_l2",
+                        lambda per_copy, device: max(2, 2 * l2 // per_copy + 1))
+    parts = harness.cold_copies_for_parts(ab)
+    whole = harness.copies_for_cold_l2(harness.boundary_weight_bytes(ab.config, 1), ab.device)
+    assert len(parts) == 17 > whole
+    assert parts[0] is ab and len({id(v.wo_b) for v in parts}) == 17
+    assert len({v.mix_weights[0].data_ptr() for v in parts}) == 17
+    same = harness.cold_copies(ab)
+    assert len(same) == whole
+    for a, b in zip(same[1:], parts[1:whole], strict=True):
+        assert torch.equal(a.mix_weights[0], b.mix_weights[0])
+    ab.close()

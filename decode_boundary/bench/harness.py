@@ -42,7 +42,7 @@ from decode_boundary.model.config import MODELS, BoundaryConfig
 from .baselines import baseline_rtol, check_baseline
 from .gemm import mxfp8_weight_bytes
 from .mixes import time_mixes
-from .paths import BASELINES, PATHS, STAGES, Step, build
+from .paths import BASELINES, PATHS, STAGE_STEPS, STAGES, Step, build
 from .report import environment, git_commit, new_result, progress, write_json
 
 MIXES_MAX_ROWS = 16  # the mixes' targets are at M <= 16 (bench.mixes)
@@ -76,6 +76,27 @@ def cold_copies(ab: AttentionBoundary) -> list[AttentionBoundary]:
     step on copy i finds none of copy i-1's weights in L2."""
     per_copy = boundary_weight_bytes(ab.config, ab.tp)
     return ab.weight_copies(copies_for_cold_l2(per_copy, ab.device))
+
+
+def mix_weight_bytes(ab: AttentionBoundary) -> int:
+    """Bytes of the next sublayer's mix parameters (hc_fn, hc_scale, hc_base)
+    one boundary reads."""
+    return sum(t.numel() * t.element_size() for t in ab.mix_weights)
+
+
+def cold_copies_for_parts(ab: AttentionBoundary) -> list[AttentionBoundary]:
+    """``ab`` and copies of its weights, enough that the smallest part timed
+    alone is cold too, not only the whole step (:func:`cold_copies`, whose
+    copies are the first of these): a stage of the breakdown or a mixes path
+    reads one layer's weights or only hc_fn (1.97 MB at V4.1-Flash: ~64
+    copies for 2 x a 60 MiB L2, where the whole step's 28.9 MB needs 5)."""
+    c = ab.config
+    smallest = min(mix_weight_bytes(ab), mxfp8_weight_bytes(*c.wo_a_shape()),
+                   mxfp8_weight_bytes(*c.wo_b_shape(ab.tp)),
+                   mxfp8_weight_bytes(*c.fused_wqa_wkv_shape()))
+    whole = boundary_weight_bytes(c, ab.tp)
+    return ab.weight_copies(max(copies_for_cold_l2(smallest, ab.device),
+                                copies_for_cold_l2(whole, ab.device)))
 
 
 def one_gpu_parser(description: str) -> argparse.ArgumentParser:
@@ -211,7 +232,9 @@ def run_rank(ctx: RankContext, spec: BenchSpec) -> dict:
 def _time_paths(ab: AttentionBoundary, spec: BenchSpec, ctx: RankContext,
                 advance: Callable[[str], None], first: dict[str, Step]) -> dict:
     per_copy = boundary_weight_bytes(spec.config, ab.tp)
-    views = cold_copies(ab)
+    # The whole step rotates over the first copies; a part timed alone over all of them.
+    parts = cold_copies_for_parts(ab)
+    views = parts[:copies_for_cold_l2(per_copy, ab.device)]
     # Every path built once per weight copy (``first``: steps already built for ``ab``).
     steps = {path: [first.get(path) or build(path, views[0]),
                     *(build(path, v) for v in views[1:])] for path in PATHS}
@@ -233,15 +256,22 @@ def _time_paths(ab: AttentionBoundary, spec: BenchSpec, ctx: RankContext,
         hop_us = graph_time_us([functools.partial(ab.all_reduce.plain_sum, one)], ctx.device,
                                ctx.group)
     inputs = ab.make_inputs(breakdown_rows, seed=breakdown_rows)
+    # A stage or a mixes path reads far fewer bytes than the whole step: rotated over the
+    # step's copies alone, its weights (or hc_fn) would stay in L2. Ours rotate over
+    # ``parts``; the strong baseline's stages reuse its steps (its BF16 weights are twice
+    # ours: a stage's rotation over the step's copies already exceeds the L2).
     breakdown = {}
     for path, stages_of in STAGES.items():
-        per_view = [stages_of(v, s, inputs) for v, s in zip(views, steps[path], strict=True)]
+        if path in STAGE_STEPS:
+            per_view = [stages_of(v, s, inputs) for v, s in zip(views, steps[path], strict=True)]
+        else:
+            per_view = [stages_of(v, None, inputs) for v in parts]
         breakdown[path] = {name: graph_time_us([stages[name] for stages in per_view],
                                                ctx.device, ctx.group)
                            for name in per_view[0]}
     # The next sublayer's mixes both ways, in the same run (bench.mixes), at the M their
     # targets name (<= MIXES_MAX_ROWS: each M compiles the separate tail once more).
-    mixes = time_mixes(views, [m for m in spec.rows if m <= MIXES_MAX_ROWS] or spec.rows[:1],
+    mixes = time_mixes(parts, [m for m in spec.rows if m <= MIXES_MAX_ROWS] or spec.rows[:1],
                        ctx.device, ctx.group)
     return {
         "mixes": mixes,
@@ -251,6 +281,7 @@ def _time_paths(ab: AttentionBoundary, spec: BenchSpec, ctx: RankContext,
         "floor_us": per_copy / rate * 1e6 + hop_us,
         "hop_us": hop_us,
         "weight_copies": len(views),
+        "part_copies": len(parts),  # the breakdown's (ours) and the mixes paths' rotation
         "timings": timings,
         "breakdown": {"rows": breakdown_rows, **breakdown},
     }

@@ -76,6 +76,7 @@ STAGES: dict[str, Callable[..., dict[str, Callable[[], object]]]] = {
     "fused": _fused_stages,
     "strong_baseline": _strong_stages,
 }
+STAGE_STEPS = ("strong_baseline",)  # the breakdowns that take their path's built step
 
 
 def _strong_wo_b(ab, strong: StrongBaseline, o, inputs: BoundaryInputs):

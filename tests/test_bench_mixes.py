@@ -38,6 +38,7 @@ def test_both_ways_compute_the_same(collapse, monkeypatch):
     n = len(want)
     want.update(fused_with_gemm=2.0 + n, consumer_with_gemm=3.0 + n)
     assert result["rows"][0]["us"] == want
+    assert result["rows"][0]["failures"] == []  # every way checked before the timing
     fused, consumer, separate, both = (ran[i] for i in range(4))
     with_gemm, plain_with_gemm = ran[n], ran[n + 1]
     for copy in range(2):
@@ -107,4 +108,22 @@ def test_parts_rotate_over_enough_copies(monkeypatch):
     assert len(same) == whole
     for a, b in zip(same[1:], parts[1:whole], strict=True):
         assert torch.equal(a.mix_weights[0], b.mix_weights[0])
+    ab.close()
+
+
+def test_the_ways_are_checked_before_timing(monkeypatch):
+    """``check_ways`` fails a way whose mixes are off the spec (here: the spec
+    nudged by 1e-4) and names it, for every way that computes mixes."""
+    monkeypatch.setattr(mixes, "_compiled", lambda fn, backend: torch.compile(
+        fn, dynamic=False, fullgraph=True, backend="aot_eager"))
+    ab = AttentionBoundary(MODELS["tiny"], 1, 0, None, torch.device("cpu"), 4, seed=5)
+    timer = mixes.MixesTimer(ab.weight_copies(1), [2])
+    steps = timer.steps(ab.make_inputs(2, seed=2))
+    assert mixes.check_ways(steps, ab, timer.same) == []
+    spec = mixes.mhc_mixes_ref
+    monkeypatch.setattr(mixes, "mhc_mixes_ref",
+                        lambda *args: tuple(t + 1e-4 for t in spec(*args)))
+    failures = mixes.check_ways(steps, ab, timer.same)
+    assert {f.split(":")[0] for f in failures} == {"fused", "separate", "mixes_kernel"}, failures
+    timer.close()
     ab.close()

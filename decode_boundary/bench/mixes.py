@@ -34,7 +34,7 @@ from decode_boundary.boundary.all_reduce import BoundaryAllReduce
 from decode_boundary.boundary.reference import mhc_mixes_ref
 from decode_boundary.common.timing import graph_time_us
 from decode_boundary.gemm import mxfp8_mm
-from decode_boundary.model.chain import AttentionBoundary
+from decode_boundary.model.chain import MIXES_ATOL, AttentionBoundary
 from decode_boundary.mxfp8.format import QuantizedActivation, mxfp8_scale_bytes
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
@@ -159,18 +159,51 @@ class MixesTimer:
         return out
 
 
+def check_ways(steps: dict[str, list], ab: AttentionBoundary, same: bool) -> list[str]:
+    """Failures (empty when fine) of the timed ways on the first weight copy,
+    run once eagerly: every way's mixes within ``MIXES_ATOL`` of the spec of
+    the fused consumer's residual_out, the chain's pair (the GEMM combining)
+    with the consumer's own bits, and the consumer without mixes with its
+    residual_out."""
+    c = ab.config
+    res_out, _, _, mixes = steps["fused"][0]()
+    want = mhc_mixes_ref(res_out, *ab.mix_weights, c.eps, c.hc_eps, c.hc_sinkhorn_iters)
+    failures = []
+
+    def near(name, got):
+        err = max((a.double() - b.double()).abs().max().item()
+                  for a, b in zip(got, want, strict=True))
+        if not err <= MIXES_ATOL:  # NaN fails too
+            failures.append(f"{name}: mixes {err:.2e} from the spec of residual_out")
+
+    near("fused", mixes)
+    separate = steps["separate"][0]()
+    near("separate", separate[1] if same else separate)
+    if "mixes_kernel" in steps:
+        near("mixes_kernel", steps["mixes_kernel"][0]()[3])
+    paired = steps["fused_with_gemm"][0]()[3]
+    if not all(torch.equal(a.view(torch.int32), b.view(torch.int32))
+               for a, b in zip(paired, mixes, strict=True)):
+        failures.append("fused_with_gemm: the GEMM's combine differs from the consumer's")
+    if not torch.equal(steps["consumer"][0]()[0].view(torch.int16), res_out.view(torch.int16)):
+        failures.append("consumer: residual_out differs from the fused consumer's")
+    return failures
+
+
 def time_mixes(views: list[AttentionBoundary], rows: list[int], device, group) -> dict:
     """``{"collapse", "rows": [{"rows", "us": {fused, consumer, separate,
     consumer_then_separate[, mixes_kernel], fused_with_gemm,
-    consumer_with_gemm}}]}`` for every M of ``rows``, in one run."""
+    consumer_with_gemm}, "failures"}]}`` for every M of ``rows``, in one run
+    (``failures``: :func:`check_ways`, before the timing)."""
     timer = MixesTimer(views, rows)
     try:
         results = []
         for m in rows:
             inputs = views[0].make_inputs(m, seed=m)
-            results.append({"rows": m, "us": {
-                name: graph_time_us(calls, device, group)
-                for name, calls in timer.steps(inputs).items()}})
+            steps = timer.steps(inputs)
+            failures = check_ways(steps, views[0], timer.same)
+            results.append({"rows": m, "failures": failures, "us": {
+                name: graph_time_us(calls, device, group) for name, calls in steps.items()}})
     finally:
         timer.close()
     return {"collapse": views[0].config.collapse_pre, "rows": results}

@@ -202,6 +202,10 @@ def mixes_table(result: dict) -> Table:
                      "after the consumer, as beyond MIXES_FUSED_MAX_ROWS; fused + GEMM: the "
                      "chain's consumer and fused_wqa_wkv, which combines the mixes; consumer "
                      "+ GEMM: the same GEMM after the consumer without them")
+    failures = [f"M = {row['rows']}: {f}" for row in mixes["rows"]
+                for f in row.get("failures", [])]
+    if failures:
+        table.caption += "; CHECK FAILED: " + "; ".join(failures)
     return table
 
 

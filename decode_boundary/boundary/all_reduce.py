@@ -354,14 +354,10 @@ class BoundaryAllReduce:
         peer or to the stage words; a rejected one aborts the step on every rank
         (this one raises ``ValueError``, its peers ``RuntimeError`` naming it;
         docs/FAILURES.md)."""
-        if not isinstance(combine_mixes, bool):
-            raise ValueError(f"combine_mixes must be a bool, got {combine_mixes!r}")
         full = pre is not None or self.collapse_pre == "same"
         inputs = dict(residual=residual, post=post, comb=comb, pre=pre,
                       norm_weight=norm_weight, eps=norm_eps, mxfp8_out=mxfp8_out,
-                      mix_weights=mix_weights)
-        if not combine_mixes:
-            inputs.update(combine_mixes=False)
+                      mix_weights=mix_weights, combine_mixes=combine_mixes)
         return self._reduce(x, FULL if full else RESIDUAL_ONLY, **inputs)
 
     def deferred_finish(self, rows: int, eps: float = 0.0):

@@ -65,7 +65,7 @@ from .. import env
 from ..common.contract import (  # the mix row's geometry, re-exported
     MIX_MIN_BLOCK as MIX_MIN_BLOCK,
 )
-from ..common.contract import STAGES, MixesFinish, advance_mix_rows
+from ..common.contract import STAGES, MixesFinish, advance_mix_rows, current_stream_id
 from ..common.contract import mix_columns as mix_columns
 from ..common.contract import mix_slots as mix_slots
 from ..common.contract import mix_totals_offset as mix_totals_offset
@@ -608,13 +608,11 @@ def mixes_finish(mixes: MhcMixes, mix_words: torch.Tensor, generation: torch.Ten
     finish made only to compile the finishing variant."""
     hc = outputs[0].shape[1]
     row = _mix_row(hidden, hc)
-    device = mix_words.device
-    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
     return MixesFinish(mix_words, generation, status, mixes.hc_scale, mixes.hc_base, *outputs,
                        float(eps), float(mixes.hc_eps), mixes.sinkhorn_iters - 1,
                        int(wait_bound), hc, hidden, triton.cdiv(hidden, tactic.block_h),
                        row["SLOTS"], row["MIX_ROW"], row["TOTALS_OFF"], ptx, [False], epoch,
-                       stream)
+                       current_stream_id(mix_words.device))
 
 
 def _mix_row(hidden: int, hc: int) -> dict:

@@ -65,11 +65,17 @@ def mix_slots(hc: int) -> int:
     return 1 << ((2 + hc) * hc).bit_length()
 
 
+def max_mix_chunks(hidden: int) -> int:
+    """The most shares a token's mix row holds: one per chunk of >=
+    ``MIX_MIN_BLOCK`` columns."""
+    return -(-hidden // MIX_MIN_BLOCK)
+
+
 def mix_totals_offset(hidden: int, hc: int) -> int:
     """Where the combining program puts the shares' sums in a token's mix row
-    (``mix_slots`` words, its own scratch, read back as scalars): after one
-    share per chunk of >= ``MIX_MIN_BLOCK`` columns."""
-    return -(-hidden // MIX_MIN_BLOCK) * mix_slots(hc)
+    (``mix_slots`` words, its own scratch, read back as scalars): after the
+    ``max_mix_chunks`` shares."""
+    return max_mix_chunks(hidden) * mix_slots(hc)
 
 
 def mix_columns(hidden: int, hc: int) -> int:
@@ -123,6 +129,12 @@ class MixesFinish(NamedTuple):
     launched: list | None = None
     epoch: int = -1
     stream: int = 0
+
+
+def current_stream_id(device: torch.device) -> int:
+    """The current CUDA stream's id on ``device`` (0 off the GPU): where a
+    MixesFinish is left and where its GEMM must launch."""
+    return torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
 
 
 # Host-side count of the launches that (re)wrote each mix-row buffer, by its storage:

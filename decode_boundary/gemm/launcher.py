@@ -58,10 +58,11 @@ import torch
 import triton
 
 from decode_boundary.common.contract import (
-    MIX_MIN_BLOCK,
     NO_PUBLISH,
     MixesFinish,
     check_publish_target,
+    current_stream_id,
+    max_mix_chunks,
     mix_columns,
     mix_rows_epoch,
     mix_slots,
@@ -223,8 +224,7 @@ def _check_finish(f: MixesFinish, rows: int, device: torch.device,
             raise ValueError("finish_mixes is older than the last consumer launch (or re-arm) "
                              "on its mix rows: its shares have been rewritten (launch the "
                              "GEMM with a call's MixesFinish right after that call)")
-        stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
-        if stream != f.stream:
+        if current_stream_id(device) != f.stream:
             raise ValueError("finish_mixes was left on another stream: the GEMM must run on "
                              "the consumer's stream, right after it (its grid wait orders it "
                              "after the consumer only there)")
@@ -248,16 +248,15 @@ def _check_finish(f: MixesFinish, rows: int, device: torch.device,
     if f.mix_words.ndim != 2 or f.mix_words.shape[0] < rows or f.generation.shape[0] < rows:
         raise ValueError(f"finish_mixes' scratch rows ({tuple(f.mix_words.shape)}, "
                          f"{tuple(f.generation.shape)}) are fewer than the GEMM's {rows}")
-    row = mix_columns(f.hidden, hc)
+    row, chunks = mix_columns(f.hidden, hc), max_mix_chunks(f.hidden)
     if (f.slots, f.totals_off, f.mix_row) != (mix_slots(hc), mix_totals_offset(f.hidden, hc),
                                               row) or \
-            not 1 <= f.chunks <= -(-f.hidden // MIX_MIN_BLOCK) or f.mix_words.shape[1] != row:
+            not 1 <= f.chunks <= chunks or f.mix_words.shape[1] != row:
         raise ValueError(f"finish_mixes' geometry (chunks {f.chunks}, slots {f.slots}, totals "
                          f"at {f.totals_off}, row {f.mix_row}, mix_words "
                          f"{tuple(f.mix_words.shape)}) is not the mix row of hidden {f.hidden}, "
                          f"hc {hc} (common.contract: slots {mix_slots(hc)}, totals at "
-                         f"{mix_totals_offset(f.hidden, hc)}, row {row}, <= "
-                         f"{-(-f.hidden // MIX_MIN_BLOCK)} chunks)")
+                         f"{mix_totals_offset(f.hidden, hc)}, row {row}, <= {chunks} chunks)")
 
 
 def _launch_config(layer, a, out, tactic: Tactic, publish, finish: MixesFinish | None = None,

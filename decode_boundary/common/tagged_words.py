@@ -108,3 +108,51 @@ def _gave_up(flags, status_ptr):
     if stale:
         tl.atomic_or(status_ptr, _NORM_TIMEOUT_BIT)
     return stale
+
+
+@triton.jit
+def _pairwise_sum(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """sum over axis 0 of x [ROWS, COLS] (ROWS a power of two) in one tree
+    fixed by the indices, not by the layout: row i plus row i + ROWS / 2,
+    halving until one is left. (``tl.sum`` orders its adds by the threads and
+    warps the rows are spread over: two kernels with different ``num_warps``
+    would sum the shares in different orders; a two-element sum is one add,
+    the same either way.)"""
+    for level in tl.static_range(ROWS.bit_length() - 1):
+        x = tl.sum(tl.reshape(x, (2, ROWS >> (level + 1), COLS)), axis=0)
+    return tl.reshape(x, (COLS,))
+
+
+@triton.jit
+def norm_total(words, UNITS_P2: tl.constexpr):
+    """A token's sum of squares from its whole row of tagged partials [UNITS_P2]
+    (the consumer's hand-off): :func:`_pairwise_sum` over the units. A chunk's
+    partial sits in its first unit and its other units hold +0.0, so with
+    ``U`` units per chunk (a power of two) and ``UNITS_P2 = U * CHUNKS_P2`` the
+    tree folds the chunks first and then only adds +0.0: the same bits as
+    :func:`chunk_norm_totals` over the chunks' first units (a partial is >= +0
+    or NaN, so adding +0.0 is exact)."""
+    return tl.sum(_pairwise_sum(tl.reshape(_untagged(words), (UNITS_P2, 1)), UNITS_P2, 1),
+                  axis=0)
+
+
+@triton.jit
+def load_chunk_partials(sumsq_ptr, rows, row_live, UNITS: tl.constexpr,
+                        CHUNK_UNITS: tl.constexpr, CHUNKS: tl.constexpr,
+                        CHUNKS_P2: tl.constexpr):
+    """The partials a consumer launch of ``CHUNKS`` chunks left for tokens
+    ``rows`` [R] in their chunks' first units (every ``CHUNK_UNITS`` words of a
+    ``UNITS``-word row): tagged words [CHUNKS_P2, R], 0 where padded. Read by a
+    later kernel after its grid wait: plain loads, tags not checked (the
+    consumer's grid has completed)."""
+    c = tl.arange(0, CHUNKS_P2)[:, None]
+    live = (c < CHUNKS) & row_live[None, :]
+    return tl.load(sumsq_ptr + rows[None, :].to(tl.int64) * UNITS + c * CHUNK_UNITS, mask=live,
+                   other=0)
+
+
+@triton.jit
+def chunk_norm_totals(words, CHUNKS_P2: tl.constexpr):
+    """[R] sums of squares of :func:`load_chunk_partials`' words: the
+    consumer's own :func:`norm_total` bit for bit."""
+    return _pairwise_sum(_untagged(words), CHUNKS_P2, words.shape[1])

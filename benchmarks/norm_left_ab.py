@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
 from decode_boundary.bench.harness import (
     one_gpu_boundary,
     one_gpu_parser,

@@ -134,7 +134,13 @@ from ..common.mhc_combine import (
     _no_logits,
     _pre_from_shares,
 )
-from ..common.rounding import quantize_groups, swizzled_offset, to_bf16_rne, zero_scale_padding
+from ..common.rounding import (
+    quantize_groups,
+    rms_scale,
+    swizzled_offset,
+    to_bf16_rne,
+    zero_scale_padding,
+)
 from ..common.tagged_words import NORM_TIMEOUT_BIT as NORM_TIMEOUT_BIT  # a status bit, re-exported
 from ..common.tagged_words import (
     _bit_or,
@@ -337,7 +343,7 @@ def _norm_chunk(prenorm, gamma, total, eps, layer_ptr, qdata_ptr, qscale_ptr, m,
                 cmask, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, QUANT: tl.constexpr):
     """layer_input = bf16((prenorm * rsqrt(total / H + eps)) * gamma) for this
     chunk, and its MXFP8 groups (whole groups: BLOCK_H % 32 == 0)."""
-    rstd = tl.math.rsqrt(total / HIDDEN + eps)
+    rstd = rms_scale(total, eps, HIDDEN)
     y = to_bf16_rne((prenorm * rstd) * gamma.to(tl.float32))
     row_off = m.to(tl.int64) * HIDDEN
     tl.store(layer_ptr + row_off + cols, y, mask=cmask)

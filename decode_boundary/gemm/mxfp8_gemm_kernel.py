@@ -129,7 +129,12 @@ import triton.language as tl
 from decode_boundary.common.contract import STAGE_ACTIVE, STAGE_NEXT
 from decode_boundary.common.mailbox_store import publish_row
 from decode_boundary.common.mhc_combine import finish_token_mixes
-from decode_boundary.common.rounding import quantize_groups, swizzled_offset, to_bf16_rne
+from decode_boundary.common.rounding import (
+    quantize_groups,
+    rms_scale,
+    swizzled_offset,
+    to_bf16_rne,
+)
 from decode_boundary.common.tagged_words import chunk_norm_totals, load_chunk_partials
 from decode_boundary.common.timeline import END, MARK1, MARK2, START, WAITED, stamp, stamp_after
 
@@ -272,11 +277,11 @@ def _norm_rstd(words, norm_eps, K: tl.constexpr, ROWS: tl.constexpr,
     """rsqrt(total / K + eps) per row of :func:`_norm_partials`' words, in the
     consumer's operations and order (``_norm_chunk``): [ROWS], or a tuple of [1]."""
     if ROWS >= 16:
-        rstd = tl.math.rsqrt(chunk_norm_totals(words, NORM_CHUNKS_P2) / K + norm_eps)
+        rstd = rms_scale(chunk_norm_totals(words, NORM_CHUNKS_P2), norm_eps, K)
     else:
         rstd = ()
         for r in tl.static_range(ROWS):
-            rstd += (tl.math.rsqrt(chunk_norm_totals(words[r], NORM_CHUNKS_P2) / K + norm_eps),)
+            rstd += (rms_scale(chunk_norm_totals(words[r], NORM_CHUNKS_P2), norm_eps, K),)
     return rstd
 
 

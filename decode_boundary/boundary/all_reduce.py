@@ -48,10 +48,8 @@ import torch.distributed as dist
 from .. import env
 from ..common.contract import (
     MixesFinish,
-    PendingNorm,
     PublishTarget,
 )
-from ..mxfp8.format import mxfp8_scale_bytes
 from . import host_wait, ops
 from .consumer import (
     COLLAPSES,
@@ -65,7 +63,6 @@ from .consumer import (
     fuses_mixes,
     is_hc_eps,
     is_positive_int,
-    leaves_norm,
     mix_columns,
     mixes_finish,
     status_error,
@@ -212,9 +209,8 @@ class BoundaryAllReduce:
         self._box: Mailbox | None = _mailbox
         self.tp, self.rank = _mailbox.tp, _mailbox.rank
         self._published: torch.Tensor | None = None
-        # What the last call left to the next GEMM: its MixesFinish (combine_mixes=False),
-        # its PendingNorm (leave_norm=True).
-        self._left_to_gemm: list = []
+        # The MixesFinish the last call left to the next GEMM (combine_mixes=False).
+        self._left_to_gemm: MixesFinish | None = None
         self.handle = ops.register(self)  # what the custom ops name this instance by
         self.tactic = tactic
         self._compiled: set[tuple] = set()
@@ -321,7 +317,7 @@ class BoundaryAllReduce:
                  comb: torch.Tensor, pre: torch.Tensor | None, norm_weight: torch.Tensor | None,
                  norm_eps: float, mxfp8_out: tuple[torch.Tensor, torch.Tensor] | None = None,
                  mix_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                 combine_mixes: bool = True, leave_norm: bool = False) -> tuple:
+                 combine_mixes: bool = True) -> tuple:
         """Reduce ``x`` over the group and apply docs/DESIGN.md §5. Returns
         (residual_out [M, hc, H], layer_input [M, H] or None when ``pre`` is None);
         the MXFP8 layer input goes into ``mxfp8_out`` = (data, swizzled scales).
@@ -354,18 +350,6 @@ class BoundaryAllReduce:
         be able to start while the GEMM runs, i.e. not sit in an unbroken chain
         of kernels that release their dependents early (PDL) behind it.
 
-        ``leave_norm=True`` (a full call with ``mxfp8_out``): where
-        ``consumer.leaves_norm`` allows (up to ``NORM_LEFT_MAX_ROWS`` tokens),
-        the consumer leaves its RMSNorm and MXFP8 quantization to the GEMM
-        launched right after it on this stream, and the call's second element
-        is a ``PendingNorm`` instead of the layer input: pass it to that GEMM
-        as its input, ``mxfp8_mm(layer, pending, finish_mixes=...)``; it writes
-        ``pending.layer_input`` and ``mxfp8_out`` (the consumer's bits). The
-        consumer's grid then ends without the hand-off between its programs
-        (benchmarks/NOTES.md). The same rules as for a MixesFinish: this
-        instance refuses its next call while no GEMM took it, a GEMM refuses
-        it once stale or on another stream. Ignored under torch.compile.
-
         Every argument is checked before anything of this step is written to a
         peer or to the stage words; a rejected one aborts the step on every rank
         (this one raises ``ValueError``, its peers ``RuntimeError`` naming it;
@@ -373,8 +357,7 @@ class BoundaryAllReduce:
         full = pre is not None or self.collapse_pre == "same"
         inputs = dict(residual=residual, post=post, comb=comb, pre=pre,
                       norm_weight=norm_weight, eps=norm_eps, mxfp8_out=mxfp8_out,
-                      mix_weights=mix_weights, combine_mixes=combine_mixes,
-                      leave_norm=leave_norm)
+                      mix_weights=mix_weights, combine_mixes=combine_mixes)
         return self._reduce(x, FULL if full else RESIDUAL_ONLY, **inputs)
 
     def deferred_finish(self, rows: int, eps: float = 0.0):
@@ -404,41 +387,14 @@ class BoundaryAllReduce:
                             (torch.empty(m, hc, **f32), torch.empty(m, hc, **f32),
                              torch.empty(m, hc, hc, **f32)), eps, bound, h, tactic, ptx)
 
-    def deferred_norm(self, rows: int, eps: float = 0.0, norm_weight=None):
-        """The ``PendingNorm`` a full call of ``rows`` tokens with
-        ``leave_norm=True`` and ``mxfp8_out`` returns (outputs and, unless given,
-        the norm weight freshly allocated), or None where it returns the layer
-        input: what compiling the normalising GEMM ahead needs
-        (``gemm.precompile(..., pending_norm=...)``)."""
-        if isinstance(rows, bool) or not isinstance(rows, int) or not 0 < rows <= self.capacity:
-            raise ValueError(f"rows must be an int in [1, capacity = {self.capacity}], got "
-                             f"{rows!r}")
-        m, h = rows, self.hidden_size
-        mixes = self.collapse_pre
-        fused = mixes is None or fuses_mixes(m, self.hc_mult, mixes)
-        if not leaves_norm(m, h, fused):
-            return None
-        box = self._open()
-        tactic = self.tactic or consumer_tactic(m, h, mixes if mixes is not None and fused
-                                                else None)
-        if norm_weight is None:
-            norm_weight = torch.empty(h, dtype=torch.bfloat16, device=self.device)
-        return PendingNorm(
-            box.prenorm[:m], box.sumsq, box.generation, norm_weight, float(eps),
-            tactic.block_h // 32, -(-h // tactic.block_h),
-            torch.empty(m, h, dtype=torch.bfloat16, device=self.device),
-            torch.empty(m, h, dtype=torch.float8_e4m3fn, device=self.device),
-            torch.empty(mxfp8_scale_bytes(m, h), dtype=torch.uint8, device=self.device))
-
     def finalize(self, gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx,
                  shared_output, residual, post, comb, pre, norm_weight, norm_eps,
-                 mxfp8_out=None, mix_weights=None, combine_mixes: bool = True,
-                 leave_norm: bool = False) -> tuple:
+                 mxfp8_out=None, mix_weights=None, combine_mixes: bool = True) -> tuple:
         """MoE finalize + publish in one kernel, then the consumer (as ``__call__``)."""
         partial = self.publish_finalize(gemm2_permuted, expert_weights,
                                         expanded_idx_to_permuted_idx, shared_output)
         return self(partial, residual, post, comb, pre, norm_weight, norm_eps, mxfp8_out,
-                    mix_weights, combine_mixes, leave_norm)
+                    mix_weights, combine_mixes)
 
     def plain_sum(self, x: torch.Tensor) -> torch.Tensor:
         """The same two kernels with mHC, norm and quantization switched off:
@@ -469,14 +425,13 @@ class BoundaryAllReduce:
             for mode, used in compile_inputs(m, hc, h, dev, self.residual_only,
                                              self.quantize_layer_input, self.collapse_pre):
                 quant = used.get("mxfp8_out") is not None
-                combines = (True, False) if used.get("mix_weights") is not None else (True,)
-                leaves = (False, True) if mode == FULL and quant else (False,)
-                for combine in combines:
-                    for leave in leaves:
-                        compilers[self._consumer_key(m, mode, quant, combine, leave)] = (
-                            lambda x=x, mode=mode, used=used, combine=combine, leave=leave:
-                            self._consume(x, mode, compile_only=True, combine_mixes=combine,
-                                          leave_norm=leave, **used))
+                compilers[self._consumer_key(m, mode, quant)] = (
+                    lambda x=x, mode=mode, used=used: self._consume(x, mode, compile_only=True,
+                                                                    **used))
+                if used.get("mix_weights") is not None:
+                    compilers[self._consumer_key(m, mode, quant, False)] = (
+                        lambda x=x, mode=mode, used=used: self._consume(
+                            x, mode, compile_only=True, combine_mixes=False, **used))
         self.compile_variants(compilers, force_barrier=True)
 
     def check(self) -> None:
@@ -503,8 +458,7 @@ class BoundaryAllReduce:
         ``host_timeout_s`` each: a rank that does not arrive is named in a
         ``RuntimeError`` (a dead peer: recreate the group)."""
         box = self._open()
-        self._published = None
-        self._left_to_gemm = []
+        self._published = self._left_to_gemm = None
         if not collective:
             return
         work, self._abort_work = self._abort_work, None
@@ -611,13 +565,10 @@ class BoundaryAllReduce:
                                 box.peer_ptrs, box.stage_state, self.rank, self.capacity,
                                 publish=self.transport == "mailbox", compile_only=compile_only)
 
-    def _consumer_key(self, m: int, mode: int, quant: bool, combine: bool = True,
-                      leave: bool = False) -> tuple:
+    def _consumer_key(self, m: int, mode: int, quant: bool, combine: bool = True) -> tuple:
         mixes = self.collapse_pre if mode == FULL else None
         fused = mixes is not None and fuses_mixes(m, self.hc_mult, mixes)
-        norm_later = leave and mode == FULL and quant and \
-            leaves_norm(m, self.hidden_size, mixes is None or fused)
-        return ("consume", mode, quant, mixes, fused, combine or not fused, norm_later,
+        return ("consume", mode, quant, mixes, fused, combine or not fused,
                 self.tactic or consumer_tactic(m, self.hidden_size, mixes if fused else None))
 
     def compile_variants(self, compilers: dict, force_barrier: bool = False) -> None:
@@ -691,7 +642,6 @@ class BoundaryAllReduce:
             return self._reduce_launch(x, mode, published is None, **inputs)
         check_reduce_call(self, x, mode, inputs)  # at trace time: nothing runs
         left_to_next = not inputs.pop("combine_mixes", True)
-        inputs.pop("leave_norm", None)  # traced, the consumer normalises itself
         box = self._box
         data, scale = inputs.get("mxfp8_out") or (None, None)
         fn, hc_scale, hc_base = inputs.get("mix_weights") or (None, None, None)
@@ -720,30 +670,21 @@ class BoundaryAllReduce:
 
         self._ready()
         try:
-            for left in self._left_to_gemm:
-                if left.launched[0]:
-                    continue
-                # Refused like a bad argument (the step aborts on every rank); what was
-                # left stays valid (nothing rewrote its scratch), so it can still be launched.
-                if isinstance(left, PendingNorm):
-                    raise RuntimeError(
-                        "the previous call left its RMSNorm to the GEMM after it "
-                        "(leave_norm=True), but no GEMM took its PendingNorm, so the layer "
-                        "input is unwritten and the norm scratch's generation not advanced: "
-                        "launch mxfp8_mm(layer, pending) right after such a call (or call "
-                        "with leave_norm=False)")
+            left = self._left_to_gemm
+            if left is not None and not left.launched[0]:
+                # Refused like a bad argument (the step aborts on every rank); the finish
+                # stays valid (nothing rewrote its shares), so it can still be launched.
                 raise RuntimeError(
                     "the previous call left its next mixes to the GEMM after it "
                     "(combine_mixes=False), but no GEMM launched with its MixesFinish, so its "
                     "pre, post and comb are unwritten: launch mxfp8_mm(layer, x, "
                     "finish_mixes=...) with it right after such a call (or call with "
                     "combine_mixes=True)")
-            self._left_to_gemm = []
+            self._left_to_gemm = None
             check_reduce_call(self, x, mode, inputs)
             quant = inputs.get("mxfp8_out") is not None
             combine = inputs.get("combine_mixes", True)
-            leave = inputs.get("leave_norm", False)
-            compilers = {self._consumer_key(x.shape[0], mode, quant, combine, leave):
+            compilers = {self._consumer_key(x.shape[0], mode, quant, combine):
                          lambda: self._consume(x, mode, compile_only=True, **inputs)}
             if publish:
                 compilers[("publish",)] = lambda: self._launch_publish(x, compile_only=True)
@@ -756,8 +697,8 @@ class BoundaryAllReduce:
                 self._failed = f"{type(error).__name__}: {error}"
             raise
         self._last_rows = x.shape[0]
-        self._left_to_gemm = [left for left in (out[1], *out[3:4])
-                              if isinstance(left, (MixesFinish, PendingNorm))]
+        if len(out) == 4 and out[3] is not None:
+            self._left_to_gemm = out[3]
         if not self._capturing():
             self.check()
         return out

@@ -65,14 +65,7 @@ from .. import env
 from ..common.contract import (  # the mix row's geometry, re-exported
     MIX_MIN_BLOCK as MIX_MIN_BLOCK,
 )
-from ..common.contract import (
-    STAGES,
-    MixesFinish,
-    PendingNorm,
-    advance_scratch_epoch,
-    current_stream_id,
-    sumsq_columns,
-)
+from ..common.contract import STAGES, MixesFinish, advance_mix_rows, current_stream_id
 from ..common.contract import mix_columns as mix_columns
 from ..common.contract import mix_slots as mix_slots
 from ..common.contract import mix_totals_offset as mix_totals_offset
@@ -158,10 +151,6 @@ SAME_PRE_MIXES_TACTICS = (
 # --fused-mixes-up-to 64 / 0, tree 94f1494, graph us per step): fused 35.3 / 51.5 / 78.7
 # at M = 16 / 32 / 64, the kernel 40.9 / 52.1 / 72.6: the crossover is at ~32 tokens.
 MIXES_FUSED_MAX_ROWS = 32
-# Up to this many tokens a consumer launch may leave its RMSNorm and MXFP8 output to
-# the GEMM after it (``leave_norm``, ``PendingNorm``): that GEMM then quantizes in its
-# prologue, as it does for BF16 inputs up to ``gemm.tactics.PROLOGUE_MAX_ROWS``.
-NORM_LEFT_MAX_ROWS = 16
 
 
 def consumer_tactic(m: int, hidden: int, mixes: str | None = None) -> ConsumerTactic:
@@ -185,6 +174,12 @@ def fuses_mixes(m: int, hc: int, collapse: str) -> bool:
     BF16 parts of 128 x slots (hc = 2-4: 16 or 32 slots; hc = 8's 64 slots
     did not fit even as one FP32 tile per stream: 520 KB of shared memory)."""
     return collapse == "same" or m <= MIXES_FUSED_MAX_ROWS or not 16 <= mix_slots(hc) <= 32
+
+
+def sumsq_columns(hidden: int) -> int:
+    """Row length of the per-token sum-of-squares scratch (one tagged word per
+    32 columns, the finest chunk a tactic may use)."""
+    return triton.cdiv(hidden, QUANT_GROUP)
 
 
 def is_nonnegative_real(value) -> bool:
@@ -425,7 +420,6 @@ def consume(
     mixes: MhcMixes | None = None,
     mix_words: torch.Tensor | None = None,
     combine_mixes: bool = True,
-    leave_norm: bool = False,
 ) -> tuple:
     """Launch the consumer for ``m`` tokens. Returns (``reduced`` [M, H] in plain
     mode / ``residual_out`` [M, hc, H], ``layer_input`` [M, H] or None), and
@@ -459,13 +453,6 @@ def consume(
     PTX is off on the GPU (``DECODE_BOUNDARY_DISABLE_PTX``: the combine's
     bits would then depend on the kernel's FMA contraction), so the consumer
     combined.
-    ``leave_norm=True`` (full mode with ``mxfp8_out``): where :func:`leaves_norm`
-    allows, the consumer stops after the collapse and its sum-of-squares
-    partials (no hand-off between its programs) and the second element is a
-    ``PendingNorm`` instead of the layer input: the GEMM launched right after it
-    on this stream takes it as its input, ``mxfp8_mm(layer, pending)``,
-    normalises, quantizes and stores ``pending.layer_input`` and ``mxfp8_out``
-    (bit for bit the consumer's). Elsewhere the layer input as usual.
 
     Early inputs (module docstring): ``residual``, ``post``, ``comb``, ``pre``
     and ``norm_weight`` (and with ``mixes`` ``hc_fn``, early where the tactic
@@ -518,12 +505,8 @@ def consume(
     if not isinstance(combine_mixes, bool):
         raise ValueError(f"combine_mixes must be a bool, got {combine_mixes!r}")
     defer = not combine_mixes and fused and can_leave_combine(ptx, device)
-    if not isinstance(leave_norm, bool):
-        raise ValueError(f"leave_norm must be a bool, got {leave_norm!r}")
     layer_input = None
     quant = mxfp8_out is not None
-    norm_later = leave_norm and mode == FULL and quant and \
-        leaves_norm(m, hidden, mixes is None or fused)
     same_pre = isinstance(mixes, MhcMixes) and mixes.collapse == "same"
     if mode == FULL:
         if not same_pre:
@@ -532,7 +515,7 @@ def consume(
         rows = generation.shape[0] if generation is not None else 0
         _need(generation, "generation", torch.int32, (max(rows, m),), device)
         _need(sumsq, "sumsq scratch", torch.int64, (rows, sumsq_columns(hidden)), device)
-        if not tactic.cooperative or norm_later:
+        if not tactic.cooperative:
             _need(prenorm, "prenorm scratch", torch.bfloat16, (rows, hidden), device)
         # Serial or cooperative, the norm hand-off records its timeout, in either transport.
         _need(status, "status", torch.int32, (1,), device)
@@ -589,7 +572,7 @@ def consume(
         LAMPORT=lamport, COOPERATIVE=tactic.cooperative, USE_PTX=ptx,
         USE_PDL=pdl, TIMELINE=timeline, num_warps=tactic.warps, enable_fp_fusion=False,
         launch_pdl=pdl, **_mix_constants(mixes if fused else None, hc, hidden, tactic),
-        COMBINE=not defer, NORM_LATER=norm_later, **kwargs,
+        COMBINE=not defer, **kwargs,
     )
     if compile_only:
         load_module(compiled)
@@ -598,31 +581,15 @@ def consume(
                           generation, mix_words, status, wait_bound, mixes_out,
                           _mix_row(hidden, hc), cooperative=tactic.cooperative, ptx=ptx, pdl=pdl,
                           compile_only=compile_only)
-    if mode == FULL and not compile_only:
-        # This launch rewrote the norm partials: a norm left by an earlier one is stale.
-        norm_epoch = advance_scratch_epoch(sumsq)
-    if norm_later:
-        layer_input = PendingNorm(
-            prenorm[:m], sumsq, generation, norm_weight, float(eps), tactic.block_h // 32,
-            triton.cdiv(hidden, tactic.block_h), layer_input, *mxfp8_out, [False],
-            -1 if compile_only else norm_epoch, current_stream_id(device))
     if mixes is None:
         return out, layer_input
     # This launch rewrote the mix rows: a finish of an earlier one is stale from now on.
-    epoch = -1 if compile_only else advance_scratch_epoch(mix_words)
+    epoch = -1 if compile_only else advance_mix_rows(mix_words)
     if combine_mixes:
         return out, layer_input, mixes_out
     finish = mixes_finish(mixes, mix_words, generation, status, mixes_out, eps, wait_bound,
                           hidden, tactic, ptx, epoch) if defer else None
     return out, layer_input, mixes_out, finish
-
-
-def leaves_norm(m: int, hidden: int, mixes_in_consumer: bool = True) -> bool:
-    """Whether a launch of M tokens asked to ``leave_norm`` leaves it: up to
-    ``NORM_LEFT_MAX_ROWS`` tokens, hidden % 128 == 0 (whole swizzled scale
-    tiles: the GEMM writes no padding groups), and no mixes kernel after the
-    consumer (it reads the generation the consumer no longer advances)."""
-    return m <= NORM_LEFT_MAX_ROWS and hidden % 128 == 0 and mixes_in_consumer
 
 
 def can_leave_combine(ptx: bool, device: torch.device) -> bool:
@@ -637,7 +604,7 @@ def mixes_finish(mixes: MhcMixes, mix_words: torch.Tensor, generation: torch.Ten
                  hidden: int, tactic: ConsumerTactic, ptx: bool, epoch: int = -1) -> MixesFinish:
     """The ``MixesFinish`` of a consumer launch with ``tactic`` (its chunks'
     shares) that left the combine, for ``outputs`` = (pre, post, comb);
-    ``epoch``: that launch's (``common.contract.advance_scratch_epoch``), -1 for a
+    ``epoch``: that launch's (``common.contract.advance_mix_rows``), -1 for a
     finish made only to compile the finishing variant."""
     hc = outputs[0].shape[1]
     row = _mix_row(hidden, hc)

@@ -134,13 +134,7 @@ from ..common.mhc_combine import (
     _no_logits,
     _pre_from_shares,
 )
-from ..common.rounding import (
-    quantize_groups,
-    rms_scale,
-    swizzled_offset,
-    to_bf16_rne,
-    zero_scale_padding,
-)
+from ..common.rounding import quantize_groups, swizzled_offset, to_bf16_rne, zero_scale_padding
 from ..common.tagged_words import NORM_TIMEOUT_BIT as NORM_TIMEOUT_BIT  # a status bit, re-exported
 from ..common.tagged_words import (
     _bit_or,
@@ -149,7 +143,7 @@ from ..common.tagged_words import (
     _probe_partials,
     _spin,
     _tagged,
-    norm_total,
+    _untagged,
 )
 from ..common.timeline import END, MARK1, MARK2, START, WAITED, stamp
 from .consumer_mixes import (
@@ -329,13 +323,12 @@ def _wait_partials(sumsq_ptr, status_ptr, m, tag, wait_bound, UNITS: tl.constexp
                    UNITS_P2: tl.constexpr, USE_PTX: tl.constexpr):
     """Poll token m's row (volatile) until every unit carries ``tag`` or the
     bound passes (then ``NORM_TIMEOUT_BIT`` and a NaN total); returns the row's
-    sum of squares, one tree fixed by the unit index (``norm_total``: the bits
-    a GEMM that finishes a left norm gets too)."""
+    sum of squares, one fixed tree over the units."""
     units = tl.arange(0, UNITS_P2)
     words, flags = _spin(_probe_partials, sumsq_ptr + m * UNITS + units, units < UNITS, tag,
                          status_ptr, wait_bound, 0, False, USE_PTX)
     stale = _gave_up(flags, status_ptr)
-    return tl.where(stale, _f32_nan(), norm_total(words, UNITS_P2))
+    return tl.where(stale, _f32_nan(), tl.sum(_untagged(words), axis=0))
 
 
 @triton.jit
@@ -343,7 +336,7 @@ def _norm_chunk(prenorm, gamma, total, eps, layer_ptr, qdata_ptr, qscale_ptr, m,
                 cmask, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, QUANT: tl.constexpr):
     """layer_input = bf16((prenorm * rsqrt(total / H + eps)) * gamma) for this
     chunk, and its MXFP8 groups (whole groups: BLOCK_H % 32 == 0)."""
-    rstd = rms_scale(total, eps, HIDDEN)
+    rstd = tl.math.rsqrt(total / HIDDEN + eps)
     y = to_bf16_rne((prenorm * rstd) * gamma.to(tl.float32))
     row_off = m.to(tl.int64) * HIDDEN
     tl.store(layer_ptr + row_off + cols, y, mask=cmask)
@@ -399,7 +392,7 @@ def consumer_kernel(
     MIXES: tl.constexpr = 0, SLOTS: tl.constexpr = 1, MIX_ROW: tl.constexpr = 1,
     TOTALS_OFF: tl.constexpr = 0, CHUNKS_P2: tl.constexpr = 1,
     MIX_WEIGHTS_EARLY: tl.constexpr = False, COMBINE: tl.constexpr = True,
-    NORM_LATER: tl.constexpr = False, TIMELINE: tl.constexpr = False,
+    TIMELINE: tl.constexpr = False,
 ):
     CHUNKS: tl.constexpr = (HIDDEN + BLOCK_H - 1) // BLOCK_H
     UNITS: tl.constexpr = (HIDDEN + 31) // 32  # sumsq row: one word per 32 columns
@@ -487,18 +480,17 @@ def consumer_kernel(
                                  UNITS, BLOCK_H)
                 tl.store(prenorm_ptr + row_off + cols, prenorm.to(tl.bfloat16), mask=cmask)
             tl.debug_barrier()
-        if not NORM_LATER:  # else the prenorm scratch and the partials are the outputs
-            total = _wait_partials(sumsq_ptr, status_ptr, m, tag, wait_bound, UNITS, UNITS_P2,
-                                   USE_PTX)
-            tl.store(generation_ptr + m, tag)
-            for c in range(CHUNKS):
-                cols = c * BLOCK_H + offs
-                cmask = cols < HIDDEN
-                prenorm = tl.load(prenorm_ptr + row_off + cols, mask=cmask, other=0.0,
-                                  volatile=True).to(tl.float32)
-                gamma = tl.load(gamma_ptr + cols, mask=cmask, other=0.0)
-                _norm_chunk(prenorm, gamma, total, eps, layer_ptr, qdata_ptr, qscale_ptr, m, c,
-                            cols, cmask, HIDDEN, BLOCK_H, QUANT)
+        total = _wait_partials(sumsq_ptr, status_ptr, m, tag, wait_bound, UNITS, UNITS_P2,
+                               USE_PTX)
+        tl.store(generation_ptr + m, tag)
+        for c in range(CHUNKS):
+            cols = c * BLOCK_H + offs
+            cmask = cols < HIDDEN
+            prenorm = tl.load(prenorm_ptr + row_off + cols, mask=cmask, other=0.0,
+                              volatile=True).to(tl.float32)
+            gamma = tl.load(gamma_ptr + cols, mask=cmask, other=0.0)
+            _norm_chunk(prenorm, gamma, total, eps, layer_ptr, qdata_ptr, qscale_ptr, m, c,
+                        cols, cmask, HIDDEN, BLOCK_H, QUANT)
     else:
         streams, prenorm = _consume_chunk(mailbox_ptr, status_ptr, out_ptr, slot_row, row_stride,
                                           wait_bound, res, post, comb, pre, m, cols, cmask,
@@ -535,11 +527,7 @@ def consumer_kernel(
                 # this program's partial, already out (after the norm they were the
                 # kernel's tail: 0.2-0.5 us per step in the chain, NOTES mixes item 11).
                 _combine_comb(logits, comb_out_ptr, m, hc_eps, sinkhorn_rounds, HC, USE_PTX)
-        if NORM_LATER:
-            # The GEMM after this kernel normalises: no hand-off between this launch's
-            # programs, and the generation is that GEMM's to advance (PendingNorm).
-            tl.store(prenorm_ptr + row_off + cols, prenorm.to(tl.bfloat16), mask=cmask)
-        elif MODE == _FULL:
+        if MODE == _FULL:
             total = _wait_partials(sumsq_ptr, status_ptr, m, tag, wait_bound, UNITS, UNITS_P2,
                                    USE_PTX)
             stamp(stamp_ptr, slot, MARK2, TIMELINE)  # the token's partials met

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..common.contract import SENTINEL, STAGES, advance_scratch_epoch
+from ..common.contract import SENTINEL, STAGES, advance_mix_rows
 from ..env import disable_multicast, logger
 from .consumer import sumsq_columns
 
@@ -59,10 +59,9 @@ class Mailbox:
         self.status.zero_()
         self.generation.zero_()
         self.sumsq.zero_()
-        advance_scratch_epoch(self.sumsq)  # a norm left before it is stale
         if self.mix_words is not None:
             self.mix_words.zero_()
-            advance_scratch_epoch(self.mix_words)  # a finish left before it is stale
+            advance_mix_rows(self.mix_words)  # a finish left before it is stale
 
 
 def _words(rank, tp, capacity, hidden, device, buffer, peer_ptrs, keepalive=None) -> Mailbox:

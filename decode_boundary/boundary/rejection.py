@@ -25,13 +25,11 @@ if TYPE_CHECKING:
 def check_reduce_call(ar: BoundaryAllReduce, x: torch.Tensor, mode: int, inputs: dict) -> None:
     """The all-reduce's own checks of a reduce call (``consume`` checks the
     tensors in detail): x, the mode against the construction flags, the
-    structure of residual / mxfp8_out, the tensors' types, eps, combine_mixes,
-    leave_norm."""
+    structure of residual / mxfp8_out, the tensors' types, eps, combine_mixes."""
     check_partial(ar, x)
-    for flag in ("combine_mixes", "leave_norm"):
-        value = inputs.get(flag, flag == "combine_mixes")
-        if not isinstance(value, bool):
-            raise ValueError(f"{flag} must be a bool, got {value!r}")
+    combine_mixes = inputs.get("combine_mixes", True)
+    if not isinstance(combine_mixes, bool):
+        raise ValueError(f"combine_mixes must be a bool, got {combine_mixes!r}")
     if mode == PLAIN:
         return
     if mode == RESIDUAL_ONLY and not ar.residual_only:

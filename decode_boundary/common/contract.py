@@ -100,7 +100,7 @@ class MixesFinish(NamedTuple):
     Host-side bookkeeping: ``launched``, a one-element list the GEMM sets to
     True when it launches with this finish (the all-reduce that returned it
     refuses its next call while it is False: pre, post and comb would stay
-    unwritten); ``epoch``, the mix rows' epoch (:func:`scratch_epoch`) of the
+    unwritten); ``epoch``, the mix rows' epoch (:func:`mix_rows_epoch`) of the
     consumer launch that left it: a GEMM refuses the finish once a later
     launch (or a re-arm) has rewritten the rows, and -1 marks a finish made
     only to compile the variant (``deferred_finish``), which no launch takes;
@@ -137,73 +137,25 @@ def current_stream_id(device: torch.device) -> int:
     return torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
 
 
-class PendingNorm(NamedTuple):
-    """A consumer launch's RMSNorm and MXFP8 quantization, left to the GEMM
-    launched right after it (``consume(..., leave_norm=True)``), which takes
-    this in place of its activation: ``mxfp8_mm(layer, pending)``. The consumer
-    wrote each token's BF16 collapse (``prenorm``) and its chunks' tagged
-    sum-of-squares partials (``sumsq``: chunk c's partial in unit
-    ``c * chunk_units``, the chunk's other units +0.0) and did not wait for
-    them: no hand-off between its programs. Every program of the GEMM then
-    sums a token's ``chunks`` partials in one tree fixed by the chunk index
-    (``common.tagged_words.norm_total``, the consumer's own total bit for bit),
-    normalises its K-slice, ``bf16((prenorm * rsqrt(total / H + eps)) *
-    norm_weight)``, quantizes it with the quantizer's rounding, and the
-    programs of the first weight block store ``layer_input`` and its MXFP8
-    copy (``data``, ``scale``): the consumer's outputs, bit for bit (a NaN
-    may carry another sign or payload). One program per token then advances
-    ``generation`` (the consumer no longer can: nothing there tells it that
-    every program of its launch has read the old value), after the mixes
-    finish of the same GEMM, if any, has read it.
-
-    Read after the GEMM's grid wait only (the consumer's grid complete); nothing
-    may touch the scratch in between. Host-side bookkeeping as ``MixesFinish``:
-    ``launched`` (the all-reduce refuses its next call until a GEMM took it:
-    layer_input would stay unwritten and the generation unadvanced), ``epoch``
-    (``scratch_epoch`` of ``sumsq`` at the launch that left it; -1: made only to
-    compile the variant), ``stream``."""
-
-    prenorm: torch.Tensor  # BF16 [rows, H], the consumer's scratch rows
-    sumsq: torch.Tensor  # int64 [>= rows, sumsq_columns(H)]
-    generation: torch.Tensor  # int32 [>= rows]
-    norm_weight: torch.Tensor  # BF16 [H]
-    eps: float
-    chunk_units: int  # the consumer launch's block_h // 32
-    chunks: int  # its chunks per token
-    layer_input: torch.Tensor  # BF16 [rows, H], written by the GEMM
-    data: torch.Tensor  # float8_e4m3fn [rows, H], written by the GEMM
-    scale: torch.Tensor  # uint8, swizzled scales of data, written by the GEMM
-    launched: list | None = None
-    epoch: int = -1
-    stream: int = 0
+# Host-side count of the launches that (re)wrote each mix-row buffer, by its storage:
+# a MixesFinish records the count of the launch that left it (MixesFinish.epoch).
+_MIX_ROWS_EPOCHS: dict[tuple[str, int], int] = {}
 
 
-def sumsq_columns(hidden: int) -> int:
-    """Row length of the per-token sum-of-squares scratch (one tagged word per
-    32 columns, the finest chunk a consumer tactic may use)."""
-    return -(-hidden // 32)
+def _mix_rows_key(mix_words: torch.Tensor) -> tuple[str, int]:
+    return str(mix_words.device), mix_words.untyped_storage().data_ptr()
 
 
-# Host-side count of the launches that (re)wrote each scratch buffer (mix rows, sum-of-
-# squares rows), by its storage: a MixesFinish or PendingNorm records the count of the
-# launch that left it (its epoch).
-_SCRATCH_EPOCHS: dict[tuple[str, int], int] = {}
+def mix_rows_epoch(mix_words: torch.Tensor) -> int:
+    """How many consumer launches (or re-arms) have written these mix rows."""
+    return _MIX_ROWS_EPOCHS.get(_mix_rows_key(mix_words), 0)
 
 
-def _scratch_key(scratch: torch.Tensor) -> tuple[str, int]:
-    return str(scratch.device), scratch.untyped_storage().data_ptr()
-
-
-def scratch_epoch(scratch: torch.Tensor) -> int:
-    """How many consumer launches (or re-arms) have written this scratch buffer."""
-    return _SCRATCH_EPOCHS.get(_scratch_key(scratch), 0)
-
-
-def advance_scratch_epoch(scratch: torch.Tensor) -> int:
-    """Count one more launch (or re-arm) writing this scratch buffer; the new epoch."""
-    key = _scratch_key(scratch)
-    _SCRATCH_EPOCHS[key] = _SCRATCH_EPOCHS.get(key, 0) + 1
-    return _SCRATCH_EPOCHS[key]
+def advance_mix_rows(mix_words: torch.Tensor) -> int:
+    """Count one more launch (or re-arm) writing these mix rows; the new epoch."""
+    key = _mix_rows_key(mix_words)
+    _MIX_ROWS_EPOCHS[key] = _MIX_ROWS_EPOCHS.get(key, 0) + 1
+    return _MIX_ROWS_EPOCHS[key]
 
 
 # The launch arguments of a producer that does not publish (kernels compile the

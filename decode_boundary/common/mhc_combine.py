@@ -34,16 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tagged_words import (
-    _bit_or,
-    _f32_nan,
-    _gave_up,
-    _pairwise_sum,
-    _probe_partials,
-    _spin,
-    _tagged,
-    _untagged,
-)
+from .tagged_words import _bit_or, _f32_nan, _gave_up, _probe_partials, _spin, _tagged, _untagged
 
 
 @triton.jit
@@ -52,23 +43,16 @@ def finish_token_mixes(mix_ptr, generation_ptr, status_ptr, hc_scale_ptr, hc_bas
                        wait_bound, HC: tl.constexpr, HIDDEN: tl.constexpr,
                        CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, SLOTS: tl.constexpr,
                        MIX_ROW: tl.constexpr, TOTALS_OFF: tl.constexpr,
-                       USE_PTX: tl.constexpr, ADVANCE: tl.constexpr = False):
+                       USE_PTX: tl.constexpr):
     """Token m's pre, post and comb from the shares a consumer launch left
     (``COMBINE=False``), by a later kernel: after its grid wait, the
     consumer's grid has completed, so every share is there and the poll's
     first probe finds them. Their tag is ``generation[m]`` itself (the
-    consumer's chunk 0 advanced it to the launch's tag before it ended), or
-    with ``ADVANCE`` (the consumer left its norm too, ``PendingNorm``)
-    ``generation[m] + 1``, stored back here once read: this program is then
-    the launch's only reader of it."""
+    consumer's chunk 0 advanced it to the launch's tag before it ended)."""
     tag = tl.load(generation_ptr + m, volatile=True)
-    if ADVANCE:
-        tag = tag + 1
     _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, post_out_ptr,
                    comb_out_ptr, m, tag, eps, hc_eps, rounds, wait_bound, HC, HIDDEN, CHUNKS,
                    CHUNKS_P2, SLOTS, MIX_ROW, TOTALS_OFF, USE_PTX)
-    if ADVANCE:
-        tl.store(generation_ptr + m, tag)
 
 
 @triton.jit
@@ -94,6 +78,19 @@ def _share_totals(mix_ptr, status_ptr, m, tag, wait_bound, CHUNKS: tl.constexpr,
                          USE_PTX)
     stale = _gave_up(flags, status_ptr)
     return tl.where(stale, _f32_nan(), _pairwise_sum(_untagged(words), CHUNKS_P2, SLOTS))
+
+
+@triton.jit
+def _pairwise_sum(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """sum over axis 0 of x [ROWS, COLS] (ROWS a power of two) in one tree
+    fixed by the indices, not by the layout: row i plus row i + ROWS / 2,
+    halving until one is left. (``tl.sum`` orders its adds by the threads and
+    warps the rows are spread over: two kernels with different ``num_warps``
+    would sum the shares in different orders; a two-element sum is one add,
+    the same either way.)"""
+    for level in tl.static_range(ROWS.bit_length() - 1):
+        x = tl.sum(tl.reshape(x, (2, ROWS >> (level + 1), COLS)), axis=0)
+    return tl.reshape(x, (COLS,))
 
 
 _LOG2E = tl.constexpr(1.4426950408889634)

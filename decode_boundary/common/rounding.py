@@ -27,18 +27,6 @@ def to_bf16_rne(x, HARDWARE: tl.constexpr = False):
 
 
 @triton.jit
-def rms_scale(total, eps, HIDDEN: tl.constexpr):
-    """rsqrt(total / HIDDEN + eps), the RMSNorm's factor from a row's sum of
-    squares: the mean as ``div.rn`` (correctly rounded, as the reference's
-    division) and ``rsqrt.approx``, both single roundings that no FMA
-    contraction changes, so the consumer (compiled without contraction) and a
-    GEMM that finishes its norm (with) get the same bits. (``/`` would be
-    ``div.full``, which ptxas expands with FFMAs only where contraction is
-    allowed: measured, V4's layer input then differed at M = 8.)"""
-    return tl.math.rsqrt(tl.div_rn(total, HIDDEN * 1.0) + eps)
-
-
-@triton.jit
 def swizzled_offset(m, kb, k_tiles):
     """128x4 swizzled byte offset of scale (row m, group kb); see format.py."""
     tile = (m // 128) * k_tiles * 512 + (kb // 4) * 512

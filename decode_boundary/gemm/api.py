@@ -9,9 +9,7 @@ concatenation of the G groups' [..., N/G] products), e.g.
 [..., G*K] (up to PROLOGUE_MAX_ROWS rows quantized inside the GEMM's prologue,
 bit-identical to ``quantize_mxfp8`` first; more rows by ``quantize_mxfp8``,
 which is faster there), another float tensor (quantized by ``quantize_mxfp8``),
-or a ``QuantizedActivation``, or a ``PendingNorm`` (the RMSNorm and MXFP8
-quantization a consumer launch left: the GEMM normalises its prenorm rows and
-stores the layer input it names). Outputs are [..., N] in the
+or a ``QuantizedActivation``. Outputs are [..., N] in the
 input's original dtype (computed as BF16).
 
 ``mxfp8_mm`` runs any row count with :func:`selected_tactic` (the autotuner's
@@ -28,7 +26,7 @@ from collections.abc import Iterable
 
 import torch
 
-from decode_boundary.common.contract import MixesFinish, PendingNorm
+from decode_boundary.common.contract import MixesFinish
 from decode_boundary.mxfp8.format import QuantizedActivation, check_quantized, mxfp8_scale_bytes
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
@@ -74,9 +72,6 @@ def _activation(layer, x):
     [rows, G*K] goes to the kernel as it is, other inputs as MXFP8."""
     n, k, groups = _shape(layer)
     width = groups * k
-    if isinstance(x, PendingNorm):  # checked whole by the launcher
-        rows = x.prenorm.shape[0] if isinstance(x.prenorm, torch.Tensor) else 0
-        return x, rows, torch.bfloat16, torch.Size((rows, width))
     if isinstance(x, QuantizedActivation):
         check_quantized(x)
         shape, dtype, got = x.orig_shape, x.orig_dtype, x.data.shape[1]
@@ -120,9 +115,8 @@ def _run(layer, x, tactic_for, finish=None) -> torch.Tensor | None:
     n = layer.weight.shape[1]
     device = layer.weight.device
     if rows == 0:
-        if finish is not None or isinstance(a, PendingNorm):  # it would be dropped unwritten
-            raise ValueError("finish_mixes and a PendingNorm need the GEMM of the consumer's "
-                             "rows, got 0 rows")
+        if finish is not None:  # it would be dropped: pre, post and comb left unwritten
+            raise ValueError("finish_mixes needs the GEMM of the consumer's rows, got 0 rows")
         return _finish(layer, torch.empty(0, n, dtype=torch.bfloat16, device=device), dtype,
                        shape)
     tactic = tactic_for(rows)
@@ -152,14 +146,12 @@ def mxfp8_mm(layer, x, *, finish_mixes: MixesFinish | None = None) -> torch.Tens
     (``consume(..., combine_mixes=False)``, the kernel right before this one
     on the stream): M more programs of this launch combine them while the
     products run (eager launches of a layer the kernel takes, M >= 1; the
-    output bits do not change). ``x`` a ``PendingNorm`` (``consume(...,
-    leave_norm=True)``, the same launch): the kernel normalises and quantizes
-    the consumer's rows itself and stores its layer input (same eligibility)."""
+    output bits do not change)."""
     weight_operands(layer)  # malformed weights raise here
-    if (finish_mixes is not None or isinstance(x, PendingNorm)) and \
-            (torch.compiler.is_compiling() or not mxfp8_eligible(layer)):
-        raise ValueError("finish_mixes and a PendingNorm need an eager launch of a layer the "
-                         "kernel takes (mxfp8_eligible)")
+    if finish_mixes is not None and (torch.compiler.is_compiling()
+                                     or not mxfp8_eligible(layer)):
+        raise ValueError("finish_mixes needs an eager launch of a layer the kernel takes "
+                         "(mxfp8_eligible)")
     if torch.compiler.is_compiling():
         return _traced_mm(layer, x)
     if not mxfp8_eligible(layer):
@@ -196,7 +188,7 @@ def run_zeros(layer, rows: int) -> torch.Tensor:
 
 def precompile(layer, rows_list: Iterable[int], publish=None, bf16_input: bool | None = None,
                stream: torch.cuda.Stream | None = None,
-               finish_mixes: MixesFinish | None = None, pending_norm: PendingNorm | None = None):
+               finish_mixes: MixesFinish | None = None):
     """Compile the kernels ``mxfp8_mm`` (or, with ``publish``, the publishing
     launch) uses for each row count and allocate their split-K scratch,
     launching nothing (but the quantizer, once, where a BF16 input of that many
@@ -208,21 +200,14 @@ def precompile(layer, rows_list: Iterable[int], publish=None, bf16_input: bool |
     ``bf16_input``: the BF16-in (prologue-quantized) kernel variant, the
     MXFP8-in one, or both (None); the tactic is the same for both.
     ``finish_mixes``: the variant that also finishes these mixes (the
-    all-reduce's ``deferred_finish(rows)``; one row count). ``pending_norm``:
-    the variant that takes this left norm as its input (the all-reduce's
-    ``deferred_norm(rows)``; one row count, ``bf16_input`` ignored).
+    all-reduce's ``deferred_finish(rows)``; one row count).
     Call it again after the autotuner changes a choice."""
     if not mxfp8_eligible(layer):
         return
     rows_list = list(rows_list)
-    if (finish_mixes is not None or pending_norm is not None) and len(set(rows_list)) != 1:
-        raise ValueError(f"a finish_mixes or pending_norm serves one row count, got "
+    if finish_mixes is not None and len(set(rows_list)) != 1:
+        raise ValueError(f"a finish_mixes serves one row count (its pre is [rows, hc]), got "
                          f"rows {rows_list}: precompile each row count with its own")
-    if pending_norm is not None:
-        rows = rows_list[0]
-        warmup_low_latency(layer, rows, selected_tactic(layer, rows), publish, False, stream,
-                           finish_mixes, pending_norm)
-        return
     kinds = (False, True) if bf16_input is None else (bf16_input,)
     n, k, groups = _shape(layer)
     for rows in rows_list:

@@ -60,15 +60,13 @@ import triton
 from decode_boundary.common.contract import (
     NO_PUBLISH,
     MixesFinish,
-    PendingNorm,
     check_publish_target,
     current_stream_id,
     max_mix_chunks,
     mix_columns,
+    mix_rows_epoch,
     mix_slots,
     mix_totals_offset,
-    scratch_epoch,
-    sumsq_columns,
 )
 from decode_boundary.common.timeline import launch_args
 from decode_boundary.env import interpret_mode, use_pdl
@@ -197,80 +195,6 @@ def _check_activation(a, rows: int, a_k: int) -> bool:
     return False
 
 
-def _check_current(what: str, epoch: int, scratch: torch.Tensor, stream: int,
-                   device: torch.device) -> None:
-    """A finish or pending norm for a launch: left by a consumer launch (not made
-    to compile), not rewritten since, and on this stream."""
-    if epoch < 0:
-        raise ValueError(f"{what} was made to compile the finishing variant, not left by a "
-                         "consumer launch")
-    if epoch != scratch_epoch(scratch):
-        raise ValueError(f"{what} is older than the last consumer launch (or re-arm) on its "
-                         "scratch rows, which have been rewritten: launch the GEMM with what a "
-                         "call left right after that call")
-    if current_stream_id(device) != stream:
-        raise ValueError(f"{what} was left on another stream: the GEMM must run on the "
-                         "consumer's stream, right after it (its grid wait orders it after "
-                         "the consumer only there)")
-
-
-def _check_tensors(what: str, owner, want: dict, device: torch.device) -> None:
-    """Each named field of ``owner`` a contiguous, 16-byte aligned tensor of
-    the given dtype and shape (None: any) on ``device``."""
-    for name, (dtype, shape) in want.items():
-        t = getattr(owner, name)
-        # 16-byte aligned, as the precompiled variant assumes (Triton specializes pointers
-        # on it: a misaligned one would compile anew, perhaps inside a graph capture).
-        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.device != device or \
-                not t.is_contiguous() or (shape is not None and tuple(t.shape) != shape) or \
-                t.data_ptr() % 16:
-            got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) \
-                else type(t).__name__
-            raise ValueError(f"{what}.{name} must be a contiguous, 16-byte aligned "
-                             f"{dtype} {shape or 'tensor'} on {device}, got {got}")
-
-
-def check_pending_norm(p: PendingNorm, rows: int, k: int, groups: int, device: torch.device,
-                       launching: bool = True) -> None:
-    """A ``PendingNorm`` as ``consume(..., leave_norm=True)`` makes it, for a
-    GEMM of ``rows`` rows and K = ``k`` (ungrouped, K % 128 == 0); for a launch
-    also current and on its stream."""
-    if not isinstance(p, PendingNorm):
-        raise ValueError(f"expected a PendingNorm, got {type(p).__name__}")
-    if groups != 1 or k % 128:
-        raise ValueError(f"a PendingNorm feeds an ungrouped layer with K % 128 == 0 (the "
-                         f"layer input's width), got K = {k}, groups = {groups}")
-    if launching:
-        _check_current("the PendingNorm", p.epoch, p.sumsq, p.stream, device)
-    _check_tensors("pending norm", p, dict(
-        prenorm=(torch.bfloat16, (rows, k)), sumsq=(torch.int64, None),
-        generation=(torch.int32, None), norm_weight=(torch.bfloat16, (k,)),
-        layer_input=(torch.bfloat16, (rows, k)), data=(torch.float8_e4m3fn, (rows, k)),
-        scale=(torch.uint8, (mxfp8_scale_bytes(rows, k),))), device)
-    if p.sumsq.ndim != 2 or p.sumsq.shape[0] < rows or p.sumsq.shape[1] != sumsq_columns(k) \
-            or p.generation.ndim != 1 or p.generation.shape[0] < rows:
-        raise ValueError(f"pending norm scratch (sumsq {tuple(p.sumsq.shape)}, generation "
-                         f"{tuple(p.generation.shape)}) must hold >= {rows} rows of "
-                         f"{sumsq_columns(k)} words")
-    units = p.chunk_units
-    if isinstance(units, bool) or not isinstance(units, int) or units < 1 or units & (units - 1) \
-            or p.chunks != -(-k // (32 * units)):
-        raise ValueError(f"pending norm geometry (chunk_units {units!r}, chunks {p.chunks!r}) "
-                         f"is not a consumer launch's over {k} columns")
-    if not isinstance(p.eps, float) or not p.eps >= 0 or p.eps == float("inf"):
-        raise ValueError(f"pending norm eps must be a finite float >= 0, got {p.eps!r}")
-
-
-def _norm_args(pending: PendingNorm | None, dummy) -> tuple[tuple, dict]:
-    """(positional, constexpr) arguments of ``A_NORM`` (dummies without)."""
-    if pending is None:
-        return (dummy,) * 5 + (0.0,), {}
-    p = pending
-    return (p.sumsq, p.norm_weight, p.layer_input, p.data, p.scale, float(p.eps)), dict(
-        A_NORM=True, NORM_UNITS=p.sumsq.shape[1], NORM_CHUNK_UNITS=p.chunk_units,
-        NORM_CHUNKS=p.chunks, NORM_CHUNKS_P2=triton.next_power_of_2(p.chunks))
-
-
 def _finish_args(finish: MixesFinish | None, rows: int, device: torch.device, dummy,
                  launching: bool = True):
     """(positional, constexpr) arguments of ``FINISH_MIXES`` (dummies without);
@@ -293,14 +217,34 @@ def _check_finish(f: MixesFinish, rows: int, device: torch.device,
     if not isinstance(f, MixesFinish):
         raise ValueError(f"finish_mixes must be a MixesFinish, got {type(f).__name__}")
     if launching:
-        _check_current("finish_mixes", f.epoch, f.mix_words, f.stream, device)
+        if f.epoch < 0:
+            raise ValueError("finish_mixes was made to compile the finishing variant "
+                             "(deferred_finish), not left by a consumer launch")
+        if f.epoch != mix_rows_epoch(f.mix_words):
+            raise ValueError("finish_mixes is older than the last consumer launch (or re-arm) "
+                             "on its mix rows: its shares have been rewritten (launch the "
+                             "GEMM with a call's MixesFinish right after that call)")
+        if current_stream_id(device) != f.stream:
+            raise ValueError("finish_mixes was left on another stream: the GEMM must run on "
+                             "the consumer's stream, right after it (its grid wait orders it "
+                             "after the consumer only there)")
     hc = f.hc
     n_mix = (2 + hc) * hc
-    _check_tensors("finish_mixes", f, dict(
-        pre=(torch.float32, (rows, hc)), post=(torch.float32, (rows, hc)),
-        comb=(torch.float32, (rows, hc, hc)), hc_scale=(torch.float32, (3,)),
-        hc_base=(torch.float32, (n_mix,)), status=(torch.int32, (1,)),
-        generation=(torch.int32, None), mix_words=(torch.int64, None)), device)
+    want = dict(pre=(torch.float32, (rows, hc)), post=(torch.float32, (rows, hc)),
+                comb=(torch.float32, (rows, hc, hc)), hc_scale=(torch.float32, (3,)),
+                hc_base=(torch.float32, (n_mix,)), status=(torch.int32, (1,)),
+                generation=(torch.int32, None), mix_words=(torch.int64, None))
+    for name, (dtype, shape) in want.items():
+        t = getattr(f, name)
+        # 16-byte aligned, as the precompiled variant assumes (Triton specializes pointers
+        # on it: a misaligned one would compile anew, perhaps inside a graph capture).
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.device != device or \
+                not t.is_contiguous() or (shape is not None and tuple(t.shape) != shape) or \
+                t.data_ptr() % 16:
+            got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) \
+                else type(t).__name__
+            raise ValueError(f"finish_mixes.{name} must be a contiguous, 16-byte aligned "
+                             f"{dtype} {shape or 'tensor'} on {device}, got {got}")
     if f.mix_words.ndim != 2 or f.mix_words.shape[0] < rows or f.generation.shape[0] < rows:
         raise ValueError(f"finish_mixes' scratch rows ({tuple(f.mix_words.shape)}, "
                          f"{tuple(f.generation.shape)}) are fewer than the GEMM's {rows}")
@@ -320,24 +264,13 @@ def _launch_config(layer, a, out, tactic: Tactic, publish, finish: MixesFinish |
     """(grid, positional args, keyword args) shared by launch and warmup, so a
     warmed-up kernel is exactly the one a launch looks up. ``a`` is a BF16
     [rows, G*K] tensor or a QuantizedActivation (2-D data); with ``finish``,
-    M more programs in front combine the tokens' next mixes; ``a`` a
-    ``PendingNorm``: the kernel normalises and quantizes the prenorm rows it
-    names (``A_NORM``) and stores the layer input."""
+    M more programs in front combine the tokens' next mixes."""
     storage, w_scale, n, k, groups = weight_operands(layer)
+    bf16 = isinstance(a, torch.Tensor)
+    rows = (a if bf16 else a.data).shape[0]
     device = storage.device
-    pending = a if isinstance(a, PendingNorm) else None
-    if pending is not None:
-        rows = pending.prenorm.shape[0] if isinstance(pending.prenorm, torch.Tensor) else 0
-        check_pending_norm(pending, rows, k, groups, device, launching)
-        if finish is not None and finish.generation is not pending.generation:
-            raise ValueError("finish_mixes and the PendingNorm must come from one consumer "
-                             "launch (one generation buffer)")
-        a_bf16, a_data, a_scale = False, pending.prenorm, pending.prenorm
-    else:
-        bf16 = isinstance(a, torch.Tensor)
-        rows = (a if bf16 else a.data).shape[0]
-        a_bf16 = _check_activation(a, rows, groups * k)
-        a_data, a_scale = (a, a) if a_bf16 else (a.data, a.scale)
+    a_bf16 = _check_activation(a, rows, groups * k)
+    a_data, a_scale = (a, a) if a_bf16 else (a.data, a.scale)
     if out.dtype != torch.bfloat16 or tuple(out.shape) != (rows, n) or not out.is_contiguous():
         raise ValueError(f"out must be contiguous bfloat16 [{rows}, {n}], got {out.dtype} "
                          f"{tuple(out.shape)}")
@@ -350,9 +283,6 @@ def _launch_config(layer, a, out, tactic: Tactic, publish, finish: MixesFinish |
         check_publish_target(publish, n, rows, device)
     buffers = _buffers(device, n, rows, tactic, publish)
     mix_args, mix_kwargs = _finish_args(finish, rows, device, buffers[0], launching)
-    norm_args, norm_kwargs = _norm_args(pending, buffers[0])
-    if pending is not None and finish is None:
-        mix_args = (mix_args[0], pending.generation, *mix_args[2:])  # advanced by A_NORM
     grid = (n // tactic.block_n + (rows if finish is not None else 0), tactic.split_k,
             -(-rows // tactic.rows_tile))
     stamps, first_slot, timeline = launch_args("mxfp8_gemm_kernel", grid[0] * grid[1] * grid[2],
@@ -363,14 +293,14 @@ def _launch_config(layer, a, out, tactic: Tactic, publish, finish: MixesFinish |
     kwargs = dict(
         N=n, K=k, GROUPS=groups, BLOCK_N=tactic.block_n, ROWS=tactic.rows_tile,
         SPLIT_K=tactic.split_k, K_SLICE=k_slice, CHUNK=tactic.chunk_k, PIECES=pieces,
-        A_UPFRONT=activation_upfront(tactic, k, a_bf16 or pending is not None),
+        A_UPFRONT=activation_upfront(tactic, k, a_bf16),
         A_BF16=a_bf16, USE_PDL=pdl, INTERPRETER=interpret_mode(), PUBLISH=publish is not None,
         TP=pub.tp, RANK=pub.rank, CAPACITY=pub.capacity, HIDDEN=pub.hidden,
         TIMELINE=timeline, num_warps=tactic.num_warps, num_stages=1, launch_pdl=pdl,
-        **mix_kwargs, **norm_kwargs,
+        **mix_kwargs,
     )
     return grid, (storage, w_scale, a_data, a_scale, out, *buffers, stamps, first_slot, rows,
-                  *mix_args, *norm_args), kwargs
+                  *mix_args), kwargs
 
 
 def launch_low_latency(layer, a, out: torch.Tensor, tactic: Tactic, publish=None,
@@ -383,15 +313,14 @@ def launch_low_latency(layer, a, out: torch.Tensor, tactic: Tactic, publish=None
     grid, args, kwargs = _launch_config(layer, a, out, tactic, publish, finish)
     if out.shape[0]:
         mxfp8_gemm_kernel[grid](*args, **kwargs)
-        for left in (finish, a):  # the all-reduce's next call checks them
-            if isinstance(left, (MixesFinish, PendingNorm)) and left.launched is not None:
-                left.launched[0] = True
+        if finish is not None and finish.launched is not None:
+            finish.launched[0] = True  # the all-reduce's next call checks it
     return out
 
 
 def warmup_low_latency(layer, rows: int, tactic: Tactic, publish=None, bf16_input: bool = False,
                        stream: torch.cuda.Stream | None = None,
-                       finish: MixesFinish | None = None, pending: PendingNorm | None = None):
+                       finish: MixesFinish | None = None):
     """Compile (launch nothing) the kernel ``launch_low_latency`` runs for
     ``rows`` rows, ``tactic`` and the input kind, and allocate its split-K
     scratch for the current stream, or for ``stream`` (the one later launches or
@@ -403,12 +332,9 @@ def warmup_low_latency(layer, rows: int, tactic: Tactic, publish=None, bf16_inpu
     device = storage.device
     if stream is not None and device.type == "cuda":
         with torch.cuda.stream(stream):
-            return warmup_low_latency(layer, rows, tactic, publish, bf16_input, finish=finish,
-                                      pending=pending)
+            return warmup_low_latency(layer, rows, tactic, publish, bf16_input, finish=finish)
     a_k = groups * k
-    if pending is not None:
-        a = pending
-    elif bf16_input:
+    if bf16_input:
         a = torch.empty(rows, a_k, dtype=torch.bfloat16, device=device)
     else:
         a = QuantizedActivation(

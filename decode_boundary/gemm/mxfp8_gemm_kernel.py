@@ -129,13 +129,7 @@ import triton.language as tl
 from decode_boundary.common.contract import STAGE_ACTIVE, STAGE_NEXT
 from decode_boundary.common.mailbox_store import publish_row
 from decode_boundary.common.mhc_combine import finish_token_mixes
-from decode_boundary.common.rounding import (
-    quantize_groups,
-    rms_scale,
-    swizzled_offset,
-    to_bf16_rne,
-)
-from decode_boundary.common.tagged_words import chunk_norm_totals, load_chunk_partials
+from decode_boundary.common.rounding import quantize_groups, swizzled_offset, to_bf16_rne
 from decode_boundary.common.timeline import END, MARK1, MARK2, START, WAITED, stamp, stamp_after
 
 _STAGE_NEXT = tl.constexpr(STAGE_NEXT)
@@ -253,94 +247,6 @@ def _chunk(acc, w, ws, fetched, CH: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: t
 
 
 @triton.jit
-def _norm_partials(sumsq_ptr, row0, M, ROWS: tl.constexpr, NORM_UNITS: tl.constexpr,
-                   NORM_CHUNK_UNITS: tl.constexpr, NORM_CHUNKS: tl.constexpr,
-                   NORM_CHUNKS_P2: tl.constexpr):
-    """``A_NORM``: the loads of the row tile's norm partials (one [CHUNKS_P2, ROWS]
-    tile, or a tuple of ROWS one-row tiles, as :func:`_fetch_piece`)."""
-    if ROWS >= 16:
-        rows = row0 + tl.arange(0, ROWS)
-        words = load_chunk_partials(sumsq_ptr, rows, rows < M, NORM_UNITS, NORM_CHUNK_UNITS,
-                                    NORM_CHUNKS, NORM_CHUNKS_P2)
-    else:
-        words = ()
-        for r in tl.static_range(ROWS):
-            row = row0 + r + tl.zeros((1,), dtype=tl.int32)
-            words += (load_chunk_partials(sumsq_ptr, row, row < M, NORM_UNITS, NORM_CHUNK_UNITS,
-                                          NORM_CHUNKS, NORM_CHUNKS_P2),)
-    return words
-
-
-@triton.jit
-def _norm_rstd(words, norm_eps, K: tl.constexpr, ROWS: tl.constexpr,
-               NORM_CHUNKS_P2: tl.constexpr):
-    """rsqrt(total / K + eps) per row of :func:`_norm_partials`' words, in the
-    consumer's operations and order (``_norm_chunk``): [ROWS], or a tuple of [1]."""
-    if ROWS >= 16:
-        rstd = rms_scale(chunk_norm_totals(words, NORM_CHUNKS_P2), norm_eps, K)
-    else:
-        rstd = ()
-        for r in tl.static_range(ROWS):
-            rstd += (rms_scale(chunk_norm_totals(words[r], NORM_CHUNKS_P2), norm_eps, K),)
-    return rstd
-
-
-@triton.jit
-def _normalize_rows(x, rstd, gamma, rows, M, k0, k_end, layer_ptr, qdata_ptr, qscale_ptr,
-                    write, CH: tl.constexpr, K: tl.constexpr, HARDWARE: tl.constexpr):
-    """Prenorm rows ``x`` [R, CH] (BF16, K from ``k0``) -> the layer input
-    ``bf16((x * rstd) * gamma)`` quantized as ``quantize_mxfp8``: (e4m3 [R, CH],
-    exponent bytes [R, CH/32]), an MXFP8 piece as :func:`_fetch_activation`
-    loads one. Where ``write`` (the first weight block's programs), the layer
-    input and its MXFP8 copy are stored too (the consumer's outputs)."""
-    R: tl.constexpr = x.shape[0]
-    y = to_bf16_rne((x.to(tl.float32) * rstd[:, None]) * gamma.to(tl.float32)[None, :], HARDWARE)
-    q, e = quantize_groups(tl.reshape(y.to(tl.float32), (R, CH // 32, 32)), HARDWARE)
-    q = tl.reshape(q, (R, CH))
-    k = k0 + tl.arange(0, CH)
-    g = k0 // 32 + tl.arange(0, CH // 32)
-    live = (rows < M)[:, None] & write
-    offs = rows[:, None].to(tl.int64) * K + k[None, :]
-    tl.store(layer_ptr + offs, y, mask=live & (k < k_end)[None, :])
-    tl.store(qdata_ptr + offs, q, mask=live & (k < k_end)[None, :])
-    tl.store(qscale_ptr + swizzled_offset(rows[:, None], g[None, :], (K // 32 + 3) // 4),
-             e.to(tl.uint8), mask=live & (g * 32 < k_end)[None, :])
-    return q, e
-
-
-@triton.jit
-def _normalize_piece(fetched, rstd, gamma, row0, M, k0, k_end, layer_ptr, qdata_ptr,
-                     qscale_ptr, write, CH: tl.constexpr, ROWS: tl.constexpr, K: tl.constexpr,
-                     HARDWARE: tl.constexpr):
-    """``A_NORM``: one fetched piece of prenorm rows (:func:`_fetch_piece`) as
-    the MXFP8 piece :func:`_chunk` takes (:func:`_normalize_rows`)."""
-    if ROWS >= 16:
-        rows = row0 + tl.arange(0, ROWS)
-        piece = _normalize_rows(fetched[0], rstd, gamma, rows, M, k0, k_end, layer_ptr,
-                                qdata_ptr, qscale_ptr, write, CH, K, HARDWARE)
-    else:
-        piece = ()
-        for r in tl.static_range(ROWS):
-            row = row0 + r + tl.zeros((1,), dtype=tl.int32)
-            piece += (_normalize_rows(fetched[r][0], rstd[r], gamma, row, M, k0, k_end,
-                                      layer_ptr, qdata_ptr, qscale_ptr, write, CH, K,
-                                      HARDWARE),)
-    return piece
-
-
-@triton.jit
-def _zero_scale_padding_rows(qscale_ptr, M, k0, k_end, CH: tl.constexpr, K: tl.constexpr):
-    """0 into the swizzled scale rows M .. (the next multiple of 128) - 1 at this
-    piece's groups, as ``quantize_mxfp8`` writes them (K % 128 == 0: no padding
-    groups)."""
-    pad = M + tl.arange(0, 128)
-    g = k0 // 32 + tl.arange(0, CH // 32)
-    tl.store(qscale_ptr + swizzled_offset(pad[:, None], g[None, :], K // 128),
-             tl.zeros((128, CH // 32), dtype=tl.uint8),
-             mask=(pad < tl.cdiv(M, 128) * 128)[:, None] & (g * 32 < k_end)[None, :])
-
-
-@triton.jit
 def _write_block(vals, out_ptr, rows, cols, M, N: tl.constexpr, is_first_block,
                  peer_ptrs_ptr, stage_ptr, stage, PUBLISH: tl.constexpr, TP: tl.constexpr,
                  RANK: tl.constexpr, CAPACITY: tl.constexpr, HIDDEN: tl.constexpr,
@@ -365,7 +271,7 @@ def _finish_mixes_program(mix_ptr, generation_ptr, status_ptr, hc_scale_ptr, hc_
                           MIX_HIDDEN: tl.constexpr, MIX_CHUNKS: tl.constexpr,
                           MIX_CHUNKS_P2: tl.constexpr, SLOTS: tl.constexpr,
                           MIX_ROW: tl.constexpr, TOTALS_OFF: tl.constexpr,
-                          USE_PTX: tl.constexpr, ADVANCE: tl.constexpr):
+                          USE_PTX: tl.constexpr):
     """``FINISH_MIXES``: token m's next mixes, combined from the shares the
     consumer before this GEMM left (``common.mhc_combine``), by a program that
     loads no weight. Timeline marks: WAITED and MARK2 at the grid wait, MARK1
@@ -378,7 +284,7 @@ def _finish_mixes_program(mix_ptr, generation_ptr, status_ptr, hc_scale_ptr, hc_
     finish_token_mixes(mix_ptr, generation_ptr, status_ptr, hc_scale_ptr, hc_base_ptr,
                        pre_out_ptr, post_out_ptr, comb_out_ptr, m, mix_eps, hc_eps, mix_rounds,
                        wait_bound, HC, MIX_HIDDEN, MIX_CHUNKS, MIX_CHUNKS_P2, SLOTS, MIX_ROW,
-                       TOTALS_OFF, USE_PTX, ADVANCE)
+                       TOTALS_OFF, USE_PTX)
     stamp(stamp_ptr, slot, MARK1, TIMELINE)
 
 
@@ -389,7 +295,6 @@ def mxfp8_gemm_kernel(
     M,
     mix_ptr, generation_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, post_out_ptr,
     comb_out_ptr, mix_eps, hc_eps, mix_rounds, wait_bound,
-    sumsq_ptr, norm_w_ptr, layer_ptr, qdata_ptr, qscale_ptr, norm_eps,
     N: tl.constexpr, K: tl.constexpr, GROUPS: tl.constexpr,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr,
     K_SLICE: tl.constexpr, CHUNK: tl.constexpr, PIECES: tl.constexpr,
@@ -399,9 +304,6 @@ def mxfp8_gemm_kernel(
     FINISH_MIXES: tl.constexpr = False, HC: tl.constexpr = 1, MIX_HIDDEN: tl.constexpr = 1,
     MIX_CHUNKS: tl.constexpr = 1, MIX_CHUNKS_P2: tl.constexpr = 1, SLOTS: tl.constexpr = 1,
     MIX_ROW: tl.constexpr = 1, TOTALS_OFF: tl.constexpr = 0, USE_PTX: tl.constexpr = False,
-    A_NORM: tl.constexpr = False, NORM_UNITS: tl.constexpr = 1,
-    NORM_CHUNK_UNITS: tl.constexpr = 1, NORM_CHUNKS: tl.constexpr = 1,
-    NORM_CHUNKS_P2: tl.constexpr = 1,
 ):
     W_K_TILES: tl.constexpr = (K // 32 + 3) // 4
     A_K: tl.constexpr = GROUPS * K
@@ -422,8 +324,7 @@ def mxfp8_gemm_kernel(
                                       hc_base_ptr, pre_out_ptr, post_out_ptr, comb_out_ptr, pid_n,
                                       mix_eps, hc_eps, mix_rounds, wait_bound, stamp_ptr, slot,
                                       TIMELINE, USE_PDL, HC, MIX_HIDDEN, MIX_CHUNKS,
-                                      MIX_CHUNKS_P2, SLOTS, MIX_ROW, TOTALS_OFF, USE_PTX,
-                                      A_NORM)
+                                      MIX_CHUNKS_P2, SLOTS, MIX_ROW, TOTALS_OFF, USE_PTX)
             else:
                 # Its copies at the other (split, row block) positions have nothing to do:
                 # they leave at once (a program that exits has released its dependents),
@@ -443,13 +344,9 @@ def mxfp8_gemm_kernel(
     # the grid wait (nothing here is the previous kernel's); static_range unrolls
     # the loop, so every piece is its own registers and all loads are in flight.
     pieces = ()
-    gammas = ()
     for i in tl.static_range(PIECES):
         pieces += (_load_weight(w_ptr, w_scale_ptr, cols, k0 + i * CHUNK, k_end, CHUNK, K,
                                 W_K_TILES),)
-        if A_NORM:  # the norm weight of this piece's columns: a weight too
-            kk = k0 + i * CHUNK + tl.arange(0, CHUNK)
-            gammas += (tl.load(norm_w_ptr + kk, mask=kk < k_end, other=0.0),)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -466,29 +363,11 @@ def mxfp8_gemm_kernel(
         # nothing can advance it again before this grid ends: the next consumer
         # waits for it).
         stage = tl.load(stage_ptr + _STAGE_NEXT, volatile=True)
-    A_LOADS_BF16: tl.constexpr = A_BF16 or A_NORM  # A_NORM: the prenorm rows
-    norm_words = ()
-    rstd = ()
-    write = pid_n == 0  # A_NORM: the first weight block stores the layer input
-    if A_NORM:
-        # Issued before the activation loads, reduced after them (a reduction is a
-        # barrier, which would hold the activation loads back by a round trip).
-        norm_words = _norm_partials(sumsq_ptr, row0, M, ROWS, NORM_UNITS, NORM_CHUNK_UNITS,
-                                    NORM_CHUNKS, NORM_CHUNKS_P2)
-        if (pid_k == 0) & write & (not FINISH_MIXES):
-            # The generation the consumer could not advance (PendingNorm); with the
-            # mixes finish in this grid its program, the only other reader, does.
-            grows = row0 + tl.arange(0, ROWS)
-            tl.store(generation_ptr + grows,
-                     tl.load(generation_ptr + grows, mask=grows < M, other=0) + 1,
-                     mask=grows < M)
     fetched = ()
     if A_UPFRONT:
         for i in tl.static_range(PIECES):
             fetched += (_fetch_piece(a_ptr, a_scale_ptr, row0, M, a_k0, k0 + i * CHUNK, k_end,
-                                     CHUNK, ROWS, A_K, A_K_TILES, A_LOADS_BF16),)
-    if A_NORM:
-        rstd = _norm_rstd(norm_words, norm_eps, K, ROWS, NORM_CHUNKS_P2)
+                                     CHUNK, ROWS, A_K, A_K_TILES, A_BF16),)
     if TIMELINE:
         # MARK2 (after the activation loads are issued: its reduction is a barrier): the
         # weight slice is in, as far as its scale bytes tell (each piece's
@@ -505,13 +384,7 @@ def mxfp8_gemm_kernel(
             piece = fetched[i]
         else:
             piece = _fetch_piece(a_ptr, a_scale_ptr, row0, M, a_k0, k0 + i * CHUNK, k_end,
-                                 CHUNK, ROWS, A_K, A_K_TILES, A_LOADS_BF16)
-        if A_NORM:
-            piece = _normalize_piece(piece, rstd, gammas[i], row0, M, k0 + i * CHUNK, k_end,
-                                     layer_ptr, qdata_ptr, qscale_ptr, write, CHUNK, ROWS, K,
-                                     not INTERPRETER)
-            if write & (pid_m == 0):
-                _zero_scale_padding_rows(qscale_ptr, M, k0 + i * CHUNK, k_end, CHUNK, K)
+                                 CHUNK, ROWS, A_K, A_K_TILES, A_BF16)
         acc = _chunk(acc, w, ws, piece, CHUNK, BLOCK_N, ROWS, A_BF16, INTERPRETER)
     stamp(stamp_ptr, slot, MARK1, TIMELINE)  # products done
 

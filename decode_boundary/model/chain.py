@@ -26,7 +26,6 @@ import torch.distributed as dist
 from decode_boundary import env
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
 from decode_boundary.boundary.reference import consumer_mixes_ref, mhc_mixes_ref
-from decode_boundary.common.contract import PendingNorm
 from decode_boundary.gemm import mxfp8_mm
 from decode_boundary.gemm import precompile as gemm_precompile
 from decode_boundary.gemm.linear import Mxfp8Linear, load_linear
@@ -188,10 +187,6 @@ class AttentionBoundary:
             finish = self.all_reduce.deferred_finish(rows)
             if finish is not None:
                 gemm_precompile(self.fused_wqa_wkv, [rows], bf16_input=False, finish_mixes=finish)
-            pending = self.all_reduce.deferred_norm(rows, self.config.eps, self.norm_weight)
-            if pending is not None:
-                gemm_precompile(self.fused_wqa_wkv, [rows], finish_mixes=finish,
-                                pending_norm=pending)
         self.all_reduce.precompile(rows_list)
 
     def close(self) -> None:
@@ -258,24 +253,19 @@ class AttentionBoundary:
         return partial
 
     def consume(self, inputs: BoundaryInputs, partial: torch.Tensor) -> BoundaryOutputs:
-        """The consumer (all-reduce + mHC + the collapse + the next mixes' shares
-        + RMSNorm + MXFP8) and ``fused_wqa_wkv``, whose extra programs combine the
-        mixes (``combine_mixes=False``) and which, up to
-        ``consumer.NORM_LEFT_MAX_ROWS`` tokens, also normalises and quantizes the
-        layer input itself (``leave_norm=True``)."""
-        residual_out, layer_input, next_in, mixes, finish = self.reduce(
-            inputs, partial, combine_mixes=False, leave_norm=True)
+        """The consumer (all-reduce + mHC + RMSNorm + MXFP8 + the next mixes'
+        shares) and ``fused_wqa_wkv``, whose extra programs combine the mixes
+        (``combine_mixes=False``)."""
+        residual_out, layer_input, next_in, mixes, finish = self.reduce(inputs, partial,
+                                                                         combine_mixes=False)
         q = mxfp8_mm(self.fused_wqa_wkv, next_in, finish_mixes=finish)
         return BoundaryOutputs(residual_out, layer_input, q, *mixes)
 
-    def reduce(self, inputs: BoundaryInputs, partial: torch.Tensor, combine_mixes: bool = True,
-               leave_norm: bool = False):
+    def reduce(self, inputs: BoundaryInputs, partial: torch.Tensor, combine_mixes: bool = True):
         """The consumer alone: (residual_out, layer_input, the next layer's
         MXFP8 input, the next sublayer's (pre, post, comb)) from the published
         ``partial``; ``combine_mixes=False``: the combine left to the next
-        GEMM, whose ``MixesFinish`` (or None) comes last; ``leave_norm=True``:
-        the next layer's input may be a ``PendingNorm`` that the next GEMM must
-        take (layer_input and the MXFP8 input are written by it)."""
+        GEMM, whose ``MixesFinish`` (or None) comes last."""
         c, rows = self.config, inputs.rows
         data = torch.empty(rows, c.hidden, dtype=torch.float8_e4m3fn, device=self.device)
         scale = torch.empty(mxfp8_scale_bytes(rows, c.hidden), dtype=torch.uint8,
@@ -284,10 +274,8 @@ class AttentionBoundary:
         residual_out, layer_input, mixes, *finish = self.all_reduce(
             partial, inputs.residual, inputs.post, inputs.comb, pre,
             self.norm_weight, c.eps, mxfp8_out=(data, scale), mix_weights=self.mix_weights,
-            combine_mixes=combine_mixes, leave_norm=leave_norm,
+            combine_mixes=combine_mixes,
         )
-        if isinstance(layer_input, PendingNorm):
-            return residual_out, layer_input.layer_input, layer_input, mixes, *finish
         next_in = QuantizedActivation(data, scale, torch.bfloat16, layer_input.shape)
         return residual_out, layer_input, next_in, mixes, *finish
 

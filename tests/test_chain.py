@@ -1,6 +1,8 @@
 """The model-level boundary chain on the tiny config in the interpreter (tp = 1),
 and on 2 GPUs at the DSV4.1-Flash shapes."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -116,6 +118,10 @@ def test_strong_baseline_is_close_to_the_reference(tiny_boundary):
     args = (inputs.residual, inputs.post, inputs.comb, inputs.pre, ab.norm_weight, ab.config.eps)
     out = strong(inputs)
     assert check_baseline(out, ab.reference(inputs), ab, BASELINE_RTOL) == []
+    # The baselines' mixes bar (BASELINE_MIXES_ATOL) still catches mixes computed wrongly.
+    wrong = dataclasses.replace(out, next_post=out.next_post + 0.05)
+    assert any(f.startswith("next_post") for f in
+               check_baseline(wrong, ab.reference(inputs), ab, BASELINE_RTOL))
     reduced = torch.randn(5, ab.config.hidden).bfloat16()
     residual_out, layer_input = mhc_rmsnorm(reduced, *args)
     ref_residual, ref_input, _ = consumer_ref([reduced], *args, quantize=False)

@@ -60,6 +60,13 @@ FP8_ROW_ALIGN = 16  # cuBLASLt FP8 needs every dimension a multiple of 16
 # 8.04 %). Each bar is about twice the largest measured; a wrong computation is O(1).
 BASELINE_RTOL = 8e-2
 EAGER_RTOL = 0.15
+# A baseline's next mixes against the spec of its own residual_out. Not our kernels'
+# MIXES_ATOL (1e-5): Inductor does not emulate precision casts inside a fused kernel
+# (``emulate_precision_casts`` is off by default), so the compiled baselines take the
+# mixes of the FP32 mix, not of its BF16 rounding, residual_out: 1.3e-3 to 3.9e-3 from
+# the spec on one H200 (strong baseline at M = 1-64, compiled step at M = 32; TP-4
+# shapes, bench at b4bea60). About 2.5 times that; mixes computed wrongly are O(0.1-1).
+BASELINE_MIXES_ATOL = 1e-2
 
 
 def baseline_rtol(name: str) -> float:
@@ -71,11 +78,12 @@ def check_baseline(out: BoundaryOutputs, ref: BoundaryOutputs, ab: AttentionBoun
                    rtol: float) -> list[str]:
     """Failures (empty when fine) of a baseline's step: residual_out, layer_input
     and q within ``rtol`` of the reference, and the next mixes those of its own
-    residual_out (``check_mixes``: the spec within ``MIXES_ATOL``). The mixes are
+    residual_out (``check_mixes``: the spec within ``BASELINE_MIXES_ATOL``). The mixes are
     not held to ``rtol`` against the reference's: the sigmoids and Sinkhorn rounds
     amplify residual_out's difference (eager at M = 2: next_post 11 % for 6.5 % on
     residual_out), while computing them wrongly shows against their own spec."""
-    return check_outputs(out, ref, rtol, OUTPUT_NAMES) + check_mixes(out, ab)
+    return check_outputs(out, ref, rtol, OUTPUT_NAMES) + check_mixes(out, ab,
+                                                                    BASELINE_MIXES_ATOL)
 
 
 def rowwise_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -355,18 +355,19 @@ def check_outputs(out: BoundaryOutputs, ref: BoundaryOutputs, rtol: float = CHAI
     return failures
 
 
-def check_mixes(out: BoundaryOutputs, ab: AttentionBoundary) -> list[str]:
+def check_mixes(out: BoundaryOutputs, ab: AttentionBoundary,
+                atol: float = MIXES_ATOL) -> list[str]:
     """Failures (empty when fine) of a path's next mixes against the spec
-    (``mhc_mixes_ref``) of its own ``residual_out``, within ``MIXES_ATOL``."""
+    (``mhc_mixes_ref``) of its own ``residual_out``, within ``atol``."""
     c = ab.config
     want = mhc_mixes_ref(out.residual_out, *ab.mix_weights, c.eps, c.hc_eps,
                          c.hc_sinkhorn_iters)
     failures = []
     for name, exp in zip(MIX_NAMES, want, strict=True):
         err = (getattr(out, name).double() - exp.double()).abs().max().item()
-        if not err <= MIXES_ATOL:  # NaN fails too
+        if not err <= atol:  # NaN fails too
             failures.append(f"{name}: {err:.2e} from the mixes of its residual_out "
-                            f"(> {MIXES_ATOL:.0e})")
+                            f"(> {atol:.0e})")
     return failures
 
 

@@ -84,13 +84,32 @@ def concurrent_programs():
             time.sleep(0)  # a poll: let the other programs run
         return masked_load(self, ptrs, mask, other, cache_modifier, eviction_policy, is_volatile)
 
+    # A device function's first call rewrites it, which adds the interpreter's names to
+    # its module's globals, while another program's call may be iterating over those
+    # globals (``_patch_lang``): "dictionary changed size during iteration", now and
+    # then. Both under one lock (they touch no memory a program waits for).
+    lock = threading.RLock()
+    patch_lang, rewrite = interpreter._patch_lang, interpreter.InterpretedFunction.rewrite
+
+    def locked_patch_lang(fn):
+        with lock:
+            return patch_lang(fn)
+
+    def locked_rewrite(self):
+        with lock:
+            return rewrite(self)
+
     original = interpreter.GridExecutor.__call__
     builder_cls.grid_idx = property(get, put)  # a data descriptor: beats the instance dict
     builder_cls.create_masked_load = polite_load
     interpreter.GridExecutor.__call__ = _threaded_call
+    interpreter._patch_lang = locked_patch_lang
+    interpreter.InterpretedFunction.rewrite = locked_rewrite
     try:
         yield
     finally:
         interpreter.GridExecutor.__call__ = original
+        interpreter._patch_lang = patch_lang
+        interpreter.InterpretedFunction.rewrite = rewrite
         builder_cls.create_masked_load = masked_load
         del builder_cls.grid_idx

@@ -25,7 +25,7 @@ Every baseline computes the next sublayer's mixes with the model's collapse
 None is bit-compatible with our path (BF16 activations and row-wise FP8 are other
 numerics); they are speed baselines, checked by :func:`check_baseline`: the chain's
 outputs close to the reference (``BASELINE_RTOL``, ``EAGER_RTOL``), the next mixes
-exactly those of the baseline's own ``residual_out``.
+those of the baseline's own ``residual_out`` (``BASELINE_MIXES_ATOL``).
 """
 
 from __future__ import annotations

@@ -125,6 +125,18 @@ def test_checks():
     with pytest.raises(ValueError, match="combine_mixes must be a bool"):
         ar(d["xs"][0], d["residual"], d["post"], d["comb"], d["pre"], d["gamma"], EPS,
            mix_weights=d["weights"], combine_mixes=None)
+    with pytest.raises(ValueError, match="mixes_aside must be a bool"):
+        ar(d["xs"][0], d["residual"], d["post"], d["comb"], d["pre"], d["gamma"], EPS,
+           mix_weights=d["weights"], mixes_aside=1)
+    with pytest.raises(ValueError, match="mixes_aside=True needs .*collapse_pre='same'"):
+        same(d["xs"][0], d["residual"], d["post"], d["comb"], None, d["gamma"], EPS,
+             mix_weights=d["weights"], mixes_aside=True)
+    (wide,) = db.BoundaryAllReduce.simulated(1, H, 8, CAP, 2, collapse_pre="previous")
+    with pytest.raises(ValueError, match="mixes_aside=True needs .*hc=8"):
+        wide(d["xs"][0], torch.zeros(2, 8, H).bfloat16(), torch.zeros(2, 8),
+             torch.zeros(2, 8, 8), torch.zeros(2, 8), d["gamma"], EPS,
+             mix_weights=(torch.zeros(80, 8 * H), torch.ones(3), torch.zeros(80)),
+             mixes_aside=True)
     for rows in (0, CAP + 1, 1.0):
         with pytest.raises(ValueError, match="rows must be an int in"):
             ar.deferred_finish(rows)

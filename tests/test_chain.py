@@ -185,3 +185,92 @@ def test_the_mixes_kernel_in_the_chain(monkeypatch):
         assert check_mixes(fused, ab) == []
     finally:
         ab.close()
+
+
+def test_mixes_aside_in_the_chain(monkeypatch):
+    """``mixes_aside=True`` (V4.1): the consumer without the mixes, then the
+    mixes kernel (on the all-reduce's side stream on a GPU; inline here), no
+    combining programs in the next GEMM; residual_out, layer input and q bit
+    for bit the inline path's, fused = unfused, both ranks identical, the
+    reference met and the mixes within MIXES_ATOL of the spec of residual_out.
+    V4's collapse needs the mixes in the consumer: there the flag changes
+    nothing, bit for bit."""
+    from decode_boundary.model.chain import OUTPUT_NAMES, check_mixes
+
+    ranks = simulated_boundaries(MODELS["tiny"], 2, capacity=8, seed=7)
+    assert ranks[0].mixes_aside_possible
+    for rows in (1, 6):
+        inputs = [b.make_inputs(rows, seed=20 + rows) for b in ranks]
+        inline = run_simulated(ranks, inputs, fused=True)
+        launched = _count_launches(monkeypatch)
+        aside = run_simulated(ranks, inputs, fused=True, mixes_aside=True)
+        assert launched == ["mxfp8_gemm_kernel", "mxfp8_gemm_kernel"] * 2 + [
+            "consumer_kernel", "next_mixes_kernel", "mxfp8_gemm_kernel"] * 2, launched
+        monkeypatch.undo()
+        unfused = run_simulated(ranks, inputs, fused=False, mixes_aside=True)
+        for b in ranks:
+            b.join_mixes()  # nothing pending off the GPU: a no-op
+        for name in OUTPUT_NAMES:
+            assert torch.equal(getattr(aside[0], name), getattr(inline[0], name)), name
+        assert outputs_identical(aside[0], unfused[0]) and outputs_identical(aside[0], aside[1])
+        partials = [b.reference_partial(x) for b, x in zip(ranks, inputs, strict=True)]
+        assert check_outputs(aside[0], ranks[0].reference(inputs[0], partials)) == []
+        assert check_mixes(aside[0], ranks[0]) == []
+    same = simulated_boundaries(dataclasses.replace(MODELS["tiny"], collapse_pre="same"), 1,
+                                capacity=4, seed=7)[0]
+    assert not same.mixes_aside_possible
+    inputs = same.make_inputs(3, seed=2)
+    assert outputs_identical(same(inputs, mixes_aside=True), same(inputs))
+    for b in (*ranks, same):
+        b.close()
+
+
+@pytest.mark.gpu
+def test_gpu_mixes_aside_streams_and_graphs():
+    """On the GPU, V4.1-Flash at TP-4 shapes (one rank, H = 5120), M = 1, 16
+    and 40 (the last beyond MIXES_FUSED_MAX_ROWS): eager steps with the mixes
+    on the side stream give the inline path's residual_out, layer input and q
+    bits once joined, mixes within MIXES_ATOL of the spec, the reference met;
+    a graph of three such steps that joins at its end replays to the eager
+    bits (the mixes too: the same kernel); consecutive steps join by
+    themselves; a capture cannot join an eager call's pending mixes."""
+    from decode_boundary.model.chain import OUTPUT_NAMES, check_mixes
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    ab = AttentionBoundary(MODELS["v4.1-flash"], 4, 0, None, device, capacity=40, seed=12)
+    rows_list = (1, 16, 40)
+    ab.precompile(rows_list)
+    try:
+        for rows in rows_list:
+            inputs = ab.make_inputs(rows, seed=rows)
+            inline = ab(inputs)
+            aside = ab(inputs, mixes_aside=True)
+            again = ab(inputs, mixes_aside=True)  # joins the first one's mixes itself
+            ab.join_mixes()
+            torch.cuda.synchronize(device)
+            for name in OUTPUT_NAMES:
+                assert torch.equal(getattr(aside, name).view(torch.int16),
+                                   getattr(inline, name).view(torch.int16)), (rows, name)
+            assert outputs_identical(aside, again)
+            assert check_mixes(aside, ab) == [] and check_mixes(inline, ab) == []
+            assert check_outputs(aside, ab.reference(inputs)) == []
+            pending = ab(inputs, mixes_aside=True)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph), pytest.raises(RuntimeError, match="join_mixes"):
+                ab.join_mixes()
+            ab.join_mixes()
+            torch.cuda.synchronize(device)
+            assert outputs_identical(pending, aside)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs = [ab(inputs, mixes_aside=True) for _ in range(3)]
+                ab.join_mixes()
+            for out in outs:
+                for name in (*OUTPUT_NAMES, "next_pre", "next_post", "next_comb"):
+                    getattr(out, name).fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize(device)
+            for out in outs:
+                assert outputs_identical(out, aside), rows
+    finally:
+        ab.close()

@@ -64,6 +64,7 @@ from .consumer import (
     is_hc_eps,
     is_positive_int,
     mix_columns,
+    mixes_aside_ok,
     mixes_finish,
     status_error,
     wait_bound,
@@ -211,6 +212,10 @@ class BoundaryAllReduce:
         self._published: torch.Tensor | None = None
         # The MixesFinish the last call left to the next GEMM (combine_mixes=False).
         self._left_to_gemm: MixesFinish | None = None
+        # mixes_aside: the side stream, and the event of the mixes the last call left
+        # on it with whether it was recorded under a graph capture (join_mixes).
+        self._mixes_stream: torch.cuda.Stream | None = None
+        self._mixes_pending: tuple[torch.cuda.Event, bool] | None = None
         self.handle = ops.register(self)  # what the custom ops name this instance by
         self.tactic = tactic
         self._compiled: set[tuple] = set()
@@ -317,7 +322,7 @@ class BoundaryAllReduce:
                  comb: torch.Tensor, pre: torch.Tensor | None, norm_weight: torch.Tensor | None,
                  norm_eps: float, mxfp8_out: tuple[torch.Tensor, torch.Tensor] | None = None,
                  mix_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                 combine_mixes: bool = True) -> tuple:
+                 combine_mixes: bool = True, mixes_aside: bool = False) -> tuple:
         """Reduce ``x`` over the group and apply docs/DESIGN.md §5. Returns
         (residual_out [M, hc, H], layer_input [M, H] or None when ``pre`` is None);
         the MXFP8 layer input goes into ``mxfp8_out`` = (data, swizzled scales).
@@ -350,6 +355,24 @@ class BoundaryAllReduce:
         be able to start while the GEMM runs, i.e. not sit in an unbroken chain
         of kernels that release their dependents early (PDL) behind it.
 
+        ``mixes_aside=True`` (a call with mixes of the previous pre, V4.1, at an
+        hc the mixes kernel takes): the consumer runs without the mixes and the
+        mixes kernel computes them on this instance's side stream, forked after
+        the consumer, so that no kernel on the calling stream waits for them
+        (V4.1 engines run their mixes GEMM so; benchmarks/NOTES.md). pre, post
+        and comb are then complete only once the calling stream has *joined*
+        the side stream: :meth:`join_mixes`, which the next call of this
+        instance does by itself before its consumer (whose scratch the mixes
+        kernel reads). Read them on no stream before that; a CUDA-graph capture
+        must call ``join_mixes`` before it ends (CUDA refuses an unjoined
+        capture) and cannot start while an eager call's mixes are pending
+        (``RuntimeError``: join first). The pre, post and comb are the mixes
+        kernel's (another FP32 summation order than the consumer's fused dots:
+        equal within ``MIXES_ATOL``, not bit for bit); everything else is the
+        same. Under torch.compile the flag is ignored (the traced consumer
+        combines itself); without mixes, or for V4, it is refused
+        (``ValueError``).
+
         Every argument is checked before anything of this step is written to a
         peer or to the stage words; a rejected one aborts the step on every rank
         (this one raises ``ValueError``, its peers ``RuntimeError`` naming it;
@@ -358,7 +381,48 @@ class BoundaryAllReduce:
         inputs = dict(residual=residual, post=post, comb=comb, pre=pre,
                       norm_weight=norm_weight, eps=norm_eps, mxfp8_out=mxfp8_out,
                       mix_weights=mix_weights, combine_mixes=combine_mixes)
+        if mixes_aside is not False:
+            if mixes_aside is not True:
+                raise ValueError(f"mixes_aside must be a bool, got {mixes_aside!r}")
+            if not (full and mixes_aside_ok(self.hc_mult, self.collapse_pre)):
+                raise ValueError(
+                    "mixes_aside=True needs a full call of an all-reduce with "
+                    f"collapse_pre='previous' and an hc the mixes kernel takes; this one has "
+                    f"collapse_pre={self.collapse_pre!r}, hc={self.hc_mult}"
+                    + ("" if full else ", and the call is residual-only"))
+            inputs["mixes_aside"] = True
         return self._reduce(x, FULL if full else RESIDUAL_ONLY, **inputs)
+
+    def join_mixes(self) -> None:
+        """Make the current stream wait for the mixes the last call left on the
+        side stream (``mixes_aside=True``); nothing when none are pending. Call
+        it before reading those pre / post / comb, and before a CUDA-graph
+        capture that left them ends; the next call of this instance joins by
+        itself. Eager mixes joined under a capture raise ``RuntimeError`` (a
+        capture cannot wait for work outside it: join before it begins)."""
+        pending, self._mixes_pending = self._mixes_pending, None
+        if pending is None:
+            return
+        event, captured = pending
+        capturing = self._capturing()
+        if captured and not capturing:
+            return  # that capture has ended; CUDA made it join (or refused it)
+        if capturing and not captured:
+            self._mixes_pending = pending  # still to be joined, outside the capture
+            raise RuntimeError(
+                "BoundaryAllReduce: an eager call's next mixes are still pending on the side "
+                "stream (mixes_aside=True) and a CUDA graph is being captured; call "
+                "join_mixes() before the capture begins")
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+    def _side_stream(self):
+        """The stream ``mixes_aside`` runs the mixes kernel on (created once;
+        on a CPU device, where it runs inline, a stand-in)."""
+        if self.device.type != "cuda":
+            return "inline"
+        if self._mixes_stream is None:
+            self._mixes_stream = torch.cuda.Stream(self.device)
+        return self._mixes_stream
 
     def deferred_finish(self, rows: int, eps: float = 0.0):
         """The ``MixesFinish`` a full call of ``rows`` tokens with
@@ -406,8 +470,9 @@ class BoundaryAllReduce:
     def precompile(self, rows) -> None:
         """Compile every kernel variant this instance may launch for each M in
         ``rows`` (an int or an iterable), launching nothing, then barrier the
-        group (both ways of a call with mixes: ``combine_mixes`` True and
-        False). Collective. Call it before capturing CUDA graphs."""
+        group (every way of a call with mixes: ``combine_mixes`` True and
+        False, ``mixes_aside`` where it applies). Collective. Call it before
+        capturing CUDA graphs."""
         rows = [rows] if isinstance(rows, int) else list(rows)
         self._open()
         h, hc, dev = self.hidden_size, self.hc_mult, self.device
@@ -432,6 +497,10 @@ class BoundaryAllReduce:
                     compilers[self._consumer_key(m, mode, quant, False)] = (
                         lambda x=x, mode=mode, used=used: self._consume(
                             x, mode, compile_only=True, combine_mixes=False, **used))
+                    if mixes_aside_ok(hc, self.collapse_pre):
+                        compilers[self._consumer_key(m, mode, quant, True, True)] = (
+                            lambda x=x, mode=mode, used=used: self._consume(
+                                x, mode, compile_only=True, mixes_aside=True, **used))
         self.compile_variants(compilers, force_barrier=True)
 
     def check(self) -> None:
@@ -461,6 +530,7 @@ class BoundaryAllReduce:
         self._published = self._left_to_gemm = None
         if not collective:
             return
+        self._mixes_pending = None  # the barriers below synchronize the device
         work, self._abort_work = self._abort_work, None
         if work is not None:
             host_wait.wait_work(work[0], self.group, self._host_timeout(),
@@ -491,6 +561,7 @@ class BoundaryAllReduce:
         if self._capturing():
             raise RuntimeError("BoundaryAllReduce.close() during a CUDA graph capture")
         box, self._box, self._published = self._box, None, None
+        self._mixes_pending = None  # the device is synchronized below
         if collective:
             self._barrier()
         elif box is not None and self.device.type == "cuda":
@@ -565,10 +636,11 @@ class BoundaryAllReduce:
                                 box.peer_ptrs, box.stage_state, self.rank, self.capacity,
                                 publish=self.transport == "mailbox", compile_only=compile_only)
 
-    def _consumer_key(self, m: int, mode: int, quant: bool, combine: bool = True) -> tuple:
+    def _consumer_key(self, m: int, mode: int, quant: bool, combine: bool = True,
+                      aside: bool = False) -> tuple:
         mixes = self.collapse_pre if mode == FULL else None
-        fused = mixes is not None and fuses_mixes(m, self.hc_mult, mixes)
-        return ("consume", mode, quant, mixes, fused, combine or not fused,
+        fused = mixes is not None and not aside and fuses_mixes(m, self.hc_mult, mixes)
+        return ("consume", mode, quant, mixes, fused, combine or not fused, aside,
                 self.tactic or consumer_tactic(m, self.hidden_size, mixes if fused else None))
 
     def compile_variants(self, compilers: dict, force_barrier: bool = False) -> None:
@@ -594,7 +666,8 @@ class BoundaryAllReduce:
                           aborts_arrive=True)
 
     def _consume(self, x: torch.Tensor, mode: int, compile_only: bool = False,
-                 before_launch=None, mix_weights=None, combine_mixes: bool = True, **inputs):
+                 before_launch=None, mix_weights=None, combine_mixes: bool = True,
+                 mixes_aside: bool = False, **inputs):
         """The consumer; ``before_launch`` (the step's publish) runs once
         ``consume`` has checked every input, and in the gather transport is
         followed by the all-gather (bounded over gloo: ``host_timeout_s``)."""
@@ -604,6 +677,8 @@ class BoundaryAllReduce:
             inputs.update(mixes=MhcMixes(*mix_weights, self.hc_eps, self.hc_sinkhorn_iters,
                                          self.collapse_pre), mix_words=box.mix_words,
                           combine_mixes=combine_mixes)
+            if mixes_aside:
+                inputs.update(mixes_stream=self._side_stream())
         # The status word and bound serve the norm hand-off in both transports.
         scratch = dict(generation=box.generation, sumsq=box.sumsq,
                        prenorm=box.prenorm, tactic=self.tactic, compile_only=compile_only,
@@ -642,6 +717,7 @@ class BoundaryAllReduce:
             return self._reduce_launch(x, mode, published is None, **inputs)
         check_reduce_call(self, x, mode, inputs)  # at trace time: nothing runs
         left_to_next = not inputs.pop("combine_mixes", True)
+        inputs.pop("mixes_aside", None)  # traced, the consumer combines itself
         box = self._box
         data, scale = inputs.get("mxfp8_out") or (None, None)
         fn, hc_scale, hc_base = inputs.get("mix_weights") or (None, None, None)
@@ -684,12 +760,20 @@ class BoundaryAllReduce:
             check_reduce_call(self, x, mode, inputs)
             quant = inputs.get("mxfp8_out") is not None
             combine = inputs.get("combine_mixes", True)
-            compilers = {self._consumer_key(x.shape[0], mode, quant, combine):
+            aside = inputs.get("mixes_aside", False)
+            compilers = {self._consumer_key(x.shape[0], mode, quant, combine, aside):
                          lambda: self._consume(x, mode, compile_only=True, **inputs)}
             if publish:
                 compilers[("publish",)] = lambda: self._launch_publish(x, compile_only=True)
             self.compile_variants(compilers)
+            # The last call's mixes kernel may still read the scratch this consumer
+            # writes (generation, mix rows): wait for it first.
+            self.join_mixes()
             out = self._consume(x, mode, before_launch=publish_now, **inputs)
+            if aside and self.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record(self._mixes_stream)
+                self._mixes_pending = (event, self._capturing())
         except Exception as error:
             if not started:
                 abort_step(self, error, x, published=not publish)

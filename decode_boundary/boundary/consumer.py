@@ -53,6 +53,7 @@ loads ``hc_fn`` before its own, while the consumer may still run.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from numbers import Real
@@ -420,6 +421,7 @@ def consume(
     mixes: MhcMixes | None = None,
     mix_words: torch.Tensor | None = None,
     combine_mixes: bool = True,
+    mixes_stream: torch.cuda.Stream | None = None,
 ) -> tuple:
     """Launch the consumer for ``m`` tokens. Returns (``reduced`` [M, H] in plain
     mode / ``residual_out`` [M, hc, H], ``layer_input`` [M, H] or None), and
@@ -453,6 +455,17 @@ def consume(
     PTX is off on the GPU (``DECODE_BOUNDARY_DISABLE_PTX``: the combine's
     bits would then depend on the kernel's FMA contraction), so the consumer
     combined.
+    ``mixes_stream`` (with ``mixes`` of the previous pre, V4.1, whose hc fits
+    the mixes kernel: :func:`mixes_aside_ok`): the consumer runs without the
+    mixes and the mixes kernel runs on this stream, after everything the
+    current stream has enqueued (this consumer included), without PDL (it
+    releases nothing before it completes). Its pre, post and comb, and the
+    scratch it reads (``generation``, ``mix_words``), belong to that stream
+    until the caller makes its own stream wait for it (``BoundaryAllReduce``
+    does before its next consumer and in ``join_mixes``): nothing may read
+    the mixes, or launch the next consumer on the same scratch, before that.
+    ``residual_out`` and the mixes are recorded on the stream for the
+    allocator. On a CPU device (the interpreter) the kernel runs inline.
 
     Early inputs (module docstring): ``residual``, ``post``, ``comb``, ``pre``
     and ``norm_weight`` (and with ``mixes`` ``hc_fn``, early where the tactic
@@ -498,7 +511,13 @@ def consume(
         _need(post, "post", torch.float32, (m, hc), device)
         _need(comb, "comb", torch.float32, (m, hc, hc), device)
         out = torch.empty(m, hc, hidden, dtype=torch.bfloat16, device=device)
-    fused = isinstance(mixes, MhcMixes) and fuses_mixes(m, hc, mixes.collapse)
+    if mixes_stream is not None and not (isinstance(mixes, MhcMixes) and mode == FULL and
+                                         mixes_aside_ok(hc, mixes.collapse)):
+        raise ValueError("mixes_stream needs the full mode with mixes of the previous pre "
+                         f"(collapse 'previous') and 16 <= mix_slots(hc) <= 32, got hc = {hc}, "
+                         f"collapse {getattr(mixes, 'collapse', None)!r}")
+    fused = isinstance(mixes, MhcMixes) and mixes_stream is None and \
+        fuses_mixes(m, hc, mixes.collapse)
     tactic = ConsumerTactic(*(tactic or consumer_tactic(m, hidden,
                                                         mixes.collapse if fused else None)))
     _check_tactic(tactic, hidden, mode, fused, isinstance(mixes, MhcMixes) and not fused)
@@ -577,10 +596,20 @@ def consume(
     if compile_only:
         load_module(compiled)
     if mixes is not None and not fused:
-        launch_next_mixes(out, fn, scale, base, eps, mixes.hc_eps, mixes.sinkhorn_iters,
-                          generation, mix_words, status, wait_bound, mixes_out,
-                          _mix_row(hidden, hc), cooperative=tactic.cooperative, ptx=ptx, pdl=pdl,
-                          compile_only=compile_only)
+        aside = mixes_stream is not None
+        launch = functools.partial(
+            launch_next_mixes, out, fn, scale, base, eps, mixes.hc_eps, mixes.sinkhorn_iters,
+            generation, mix_words, status, wait_bound, mixes_out, _mix_row(hidden, hc),
+            cooperative=tactic.cooperative, ptx=ptx, pdl=pdl and not aside,
+            compile_only=compile_only)
+        if aside and device.type == "cuda" and not compile_only:
+            mixes_stream.wait_stream(torch.cuda.current_stream(device))
+            for t in (out, *mixes_out):
+                t.record_stream(mixes_stream)
+            with torch.cuda.stream(mixes_stream):
+                launch()
+        else:
+            launch()
     if mixes is None:
         return out, layer_input
     # This launch rewrote the mix rows: a finish of an earlier one is stale from now on.
@@ -590,6 +619,13 @@ def consume(
     finish = mixes_finish(mixes, mix_words, generation, status, mixes_out, eps, wait_bound,
                           hidden, tactic, ptx, epoch) if defer else None
     return out, layer_input, mixes_out, finish
+
+
+def mixes_aside_ok(hc: int, collapse: str | None) -> bool:
+    """Whether the next mixes of a consumer call may run on a side stream (the
+    mixes kernel): only with the previous pre (V4's collapse needs them inside
+    the consumer) and an hc the mixes kernel takes (:func:`fuses_mixes`)."""
+    return collapse == "previous" and 16 <= mix_slots(hc) <= 32
 
 
 def can_leave_combine(ptx: bool, device: torch.device) -> bool:

@@ -73,7 +73,7 @@ def _barrier(group: dist.ProcessGroup | None, device: torch.device) -> None:
 
 def graph_time_us(steps: Sequence[Callable[[], object]], device: torch.device | str = "cuda",
                   group: dist.ProcessGroup | None = None, min_calls: int = MIN_CALLS,
-                  replays: int = REPLAYS) -> float:
+                  replays: int = REPLAYS, join: Callable[[], object] | None = None) -> float:
     """Median µs of one call, from a CUDA graph of back-to-back calls.
 
     ``steps`` holds one callable per weight copy; the graph calls them
@@ -82,7 +82,11 @@ def graph_time_us(steps: Sequence[Callable[[], object]], device: torch.device | 
     eagerly first, on a side stream as graph capture recommends, so nothing
     compiles or allocates lazily during capture (Triton compiles, workspaces,
     NCCL communicators, torch.compile graphs). With a group, every rank calls
-    this with the same steps (the graph may hold collectives)."""
+    this with the same steps (the graph may hold collectives). ``join``: called
+    after the eager pass and after the last captured call, on the stream that
+    ran them: it joins work the steps leave on streams of their own (a capture
+    must end joined), e.g. ``BoundaryAllReduce.join_mixes``; each step joins
+    what the step before it left."""
     device = torch.device(device)
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -91,6 +95,8 @@ def graph_time_us(steps: Sequence[Callable[[], object]], device: torch.device | 
     with torch.cuda.stream(side):
         for step in steps:
             step()
+        if join is not None:
+            join()
     torch.cuda.current_stream(device).wait_stream(side)
     calls = len(steps) * -(-min_calls // len(steps))
     _barrier(group, device)
@@ -98,6 +104,8 @@ def graph_time_us(steps: Sequence[Callable[[], object]], device: torch.device | 
     with torch.cuda.graph(graph):
         for i in range(calls):
             steps[i % len(steps)]()
+        if join is not None:
+            join()
     for _ in range(WARMUP_REPLAYS):
         graph.replay()
     times = []

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from decode_boundary import env
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
+from decode_boundary.boundary.consumer import mixes_aside_ok
 from decode_boundary.boundary.reference import consumer_mixes_ref, mhc_mixes_ref
 from decode_boundary.gemm import mxfp8_mm
 from decode_boundary.gemm import precompile as gemm_precompile
@@ -228,9 +229,26 @@ class AttentionBoundary:
             pre.to(**to),
         )
 
-    def __call__(self, inputs: BoundaryInputs, fused: bool = True) -> BoundaryOutputs:
-        """One boundary step, fused (the publishing ``wo_b``) or unfused."""
-        return self.consume(inputs, self.produce(inputs, fused))
+    def __call__(self, inputs: BoundaryInputs, fused: bool = True,
+                 mixes_aside: bool = False) -> BoundaryOutputs:
+        """One boundary step, fused (the publishing ``wo_b``) or unfused.
+
+        ``mixes_aside`` (where :attr:`mixes_aside_possible`: V4.1): the next
+        mixes run on the all-reduce's side stream, off the chain's critical
+        path (``BoundaryAllReduce(mixes_aside=True)``); the step's
+        ``next_pre`` / ``next_post`` / ``next_comb`` are complete only after
+        :meth:`join_mixes` (the next step joins by itself). Elsewhere (V4,
+        whose collapse needs them in the consumer) it changes nothing."""
+        return self.consume(inputs, self.produce(inputs, fused), mixes_aside)
+
+    @property
+    def mixes_aside_possible(self) -> bool:
+        """Whether ``mixes_aside`` moves this model's next mixes to a side stream."""
+        return mixes_aside_ok(self.config.hc_mult, self.config.collapse_pre)
+
+    def join_mixes(self) -> None:
+        """Make the current stream wait for mixes a step left aside (none: no-op)."""
+        self.all_reduce.join_mixes()
 
     def produce(self, inputs: BoundaryInputs, fused: bool = True) -> torch.Tensor:
         """``wo_a`` and ``wo_b``; the partial is published (by ``wo_b``'s
@@ -252,16 +270,20 @@ class AttentionBoundary:
         self.all_reduce.publish(partial)
         return partial
 
-    def consume(self, inputs: BoundaryInputs, partial: torch.Tensor) -> BoundaryOutputs:
+    def consume(self, inputs: BoundaryInputs, partial: torch.Tensor,
+                mixes_aside: bool = False) -> BoundaryOutputs:
         """The consumer (all-reduce + mHC + RMSNorm + MXFP8 + the next mixes'
         shares) and ``fused_wqa_wkv``, whose extra programs combine the mixes
-        (``combine_mixes=False``)."""
-        residual_out, layer_input, next_in, mixes, finish = self.reduce(inputs, partial,
-                                                                         combine_mixes=False)
+        (``combine_mixes=False``); with ``mixes_aside`` (:meth:`__call__`) the
+        mixes kernel on the side stream instead."""
+        aside = mixes_aside and self.mixes_aside_possible
+        residual_out, layer_input, next_in, mixes, finish = self.reduce(
+            inputs, partial, combine_mixes=False, mixes_aside=aside)
         q = mxfp8_mm(self.fused_wqa_wkv, next_in, finish_mixes=finish)
         return BoundaryOutputs(residual_out, layer_input, q, *mixes)
 
-    def reduce(self, inputs: BoundaryInputs, partial: torch.Tensor, combine_mixes: bool = True):
+    def reduce(self, inputs: BoundaryInputs, partial: torch.Tensor, combine_mixes: bool = True,
+               mixes_aside: bool = False):
         """The consumer alone: (residual_out, layer_input, the next layer's
         MXFP8 input, the next sublayer's (pre, post, comb)) from the published
         ``partial``; ``combine_mixes=False``: the combine left to the next
@@ -274,7 +296,7 @@ class AttentionBoundary:
         residual_out, layer_input, mixes, *finish = self.all_reduce(
             partial, inputs.residual, inputs.post, inputs.comb, pre,
             self.norm_weight, c.eps, mxfp8_out=(data, scale), mix_weights=self.mix_weights,
-            combine_mixes=combine_mixes,
+            combine_mixes=combine_mixes, mixes_aside=mixes_aside,
         )
         next_in = QuantizedActivation(data, scale, torch.bfloat16, layer_input.shape)
         return residual_out, layer_input, next_in, mixes, *finish
@@ -323,11 +345,12 @@ def simulated_boundaries(config: BoundaryConfig, tp: int, capacity: int, seed: i
 
 
 def run_simulated(boundaries: list[AttentionBoundary], inputs: list[BoundaryInputs],
-                  fused: bool = True) -> list[BoundaryOutputs]:
+                  fused: bool = True, mixes_aside: bool = False) -> list[BoundaryOutputs]:
     """One step of simulated ranks: every rank produces (and publishes) first,
     then every rank consumes."""
     partials = [b.produce(x, fused) for b, x in zip(boundaries, inputs, strict=True)]
-    return [b.consume(x, p) for b, x, p in zip(boundaries, inputs, partials, strict=True)]
+    return [b.consume(x, p, mixes_aside)
+            for b, x, p in zip(boundaries, inputs, partials, strict=True)]
 
 
 # Relative L2 error allowed against the reference: each stage re-rounds to BF16

@@ -1,0 +1,66 @@
+"""The next mixes off the critical path, measured in the chain: V4.1's mixes
+inside the step as today (the consumer's shares + the next GEMM's combine up to
+``MIXES_FUSED_MAX_ROWS``, the mixes kernel after the consumer beyond) against
+the mixes kernel on the all-reduce's side stream (``mixes_aside=True``: forked
+after the consumer, joined by the next step's consumer), for one rank's fused
+boundary (the one timer: CUDA graphs of back-to-back steps, rotated weight
+copies, cold L2; timed A, B, A, B in one process; each graph ends joined).
+Both ways must give the same residual_out, layer input and q bits, the aside
+mixes must be within ``MIXES_ATOL`` of the spec of their residual_out, and
+both must pass the reference check.
+
+    PYTHONPATH=. python benchmarks/mixes_aside_ab.py [--rows 1 4 8 16 32 64]
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from decode_boundary.bench.harness import (
+    one_gpu_boundary,
+    one_gpu_parser,
+    one_gpu_result,
+    one_gpu_write,
+)
+from decode_boundary.common.timing import graph_time_us
+from decode_boundary.model.chain import OUTPUT_NAMES, check_mixes, check_outputs
+
+
+def main() -> None:
+    args = one_gpu_parser(__doc__.splitlines()[0]).parse_args()
+    ab, views = one_gpu_boundary(args, seed=5)
+    if not ab.mixes_aside_possible:
+        raise SystemExit(f"{args.model}: its mixes cannot run aside (V4's collapse needs them)")
+    device = ab.device
+    result = one_gpu_result("mixes_aside_ab", args)
+    result["rows"] = []
+    for rows in args.rows:
+        inputs = ab.make_inputs(rows, seed=rows)
+        ways = {way: [functools.partial(v, inputs, fused=True, mixes_aside=way == "aside")
+                      for v in views] for way in ("inline", "aside")}
+        us = {name: [] for name in ways}
+        for _ in range(2):
+            for name, steps in ways.items():
+                us[name].append(graph_time_us(steps, device, join=ab.join_mixes))
+        inline = ab(inputs, fused=True)
+        aside = ab(inputs, fused=True, mixes_aside=True)
+        ab.join_mixes()
+        torch.cuda.synchronize(device)
+        failures = [f"{name} differs" for name in OUTPUT_NAMES
+                    if not torch.equal(getattr(inline, name).view(torch.int16),
+                                       getattr(aside, name).view(torch.int16))]
+        ref = ab.reference(inputs)
+        failures += [f"aside: {f}" for f in check_outputs(aside, ref) + check_mixes(aside, ab)]
+        failures += [f"inline: {f}" for f in check_outputs(inline, ref) + check_mixes(inline, ab)]
+        entry = {"rows": rows, "us": us, "failures": failures}
+        result["rows"].append(entry)
+        print(f"M={rows}: " + " ".join(f"{k} {v}" for k, v in us.items())
+              + f" µs; {'; '.join(failures) or 'bits equal, checks ok'}", flush=True)
+    ab.close()
+    print("wrote", one_gpu_write(result, args))
+
+
+if __name__ == "__main__":
+    main()

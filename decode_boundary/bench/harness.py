@@ -164,8 +164,9 @@ def verify_rows(ab: AttentionBoundary, rows: int, group: dist.ProcessGroup | Non
 
     Must be called on every rank (it gathers the output digests)."""
     inputs = ab.make_inputs(rows, seed=rows)
-    fused = ab(inputs, fused=True)
-    unfused = ab(inputs, fused=False)
+    fused = ab(inputs, fused=True, mixes_aside="auto")  # as the bench times them (paths)
+    unfused = ab(inputs, fused=False, mixes_aside="auto")
+    ab.join_mixes()  # before anything reads them
     ref = ab.reference(inputs)
     if baselines is None:
         baselines = {name: build(name, ab) for name in BASELINES}
@@ -191,8 +192,8 @@ def verify_simulated(spec: BenchSpec, tp: int) -> dict:
     checks = []
     for rows in spec.rows:
         inputs = [b.make_inputs(rows, seed=rows) for b in ranks]
-        fused = run_simulated(ranks, inputs, fused=True)
-        unfused = run_simulated(ranks, inputs, fused=False)
+        fused = run_simulated(ranks, inputs, fused=True, mixes_aside="auto")
+        unfused = run_simulated(ranks, inputs, fused=False, mixes_aside="auto")
         partials = [b.reference_partial(x) for b, x in zip(ranks, inputs, strict=True)]
         ref = ranks[0].reference(inputs[0], partials)
         paths_identical = all(outputs_identical(f, u) for f, u in zip(fused, unfused, strict=True))
@@ -245,7 +246,7 @@ def _time_paths(ab: AttentionBoundary, spec: BenchSpec, ctx: RankContext,
         us = {}
         for path, per_view in steps.items():
             us[path] = graph_time_us([functools.partial(s, inputs) for s in per_view],
-                                     ctx.device, ctx.group)
+                                     ctx.device, ctx.group, join=ab.join_mixes)
             advance(f"timed {path} M={rows}")
         timings.append({"rows": rows, "us": us})
     breakdown_rows = spec.breakdown_rows or spec.rows[0]

@@ -368,8 +368,10 @@ class BoundaryAllReduce:
         capture) and cannot start while an eager call's mixes are pending
         (``RuntimeError``: join first). The pre, post and comb are the mixes
         kernel's (another FP32 summation order than the consumer's fused dots:
-        equal within ``MIXES_ATOL``, not bit for bit); everything else is the
-        same. Under torch.compile the flag is ignored (the traced consumer
+        equal within ``MIXES_ATOL``, not bit for bit); residual_out is the same
+        bit for bit, the layer input may differ in its last bits (the consumer
+        without the mixes runs its own tactic: another sum-of-squares order).
+        Under torch.compile the flag is ignored (the traced consumer
         combines itself); without mixes, or for V4, it is refused
         (``ValueError``).
 

@@ -152,6 +152,12 @@ SAME_PRE_MIXES_TACTICS = (
 # --fused-mixes-up-to 64 / 0, tree 94f1494, graph us per step): fused 35.3 / 51.5 / 78.7
 # at M = 16 / 32 / 64, the kernel 40.9 / 52.1 / 72.6: the crossover is at ~32 tokens.
 MIXES_FUSED_MAX_ROWS = 32
+# From this many tokens on, V4.1's mixes pay off the critical path: the mixes kernel on
+# the all-reduce's side stream (BoundaryAllReduce(mixes_aside=True), the chain's
+# mixes_aside="auto"). Measured in the chain (benchmarks/mixes_aside_ab.py, 71b1098, graph
+# µs per step, inline / aside): M = 1 17.6 / 24.4, 4 24.0 / 28.0, 8 25.8 / 29.4, 16 33.9 /
+# 38.2, 32 56.0 / 45.2, 64 72.5 / 62.0 (benchmarks/NOTES.md).
+MIXES_ASIDE_MIN_ROWS = 32
 
 
 def consumer_tactic(m: int, hidden: int, mixes: str | None = None) -> ConsumerTactic:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from decode_boundary import env
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
-from decode_boundary.boundary.consumer import mixes_aside_ok
+from decode_boundary.boundary.consumer import MIXES_ASIDE_MIN_ROWS, mixes_aside_ok
 from decode_boundary.boundary.reference import consumer_mixes_ref, mhc_mixes_ref
 from decode_boundary.gemm import mxfp8_mm
 from decode_boundary.gemm import precompile as gemm_precompile
@@ -230,7 +230,7 @@ class AttentionBoundary:
         )
 
     def __call__(self, inputs: BoundaryInputs, fused: bool = True,
-                 mixes_aside: bool = False) -> BoundaryOutputs:
+                 mixes_aside: bool | str = False) -> BoundaryOutputs:
         """One boundary step, fused (the publishing ``wo_b``) or unfused.
 
         ``mixes_aside`` (where :attr:`mixes_aside_possible`: V4.1): the next
@@ -238,8 +238,21 @@ class AttentionBoundary:
         path (``BoundaryAllReduce(mixes_aside=True)``); the step's
         ``next_pre`` / ``next_post`` / ``next_comb`` are complete only after
         :meth:`join_mixes` (the next step joins by itself). Elsewhere (V4,
-        whose collapse needs them in the consumer) it changes nothing."""
-        return self.consume(inputs, self.produce(inputs, fused), mixes_aside)
+        whose collapse needs them in the consumer) it changes nothing.
+        ``"auto"``: aside from ``MIXES_ASIDE_MIN_ROWS`` tokens on, where it pays
+        (measured in the chain; below, the side kernel's SM time and the join
+        cost more than the mixes inside the step). The layer input (so q) may
+        differ from the inline path's in its last bits: the consumer without
+        the mixes runs its own tactic, another sum-of-squares order."""
+        aside = self._aside(inputs, mixes_aside)  # refused before anything is published
+        return self.consume(inputs, self.produce(inputs, fused), aside)
+
+    def _aside(self, inputs: BoundaryInputs, mixes_aside: bool | str) -> bool:
+        if mixes_aside not in (True, False, "auto"):
+            raise ValueError(f"mixes_aside must be True, False or 'auto', got {mixes_aside!r}")
+        if mixes_aside == "auto":
+            mixes_aside = inputs.rows >= MIXES_ASIDE_MIN_ROWS
+        return mixes_aside and self.mixes_aside_possible
 
     @property
     def mixes_aside_possible(self) -> bool:
@@ -271,12 +284,12 @@ class AttentionBoundary:
         return partial
 
     def consume(self, inputs: BoundaryInputs, partial: torch.Tensor,
-                mixes_aside: bool = False) -> BoundaryOutputs:
+                mixes_aside: bool | str = False) -> BoundaryOutputs:
         """The consumer (all-reduce + mHC + RMSNorm + MXFP8 + the next mixes'
         shares) and ``fused_wqa_wkv``, whose extra programs combine the mixes
         (``combine_mixes=False``); with ``mixes_aside`` (:meth:`__call__`) the
         mixes kernel on the side stream instead."""
-        aside = mixes_aside and self.mixes_aside_possible
+        aside = self._aside(inputs, mixes_aside)
         residual_out, layer_input, next_in, mixes, finish = self.reduce(
             inputs, partial, combine_mixes=False, mixes_aside=aside)
         q = mxfp8_mm(self.fused_wqa_wkv, next_in, finish_mixes=finish)
@@ -345,9 +358,12 @@ def simulated_boundaries(config: BoundaryConfig, tp: int, capacity: int, seed: i
 
 
 def run_simulated(boundaries: list[AttentionBoundary], inputs: list[BoundaryInputs],
-                  fused: bool = True, mixes_aside: bool = False) -> list[BoundaryOutputs]:
+                  fused: bool = True, mixes_aside: bool | str = False
+                  ) -> list[BoundaryOutputs]:
     """One step of simulated ranks: every rank produces (and publishes) first,
     then every rank consumes."""
+    for b, x in zip(boundaries, inputs, strict=True):
+        b._aside(x, mixes_aside)  # a bad flag is refused before any rank publishes
     partials = [b.produce(x, fused) for b, x in zip(boundaries, inputs, strict=True)]
     return [b.consume(x, p, mixes_aside)
             for b, x, p in zip(boundaries, inputs, partials, strict=True)]

@@ -470,8 +470,8 @@ def consume(
     until the caller makes its own stream wait for it (``BoundaryAllReduce``
     does before its next consumer and in ``join_mixes``): nothing may read
     the mixes, or launch the next consumer on the same scratch, before that.
-    ``residual_out`` and the mixes are recorded on the stream for the
-    allocator. On a CPU device (the interpreter) the kernel runs inline.
+    ``residual_out``, the mixes and the mix weights are recorded on the
+    stream for the allocator. On a CPU device (the interpreter) the kernel runs inline.
 
     Early inputs (module docstring): ``residual``, ``post``, ``comb``, ``pre``
     and ``norm_weight`` (and with ``mixes`` ``hc_fn``, early where the tactic
@@ -610,7 +610,7 @@ def consume(
             compile_only=compile_only)
         if aside and device.type == "cuda" and not compile_only:
             mixes_stream.wait_stream(torch.cuda.current_stream(device))
-            for t in (out, *mixes_out):
+            for t in (out, *mixes_out, fn, scale, base):  # in use there until it is joined
                 t.record_stream(mixes_stream)
             with torch.cuda.stream(mixes_stream):
                 launch()

@@ -5,9 +5,10 @@ the mixes kernel on the all-reduce's side stream (``mixes_aside=True``: forked
 after the consumer, joined by the next step's consumer), for one rank's fused
 boundary (the one timer: CUDA graphs of back-to-back steps, rotated weight
 copies, cold L2; timed A, B, A, B in one process; each graph ends joined).
-Both ways must give the same residual_out, layer input and q bits, the aside
-mixes must be within ``MIXES_ATOL`` of the spec of their residual_out, and
-both must pass the reference check.
+Both ways must give the same residual_out bits (the layer input and q may
+differ in their last bits: the consumer without the mixes runs its own tactic,
+another sum-of-squares order), the mixes must be within ``MIXES_ATOL`` of the
+spec of their residual_out, and both must pass the reference check.
 
     PYTHONPATH=. python benchmarks/mixes_aside_ab.py [--rows 1 4 8 16 32 64]
 """
@@ -25,7 +26,7 @@ from decode_boundary.bench.harness import (
     one_gpu_write,
 )
 from decode_boundary.common.timing import graph_time_us
-from decode_boundary.model.chain import OUTPUT_NAMES, check_mixes, check_outputs
+from decode_boundary.model.chain import check_mixes, check_outputs
 
 
 def main() -> None:
@@ -48,9 +49,9 @@ def main() -> None:
         aside = ab(inputs, fused=True, mixes_aside=True)
         ab.join_mixes()
         torch.cuda.synchronize(device)
-        failures = [f"{name} differs" for name in OUTPUT_NAMES
-                    if not torch.equal(getattr(inline, name).view(torch.int16),
-                                       getattr(aside, name).view(torch.int16))]
+        failures = [] if torch.equal(inline.residual_out.view(torch.int16),
+                                     aside.residual_out.view(torch.int16)) \
+            else ["residual_out differs"]
         ref = ab.reference(inputs)
         failures += [f"aside: {f}" for f in check_outputs(aside, ref) + check_mixes(aside, ab)]
         failures += [f"inline: {f}" for f in check_outputs(inline, ref) + check_mixes(inline, ab)]

@@ -125,6 +125,7 @@ def test_checks():
     with pytest.raises(ValueError, match="combine_mixes must be a bool"):
         ar(d["xs"][0], d["residual"], d["post"], d["comb"], d["pre"], d["gamma"], EPS,
            mix_weights=d["weights"], combine_mixes=None)
+    ar.publish(d["xs"][0])  # a refused flag after the publish aborts the step, as any argument
     with pytest.raises(ValueError, match="mixes_aside must be a bool"):
         ar(d["xs"][0], d["residual"], d["post"], d["comb"], d["pre"], d["gamma"], EPS,
            mix_weights=d["weights"], mixes_aside=1)

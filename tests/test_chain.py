@@ -224,8 +224,9 @@ def test_mixes_aside_in_the_chain(monkeypatch):
         assert launched.count("next_mixes_kernel") == (2 if rows >= 4 else 0), launched
         assert outputs_identical(auto[0], aside[0] if rows >= 4 else inline[0])
         monkeypatch.undo()
-        with pytest.raises(ValueError, match="mixes_aside must be True, False or 'auto'"):
-            ranks[0](inputs[0], mixes_aside="yes")
+        for bad in ("yes", 0, None):  # refused before anything is published
+            with pytest.raises(ValueError, match="mixes_aside must be True, False or 'auto'"):
+                ranks[0](inputs[0], mixes_aside=bad)
     same = simulated_boundaries(dataclasses.replace(MODELS["tiny"], collapse_pre="same"), 1,
                                 capacity=4, seed=7)[0]
     assert not same.mixes_aside_possible
@@ -239,8 +240,8 @@ def test_mixes_aside_in_the_chain(monkeypatch):
 def test_gpu_mixes_aside_streams_and_graphs():
     """On the GPU, V4.1-Flash at TP-4 shapes (one rank, H = 5120), M = 1, 16
     and 40 (the last beyond MIXES_FUSED_MAX_ROWS): eager steps with the mixes
-    on the side stream give the inline path's residual_out, layer input and q
-    bits once joined, mixes within MIXES_ATOL of the spec, the reference met;
+    on the side stream give the inline path's residual_out bits once joined,
+    mixes within MIXES_ATOL of the spec, the reference met;
     a graph of three such steps that joins at its end replays to the eager
     bits (the mixes too: the same kernel); consecutive steps join by
     themselves; a capture cannot join an eager call's pending mixes.

@@ -373,7 +373,11 @@ class BoundaryAllReduce:
         without the mixes runs its own tactic: another sum-of-squares order).
         Under torch.compile the flag is ignored (the traced consumer
         combines itself); without mixes, or for V4, it is refused
-        (``ValueError``).
+        (``ValueError``, the step aborted like any bad argument). The mixes
+        kernel reports a missing share into the status word like the
+        consumer: :meth:`check` sees that only once the side stream is joined
+        (every call joins the last one's first). A capture that raises before
+        it joins leaves its event pending: ``reset()`` drops it.
 
         Every argument is checked before anything of this step is written to a
         peer or to the stage words; a rejected one aborts the step on every rank
@@ -383,16 +387,8 @@ class BoundaryAllReduce:
         inputs = dict(residual=residual, post=post, comb=comb, pre=pre,
                       norm_weight=norm_weight, eps=norm_eps, mxfp8_out=mxfp8_out,
                       mix_weights=mix_weights, combine_mixes=combine_mixes)
-        if mixes_aside is not False:
-            if mixes_aside is not True:
-                raise ValueError(f"mixes_aside must be a bool, got {mixes_aside!r}")
-            if not (full and mixes_aside_ok(self.hc_mult, self.collapse_pre)):
-                raise ValueError(
-                    "mixes_aside=True needs a full call of an all-reduce with "
-                    f"collapse_pre='previous' and an hc the mixes kernel takes; this one has "
-                    f"collapse_pre={self.collapse_pre!r}, hc={self.hc_mult}"
-                    + ("" if full else ", and the call is residual-only"))
-            inputs["mixes_aside"] = True
+        if mixes_aside is not False:  # checked with the rest (check_reduce_call): aborts the step
+            inputs["mixes_aside"] = mixes_aside
         return self._reduce(x, FULL if full else RESIDUAL_ONLY, **inputs)
 
     def join_mixes(self) -> None:
@@ -405,6 +401,7 @@ class BoundaryAllReduce:
         pending, self._mixes_pending = self._mixes_pending, None
         if pending is None:
             return
+        # (A capture that raised before it joined leaves its event here: reset() drops it.)
         event, captured = pending
         capturing = self._capturing()
         if captured and not capturing:
@@ -530,6 +527,9 @@ class BoundaryAllReduce:
         ``RuntimeError`` (a dead peer: recreate the group)."""
         box = self._open()
         self._published = self._left_to_gemm = None
+        if self._mixes_pending is not None and self._mixes_pending[1]:
+            # Recorded in a capture that never joined it (it raised): nothing to wait for.
+            self._mixes_pending = None
         if not collective:
             return
         self._mixes_pending = None  # the barriers below synchronize the device
@@ -748,6 +748,10 @@ class BoundaryAllReduce:
 
         self._ready()
         try:
+            # First: the last call's mixes kernel may still write the status word (an abort
+            # below ORs into it) and read the scratch this consumer writes (generation, mix
+            # rows). A stream wait only.
+            self.join_mixes()
             left = self._left_to_gemm
             if left is not None and not left.launched[0]:
                 # Refused like a bad argument (the step aborts on every rank); the finish
@@ -768,9 +772,6 @@ class BoundaryAllReduce:
             if publish:
                 compilers[("publish",)] = lambda: self._launch_publish(x, compile_only=True)
             self.compile_variants(compilers)
-            # The last call's mixes kernel may still read the scratch this consumer
-            # writes (generation, mix rows): wait for it first.
-            self.join_mixes()
             out = self._consume(x, mode, before_launch=publish_now, **inputs)
             if aside and self.device.type == "cuda":
                 event = torch.cuda.Event()

@@ -13,7 +13,7 @@ import torch
 
 from ..common.contract import ABORT_BITS, SENTINEL, STAGE_ACTIVE, STAGE_NEXT, STAGES
 from . import host_wait
-from .consumer import is_nonnegative_real
+from .consumer import is_nonnegative_real, mixes_aside_ok
 from .consumer_kernel import ABORT_BIT, FULL, PLAIN, RESIDUAL_ONLY
 from .publish_kernel import publish
 from .transport import all_gather
@@ -25,11 +25,20 @@ if TYPE_CHECKING:
 def check_reduce_call(ar: BoundaryAllReduce, x: torch.Tensor, mode: int, inputs: dict) -> None:
     """The all-reduce's own checks of a reduce call (``consume`` checks the
     tensors in detail): x, the mode against the construction flags, the
-    structure of residual / mxfp8_out, the tensors' types, eps, combine_mixes."""
+    structure of residual / mxfp8_out, the tensors' types, eps, combine_mixes,
+    mixes_aside."""
     check_partial(ar, x)
     combine_mixes = inputs.get("combine_mixes", True)
     if not isinstance(combine_mixes, bool):
         raise ValueError(f"combine_mixes must be a bool, got {combine_mixes!r}")
+    aside = inputs.get("mixes_aside", False)
+    if not isinstance(aside, bool):
+        raise ValueError(f"mixes_aside must be a bool, got {aside!r}")
+    if aside and not (mode == FULL and mixes_aside_ok(ar.hc_mult, ar.collapse_pre)):
+        raise ValueError(
+            "mixes_aside=True needs a full call of an all-reduce with collapse_pre='previous' "
+            f"and an hc the mixes kernel takes; this one has collapse_pre={ar.collapse_pre!r}, "
+            f"hc={ar.hc_mult}" + ("" if mode == FULL else ", and the call is not a full one"))
     if mode == PLAIN:
         return
     if mode == RESIDUAL_ONLY and not ar.residual_only:

@@ -248,11 +248,11 @@ class AttentionBoundary:
         return self.consume(inputs, self.produce(inputs, fused), aside)
 
     def _aside(self, inputs: BoundaryInputs, mixes_aside: bool | str) -> bool:
-        if mixes_aside not in (True, False, "auto"):
+        if not (isinstance(mixes_aside, bool) or mixes_aside == "auto"):
             raise ValueError(f"mixes_aside must be True, False or 'auto', got {mixes_aside!r}")
         if mixes_aside == "auto":
             mixes_aside = inputs.rows >= MIXES_ASIDE_MIN_ROWS
-        return mixes_aside and self.mixes_aside_possible
+        return bool(mixes_aside) and self.mixes_aside_possible
 
     @property
     def mixes_aside_possible(self) -> bool:

@@ -38,22 +38,21 @@ def quantize_groups(x, HARDWARE: tl.constexpr = False):
     """Quantize FP32 ``x`` [R, G, 32] per group of 32 along the last axis.
 
     Returns (e4m3 elements [R, G, 32], UE8M0 exponent bytes [R, G] as int32).
-    Matches ``quantize_mxfp8_ref`` bit for bit: every multiply below is by an
-    exact power of two (normal in FP32), so the only rounding is the final
-    round-to-nearest-even cast, as in the reference. ``HARDWARE`` (GPU only):
-    that cast is ``cvt.rn.satfinite.e4m3x2.f32`` (one instruction per two
-    elements, the same round-to-nearest-even on the clamped value) instead of
-    the integer rounding the interpreter needs; a NaN element may then keep its
-    sign (0xFF), which only the GEMM prologue uses (a NaN either way).
+    Matches ``quantize_mxfp8_ref`` bit for bit: the exponent comes from the
+    bits of the group's maximum (:func:`_scale_exponent`: the reference's rule
+    without its division), every multiply below is by an exact power of two
+    (normal in FP32), so the only rounding is the final round-to-nearest-even
+    cast, as in the reference. One integer maximum per group, over the bits of
+    |x| (a NaN's bits sort above every number's), finds both the scale and a
+    NaN. ``HARDWARE`` (GPU only): that cast is ``cvt.rn.satfinite.e4m3x2.f32``
+    (one instruction per two elements, the same round-to-nearest-even,
+    saturating at +-448 as the reference's clamp, NaN kept) instead of the
+    integer rounding the interpreter needs.
     """
-    absx = tl.abs(x)
-    isnan = x != x
-    amax = tl.max(absx, axis=2)
-    has_nan = tl.max(isnan.to(tl.int32), axis=2) > 0
-    # IEEE division here: amax/448 is the spec's rounding point (not amax * (1/448)).
-    bits = tl.div_rn(amax, 448.0).to(tl.int32, bitcast=True)
-    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    exponent = tl.where(has_nan, 254, tl.minimum(exponent, 254))
+    # |x| as bits (sign cleared) order like the values, and every NaN pattern sorts above
+    # inf: one integer maximum per group gives both the scale and a NaN.
+    amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
+    exponent = _scale_exponent(amax_bits)
     # 1/scale = 2^(127 - e). Split so both factors stay normal FP32: for e > 200
     # pre-scale by 2^-63 (2^-127 itself would be subnormal, which FTZ may flush).
     big = exponent > 200
@@ -61,13 +60,34 @@ def quantize_groups(x, HARDWARE: tl.constexpr = False):
     rest = (127 - exponent + tl.where(big, 63, 0) + 127) << 23
     recip = rest.to(tl.float32, bitcast=True)
     scaled = (x * pre[:, :, None]) * recip[:, :, None]
-    clamped = tl.minimum(tl.maximum(scaled, -448.0), 448.0)
     if HARDWARE:
-        return tl.where(isnan, x, clamped).to(tl.float8e4nv), exponent
+        # cvt.rn.satfinite: out-of-range values saturate to +-448 and NaN stays NaN, as
+        # the clamp below and the reference do.
+        return scaled.to(tl.float8e4nv), exponent
+    isnan = x != x
+    clamped = tl.minimum(tl.maximum(scaled, -448.0), 448.0)
     code = e4m3_rne_bits(clamped)
     # min/max drop NaN: put the canonical e4m3 NaN back where the input had one.
     code = tl.where(isnan, 0x7F, code)
     return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True), exponent
+
+
+@triton.jit
+def _scale_exponent(bits):
+    """UE8M0 exponent (int32) of a group whose maximum |x| has the FP32 bit
+    pattern ``bits`` (sign clear): the biased exponent of RN(amax / 448), one
+    more if that quotient is not a power of two, at most 254 (inf and NaN give
+    254) — the reference's rule — without the division (equal to it for every
+    FP32 pattern: tests/test_rounding.py)."""
+    biased = (bits >> 23) & 0xFF
+    fraction = bits & 0x7FFFFF
+    # Normal amax = 1.f * 2^(b-127): amax / 448 = (1.f / 1.75) * 2^(b-135), which rounds
+    # to a power of two only at 1.f = 1.75 exactly; above, its exponent is one more.
+    normal = tl.maximum(biased - 8 + (fraction > 0x600000).to(tl.int32), 1)
+    # Subnormal amax = f * 2^-149: the quotient is 0 (exponent 0) up to f = 224 (a tie
+    # at 2^-150 rounds to even, 0), else a subnormal or 2^-126 (exponent 1).
+    tiny = (fraction > 224).to(tl.int32)
+    return tl.where(biased == 255, 254, tl.where(biased == 0, tiny, normal))
 
 
 @triton.jit

@@ -14,12 +14,13 @@ from __future__ import annotations
 import functools
 
 from decode_boundary.bench.harness import (
+    one_gpu_ab,
     one_gpu_boundary,
     one_gpu_parser,
     one_gpu_result,
+    one_gpu_row,
     one_gpu_write,
 )
-from decode_boundary.common.timing import graph_time_us
 from decode_boundary.gemm import mxfp8_mm
 from decode_boundary.model.chain import (
     AttentionBoundary,
@@ -47,17 +48,11 @@ def main() -> None:
         inputs = ab.make_inputs(rows, seed=rows)
         ways = {"consumer": [functools.partial(combined_by_consumer, v, inputs) for v in views],
                 "next_gemm": [functools.partial(v, inputs, fused=True) for v in views]}
-        us = {name: [] for name in ways}
-        for _ in range(2):
-            for name, steps in ways.items():
-                us[name].append(graph_time_us(steps, device))
+        us = one_gpu_ab(ways, device)
         a, b = combined_by_consumer(ab, inputs), ab(inputs, fused=True)
         failures = [] if outputs_identical(a, b) else ["the two ways differ"]
         failures += check_outputs(b, ab.reference(inputs))
-        entry = {"rows": rows, "us": us, "failures": failures}
-        result["rows"].append(entry)
-        print(f"M={rows}: " + " ".join(f"{k} {v}" for k, v in us.items())
-              + f" µs; {'; '.join(failures) or 'bits equal, checks ok'}", flush=True)
+        one_gpu_row(result, rows, us, failures)
     ab.close()
     print("wrote", one_gpu_write(result, args))
 

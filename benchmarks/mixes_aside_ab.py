@@ -20,12 +20,13 @@ import functools
 import torch
 
 from decode_boundary.bench.harness import (
+    one_gpu_ab,
     one_gpu_boundary,
     one_gpu_parser,
     one_gpu_result,
+    one_gpu_row,
     one_gpu_write,
 )
-from decode_boundary.common.timing import graph_time_us
 from decode_boundary.model.chain import check_mixes, check_outputs
 
 
@@ -41,10 +42,7 @@ def main() -> None:
         inputs = ab.make_inputs(rows, seed=rows)
         ways = {way: [functools.partial(v, inputs, fused=True, mixes_aside=way == "aside")
                       for v in views] for way in ("inline", "aside")}
-        us = {name: [] for name in ways}
-        for _ in range(2):
-            for name, steps in ways.items():
-                us[name].append(graph_time_us(steps, device, join=ab.join_mixes))
+        us = one_gpu_ab(ways, device, join=ab.join_mixes)
         inline = ab(inputs, fused=True)
         aside = ab(inputs, fused=True, mixes_aside=True)
         ab.join_mixes()
@@ -55,10 +53,7 @@ def main() -> None:
         ref = ab.reference(inputs)
         failures += [f"aside: {f}" for f in check_outputs(aside, ref) + check_mixes(aside, ab)]
         failures += [f"inline: {f}" for f in check_outputs(inline, ref) + check_mixes(inline, ab)]
-        entry = {"rows": rows, "us": us, "failures": failures}
-        result["rows"].append(entry)
-        print(f"M={rows}: " + " ".join(f"{k} {v}" for k, v in us.items())
-              + f" µs; {'; '.join(failures) or 'bits equal, checks ok'}", flush=True)
+        one_gpu_row(result, rows, us, failures)
     ab.close()
     print("wrote", one_gpu_write(result, args))
 

@@ -126,6 +126,24 @@ def one_gpu_write(result: dict, args: argparse.Namespace) -> Path:
     return write_json(result, args.out / name)
 
 
+def one_gpu_ab(ways: dict[str, list[Callable[[], object]]], device: torch.device,
+               rounds: int = 2, join: Callable[[], object] | None = None) -> dict[str, list]:
+    """µs per step of each way (name -> its steps over the weight copies), timed
+    A, B, A, B, ... ``rounds`` times in this process: ``{name: [µs per round]}``."""
+    us = {name: [] for name in ways}
+    for _ in range(rounds):
+        for name, steps in ways.items():
+            us[name].append(graph_time_us(steps, device, join=join))
+    return us
+
+
+def one_gpu_row(result: dict, rows: int, us: dict, failures: list[str]) -> None:
+    """Record one row count of such an A/B in ``result["rows"]`` and print it."""
+    result["rows"].append({"rows": rows, "us": us, "failures": failures})
+    print(f"M={rows}: " + " ".join(f"{k} {v}" for k, v in us.items())
+          + f" µs; {'; '.join(failures) or 'bits equal, checks ok'}", flush=True)
+
+
 def one_gpu_boundary(args: argparse.Namespace, seed: int) -> tuple[AttentionBoundary, list]:
     """(one rank's boundary of ``args`` on the current GPU, precompiled for
     ``args.rows`` — the all-reduce over a group of one —, its cold-L2 copies)."""

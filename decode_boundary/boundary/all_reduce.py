@@ -386,9 +386,8 @@ class BoundaryAllReduce:
         full = pre is not None or self.collapse_pre == "same"
         inputs = dict(residual=residual, post=post, comb=comb, pre=pre,
                       norm_weight=norm_weight, eps=norm_eps, mxfp8_out=mxfp8_out,
-                      mix_weights=mix_weights, combine_mixes=combine_mixes)
-        if mixes_aside is not False:  # checked with the rest (check_reduce_call): aborts the step
-            inputs["mixes_aside"] = mixes_aside
+                      mix_weights=mix_weights, combine_mixes=combine_mixes,
+                      mixes_aside=mixes_aside)
         return self._reduce(x, FULL if full else RESIDUAL_ONLY, **inputs)
 
     def join_mixes(self) -> None:

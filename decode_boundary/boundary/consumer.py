@@ -180,7 +180,12 @@ def fuses_mixes(m: int, hc: int, collapse: str) -> bool:
     consumer; the mixes kernel's dot needs >= 16 slots, and it holds hc x 3
     BF16 parts of 128 x slots (hc = 2-4: 16 or 32 slots; hc = 8's 64 slots
     did not fit even as one FP32 tile per stream: 520 KB of shared memory)."""
-    return collapse == "same" or m <= MIXES_FUSED_MAX_ROWS or not 16 <= mix_slots(hc) <= 32
+    return collapse == "same" or m <= MIXES_FUSED_MAX_ROWS or not mixes_kernel_takes(hc)
+
+
+def mixes_kernel_takes(hc: int) -> bool:
+    """Whether the mixes kernel serves hc streams (:func:`fuses_mixes`)."""
+    return 16 <= mix_slots(hc) <= 32
 
 
 def sumsq_columns(hidden: int) -> int:
@@ -630,8 +635,8 @@ def consume(
 def mixes_aside_ok(hc: int, collapse: str | None) -> bool:
     """Whether the next mixes of a consumer call may run on a side stream (the
     mixes kernel): only with the previous pre (V4's collapse needs them inside
-    the consumer) and an hc the mixes kernel takes (:func:`fuses_mixes`)."""
-    return collapse == "previous" and 16 <= mix_slots(hc) <= 32
+    the consumer) and an hc the mixes kernel takes."""
+    return collapse == "previous" and mixes_kernel_takes(hc)
 
 
 def can_leave_combine(ptx: bool, device: torch.device) -> bool:

@@ -44,13 +44,14 @@ from decode_boundary.boundary.ops import instance, sync_words
 from decode_boundary.boundary.rejection import abort_step
 from decode_boundary.common.contract import PublishTarget
 from decode_boundary.gemm import (
-    LOW_BATCH_MAX_ROWS,
     launch_low_latency,
     mxfp8_eligible,
     precompile,
     selected_tactic,
 )
+from decode_boundary.gemm.tactics import PROLOGUE_MAX_ROWS
 from decode_boundary.mxfp8.format import QuantizedActivation, check_quantized
+from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
 
 class PublishingMxfp8Linear:
@@ -69,7 +70,7 @@ class PublishingMxfp8Linear:
         return (
             mxfp8_eligible(linear)
             and getattr(linear, "bias", None) is None
-            and 0 < num_tokens <= min(LOW_BATCH_MAX_ROWS, ar.capacity)
+            and 0 < num_tokens <= ar.capacity
             and n == ar.hidden_size
             and linear.weight.device == ar.device
             and ar.transport == "mailbox"  # over NCCL there is no mailbox to publish into
@@ -130,7 +131,11 @@ class PublishingMxfp8Linear:
         try:
             target = ar.publish_target()
             bf16 = isinstance(x, torch.Tensor)
-            if bf16 and (not x.is_contiguous() or x.data_ptr() % 16):
+            if bf16 and out.shape[0] > PROLOGUE_MAX_ROWS:
+                # As mxfp8_mm: above this many rows every program quantizing its own
+                # K-slice costs more than the quantizer's launch (gemm/tactics.py).
+                x, bf16 = quantize_mxfp8(x), False
+            elif bf16 and (not x.is_contiguous() or x.data_ptr() % 16):
                 x = x.clone()
             tactic = self._compiled_tactic(linear, out.shape[0], target, bf16_input=bf16)
             launch_low_latency(linear, x, out, tactic, publish=target)
@@ -141,11 +146,16 @@ class PublishingMxfp8Linear:
 
     def precompile(self, linear: torch.nn.Module, num_tokens: int) -> None:
         """Compile the kernels ``num_tokens`` rows select (BF16 and MXFP8
-        input), launching nothing: a publish without its consumer would
-        desynchronise the mailbox. Collective when it compiles something new
+        input; above ``PROLOGUE_MAX_ROWS`` the MXFP8 one and the quantizer,
+        launched once on zeros), launching no GEMM: a publish without its
+        consumer would desynchronise the mailbox. Collective when it compiles something new
         (it barriers the group)."""
         if self.supports(linear, num_tokens):
-            for bf16 in (True, False):
+            if num_tokens > PROLOGUE_MAX_ROWS:  # a BF16 input is quantized first (_launch)
+                k = linear.weight.shape[0]
+                quantize_mxfp8(torch.zeros(num_tokens, k, dtype=torch.bfloat16,
+                                           device=linear.weight.device))
+            for bf16 in (True, False)[num_tokens > PROLOGUE_MAX_ROWS:]:
                 self._compiled_tactic(linear, num_tokens, self.all_reduce.publish_target(), bf16)
 
     def _compiled_tactic(self, linear: torch.nn.Module, rows: int, target: PublishTarget,

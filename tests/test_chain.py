@@ -6,6 +6,8 @@ import dataclasses
 import pytest
 import torch
 
+from decode_boundary.gemm import mxfp8_out_in_epilogue
+from decode_boundary.gemm.tactics import PROLOGUE_MAX_ROWS
 from decode_boundary.model.chain import (
     AttentionBoundary,
     check_outputs,
@@ -18,13 +20,13 @@ from decode_boundary.model.config import MODELS
 
 @pytest.fixture(scope="module")
 def tiny_boundary():
-    ab = AttentionBoundary(MODELS["tiny"], 1, 0, None, torch.device("cpu"), capacity=8, seed=3)
+    ab = AttentionBoundary(MODELS["tiny"], 1, 0, None, torch.device("cpu"), capacity=24, seed=3)
     ab.precompile([1, 2, 5])  # what a server does before its first step (a no-op compile here)
     yield ab
     ab.close()
 
 
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, 20])
 def test_fused_matches_unfused_and_reference(tiny_boundary, rows):
     inputs = tiny_boundary.make_inputs(rows, seed=rows)
     unfused = tiny_boundary(inputs, fused=False)
@@ -85,19 +87,26 @@ def _count_launches(monkeypatch):
     return launched
 
 
-@pytest.mark.parametrize("rows", [1, 5, 8])
+@pytest.mark.parametrize("rows", [1, 5, 8, 13, 20])
 def test_fused_boundary_is_four_launches_unfused_five(tiny_boundary, rows, monkeypatch):
-    """Grouped wo_a -> publishing wo_b (both quantizing BF16 in their prologue)
-    -> consumer -> fused_wqa_wkv; unfused adds the publish kernel."""
+    """Grouped wo_a -> publishing wo_b -> consumer -> fused_wqa_wkv at every row
+    count up to the capacity: wo_a's epilogue hands wo_b MXFP8 where its tactic
+    allows (from 4 rows on the tiny shapes), else wo_b quantizes wo_a's BF16
+    in its prologue; above PROLOGUE_MAX_ROWS the attention output is quantized
+    first. Unfused adds the publish kernel, and above PROLOGUE_MAX_ROWS the
+    quantizer of wo_a's output."""
+    gemm, quantize = "mxfp8_gemm_kernel", "quantize_mxfp8_kernel"
+    first = [quantize] if rows > PROLOGUE_MAX_ROWS else []
+    assert mxfp8_out_in_epilogue(tiny_boundary.wo_a, rows) == (rows >= 4)
     launched = _count_launches(monkeypatch)
     inputs = tiny_boundary.make_inputs(rows, seed=rows)
-    tiny_boundary(inputs, fused=True)
-    assert launched == ["mxfp8_gemm_kernel", "mxfp8_gemm_kernel", "consumer_kernel",
-                        "mxfp8_gemm_kernel"], launched
+    fused = tiny_boundary(inputs, fused=True)
+    assert launched == [*first, gemm, gemm, "consumer_kernel", gemm], launched
     launched.clear()
-    tiny_boundary(inputs, fused=False)
-    assert launched == ["mxfp8_gemm_kernel", "mxfp8_gemm_kernel", "publish_kernel",
-                        "consumer_kernel", "mxfp8_gemm_kernel"], launched
+    unfused = tiny_boundary(inputs, fused=False)
+    assert launched == [*first, gemm, *first, gemm, "publish_kernel", "consumer_kernel",
+                        gemm], launched
+    assert outputs_identical(fused, unfused)
 
 
 def test_strong_baseline_is_close_to_the_reference(tiny_boundary):

@@ -344,3 +344,39 @@ def test_tabled_tactics_give_exact_bits_on_exact_operands(n, k, groups):
             out = launch_low_latency(layer, a, poisoned(rows, n, DEV), tactic)
             check_gemm(out, values, weights, groups, exact_sums=True,
                        what=f"{(n, k, groups)} {tactic}")
+
+
+@pytest.mark.parametrize("n,k,groups", sorted(TABLE))
+def test_mxfp8_out_equals_the_quantized_output_bytes(n, k, groups):
+    """The epilogue's MXFP8 output (the GPU's cvt.rn.satfinite) == quantize_mxfp8
+    (integer rounding) of the BF16 output the same tactic writes, every byte
+    of data and scales (padding included), at every tabled tactic of whole
+    scale groups and at row counts past the tile (33) and the 128-row scale
+    tile (130), both input kinds; and mxfp8_mm(..., mxfp8_out=True) likewise."""
+    g = torch.Generator().manual_seed(3 * n + k)
+    layer = grouped_layer(groups, n // groups, k, g)
+    cases = [(bucket, t) for bucket, t in TABLE[(n, k, groups)].items() if t.block_n % 32 == 0]
+    cases += [(33, selected_tactic(layer, 33)), (130, selected_tactic(layer, 130))]
+    assert cases
+    for rows, tactic in cases:
+        x = (torch.randn(rows, groups * k, device=DEV) *
+             torch.exp2(torch.randint(-8, 9, (rows, 1), device=DEV))).bfloat16()
+        x[0] = 0.0  # an all-zero output row: scale byte 0
+        x[-1, 7] = 6.0e4
+        for a in ((x,) if rows <= PROLOGUE_MAX_ROWS else ()) + (quantize_mxfp8(x),):
+            bf16_out = launch_low_latency(layer, a, poisoned(rows, n, DEV), tactic)
+            out = QuantizedActivation(
+                torch.full((rows, n), 0x7F, dtype=torch.uint8, device=DEV).view(
+                    torch.float8_e4m3fn),
+                torch.full((mxfp8_scale_bytes(rows, n),), 0xAB, dtype=torch.uint8, device=DEV),
+                torch.bfloat16, torch.Size((rows, n)))
+            launch_low_latency(layer, a, out, tactic)
+            want = quantize_mxfp8(bf16_out)
+            assert torch.equal(out.data.view(torch.uint8), want.data.view(torch.uint8)), \
+                (rows, tactic)
+            assert torch.equal(out.scale, want.scale), (rows, tactic)
+            assert_mxfp8_equal(want.data, want.scale, bf16_out)
+        via_api = mxfp8_mm(layer, x, mxfp8_out=True)
+        want = quantize_mxfp8(mxfp8_mm(layer, x))
+        assert torch.equal(via_api.data.view(torch.uint8), want.data.view(torch.uint8)), rows
+        assert torch.equal(via_api.scale, want.scale), rows

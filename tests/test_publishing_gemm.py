@@ -13,7 +13,7 @@ from decode_boundary.mxfp8.format import mxfp8_scale_bytes
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 from decode_boundary.publishing_linear import PublishingMxfp8Linear
 
-HIDDEN, K, HC, CAPACITY, TP = 128, 96, 2, 8, 2
+HIDDEN, K, HC, CAPACITY, TP = 128, 96, 2, 24, 2
 
 
 def _mixing_inputs(rows, gen):
@@ -43,7 +43,7 @@ def _step(ranks, linears, xs, mixing, fused):
             outs.append(out)
     boxes = [ar._box.buffer.clone() for ar in ranks]
     results = []
-    rows = xs[0].rows
+    rows = outs[0].shape[0]
     for ar, out in zip(ranks, outs, strict=True):
         data = torch.full((rows, HIDDEN), float("nan")).to(torch.float8_e4m3fn)
         scale = torch.full((mxfp8_scale_bytes(rows, HIDDEN),), 0xAB, dtype=torch.uint8)
@@ -53,13 +53,19 @@ def _step(ranks, linears, xs, mixing, fused):
     return outs, boxes, results
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8])
-def test_fused_publish_is_bit_identical_to_unfused(rows):
+@pytest.mark.parametrize("rows,bf16_in", [(1, False), (3, False), (8, False), (13, True),
+                                         (20, False), (24, True)])
+def test_fused_publish_is_bit_identical_to_unfused(rows, bf16_in):
+    """Every row count up to the mailbox's capacity publishes from the epilogue:
+    CUDA-core and tensor-core tiles, a BF16 input quantized in the prologue
+    (<= PROLOGUE_MAX_ROWS rows) or by the quantizer first (above)."""
     gen = torch.Generator().manual_seed(rows)
     linears = [Mxfp8Linear.from_float(torch.randn(HIDDEN, K, generator=gen).bfloat16())
                for _ in range(TP)]
-    xs = [quantize_mxfp8(torch.randn(rows, K, generator=gen).bfloat16()) for _ in range(TP)]
+    xs = [torch.randn(rows, K, generator=gen).bfloat16() for _ in range(TP)]
+    xs = xs if bf16_in else [quantize_mxfp8(x) for x in xs]
     mixing = _mixing_inputs(rows, gen)
+    assert PublishingMxfp8Linear(_group()[0]).supports(linears[0], rows)
     plain_outs, plain_boxes, plain = _step(_group(), linears, xs, mixing, fused=False)
     fused_outs, fused_boxes, fused = _step(_group(), linears, xs, mixing, fused=True)
     for a, b in zip(plain_outs, fused_outs, strict=True):
@@ -103,7 +109,7 @@ def test_unsupported_inputs_fall_back_and_publish_nothing():
     assert torch.equal(out.view(torch.int16), mxfp8_mm(narrow, x).view(torch.int16))
     assert torch.equal(before.view(torch.int16), ar._box.buffer.view(torch.int16))
     wide = Mxfp8Linear.from_float(torch.randn(HIDDEN, K, generator=gen).bfloat16())
-    assert publisher.supports(wide, 8) and not publisher.supports(wide, 9)
+    assert publisher.supports(wide, CAPACITY) and not publisher.supports(wide, CAPACITY + 1)
     assert not publisher.supports(wide, 0)
 
 

@@ -11,6 +11,7 @@ from .api import (
     compile_pinned,
     mxfp8_eligible,
     mxfp8_mm,
+    mxfp8_out_in_epilogue,
     precompile,
     run_zeros,
     selected_tactic,
@@ -33,7 +34,8 @@ from .tactics import (
 __all__ = [
     "AUTOTUNER", "Autotuner", "LOW_BATCH_MAX_ROWS", "Mxfp8Linear", "Tactic", "load_linear",
     "WIDE_LOW_LATENCY_MAX_ROWS", "check_mxfp8_mm", "compile_pinned", "default_tactic",
-    "launch_low_latency", "mxfp8_eligible", "mxfp8_mm", "mxfp8_mm_ref", "pinned_tactics",
+    "launch_low_latency", "mxfp8_eligible", "mxfp8_mm", "mxfp8_mm_ref", "mxfp8_out_in_epilogue",
+    "pinned_tactics",
     "precompile", "row_bucket", "run_zeros", "selected_tactic", "shape_representatives",
     "valid_tactics", "warmup_low_latency", "zeros_input",
 ]

@@ -31,7 +31,13 @@ from decode_boundary.mxfp8.format import QuantizedActivation, check_quantized, m
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
 from .autotune import AUTOTUNER
-from .launcher import launch_low_latency, warmup_low_latency, weight_operands
+from .launcher import (
+    empty_mxfp8,
+    launch_low_latency,
+    quantized_out_fits,
+    warmup_low_latency,
+    weight_operands,
+)
 from .reference import mxfp8_mm_ref
 from .tactics import PROLOGUE_MAX_ROWS, TABLE, Tactic, default_tactic
 
@@ -108,22 +114,30 @@ def _reference(layer, a) -> torch.Tensor:
         .reshape(qa.rows, -1)
 
 
-def _run(layer, x, tactic_for, finish=None) -> torch.Tensor | None:
+def _run(layer, x, tactic_for, finish=None, mxfp8_out: bool = False):
     """Run ``layer`` on ``x`` with ``tactic_for(rows)`` (None: not this entry
-    point's); the input kind picks the kernel variant, not the tactic."""
+    point's); the input kind picks the kernel variant, not the tactic.
+    ``mxfp8_out``: the MXFP8 of the output, from the epilogue where the tactic
+    allows it (and no bias is added), else quantized after."""
     a, rows, dtype, shape = _activation(layer, x)
     n = layer.weight.shape[1]
     device = layer.weight.device
     if rows == 0:
         if finish is not None:  # it would be dropped: pre, post and comb left unwritten
             raise ValueError("finish_mixes needs the GEMM of the consumer's rows, got 0 rows")
-        return _finish(layer, torch.empty(0, n, dtype=torch.bfloat16, device=device), dtype,
-                       shape)
+        out = _finish(layer, torch.empty(0, n, dtype=torch.bfloat16, device=device), dtype,
+                      shape)
+        return quantize_mxfp8(out) if mxfp8_out else out
     tactic = tactic_for(rows)
     if tactic is None:
         return None
+    if mxfp8_out and layer.bias is None and quantized_out_fits(tactic):
+        out = empty_mxfp8(rows, n, device)
+        launch_low_latency(layer, a, out, tactic, finish=finish)
+        return QuantizedActivation(out.data, out.scale, dtype, torch.Size((*shape[:-1], n)))
     out = torch.empty(rows, n, dtype=torch.bfloat16, device=device)
-    return _finish(layer, launch_low_latency(layer, a, out, tactic, finish=finish), dtype, shape)
+    out = _finish(layer, launch_low_latency(layer, a, out, tactic, finish=finish), dtype, shape)
+    return quantize_mxfp8(out) if mxfp8_out else out
 
 
 def _traced_mm(layer, x) -> torch.Tensor:
@@ -140,24 +154,39 @@ def _traced_mm(layer, x) -> torch.Tensor:
     return _finish(layer, out, dtype, shape)
 
 
-def mxfp8_mm(layer, x, *, finish_mixes: MixesFinish | None = None) -> torch.Tensor:
+def mxfp8_mm(layer, x, *, finish_mixes: MixesFinish | None = None, mxfp8_out: bool = False):
     """``layer``'s GEMM of ``x`` with the selected tactic (any row count).
     ``finish_mixes``: the next mHC mixes a consumer launch left to this GEMM
     (``consume(..., combine_mixes=False)``, the kernel right before this one
     on the stream): M more programs of this launch combine them while the
     products run (eager launches of a layer the kernel takes, M >= 1; the
-    output bits do not change)."""
+    output bits do not change).
+    ``mxfp8_out``: return the output as MXFP8 (a ``QuantizedActivation``),
+    byte for byte ``quantize_mxfp8(mxfp8_mm(layer, x))``: written so by the
+    GEMM's own epilogue where :func:`mxfp8_out_in_epilogue` (no quantizer
+    launch, no BF16 round trip), else quantized after the GEMM."""
     weight_operands(layer)  # malformed weights raise here
     if finish_mixes is not None and (torch.compiler.is_compiling()
                                      or not mxfp8_eligible(layer)):
         raise ValueError("finish_mixes needs an eager launch of a layer the kernel takes "
                          "(mxfp8_eligible)")
-    if torch.compiler.is_compiling():
-        return _traced_mm(layer, x)
-    if not mxfp8_eligible(layer):
-        a, _, dtype, shape = _activation(layer, x)
-        return _finish(layer, _reference(layer, a), dtype, shape)
-    return _run(layer, x, lambda rows: selected_tactic(layer, rows), finish_mixes)
+    if torch.compiler.is_compiling() or not mxfp8_eligible(layer):
+        if torch.compiler.is_compiling():
+            out = _traced_mm(layer, x)
+        else:
+            a, _, dtype, shape = _activation(layer, x)
+            out = _finish(layer, _reference(layer, a), dtype, shape)
+        return quantize_mxfp8(out) if mxfp8_out else out
+    return _run(layer, x, lambda rows: selected_tactic(layer, rows), finish_mixes, mxfp8_out)
+
+
+def mxfp8_out_in_epilogue(layer, rows: int) -> bool:
+    """Whether ``mxfp8_mm(layer, x, mxfp8_out=True)`` of ``rows`` rows writes
+    the MXFP8 output from the GEMM's epilogue (an eager launch of a layer the
+    kernel takes, no bias, a selected tactic of whole 32-column groups per
+    program); elsewhere it quantizes after the GEMM, one launch more."""
+    return (rows > 0 and not torch.compiler.is_compiling() and mxfp8_eligible(layer)
+            and layer.bias is None and quantized_out_fits(selected_tactic(layer, rows)))
 
 
 def shape_representatives(layers: Iterable) -> list:
@@ -188,7 +217,7 @@ def run_zeros(layer, rows: int) -> torch.Tensor:
 
 def precompile(layer, rows_list: Iterable[int], publish=None, bf16_input: bool | None = None,
                stream: torch.cuda.Stream | None = None,
-               finish_mixes: MixesFinish | None = None):
+               finish_mixes: MixesFinish | None = None, mxfp8_out: bool = False):
     """Compile the kernels ``mxfp8_mm`` (or, with ``publish``, the publishing
     launch) uses for each row count and allocate their split-K scratch,
     launching nothing (but the quantizer, once, where a BF16 input of that many
@@ -200,7 +229,9 @@ def precompile(layer, rows_list: Iterable[int], publish=None, bf16_input: bool |
     ``bf16_input``: the BF16-in (prologue-quantized) kernel variant, the
     MXFP8-in one, or both (None); the tactic is the same for both.
     ``finish_mixes``: the variant that also finishes these mixes (the
-    all-reduce's ``deferred_finish(rows)``; one row count).
+    all-reduce's ``deferred_finish(rows)``; one row count). ``mxfp8_out``:
+    the variant writing an MXFP8 output, at the row counts where
+    :func:`mxfp8_out_in_epilogue` (and the quantizer where it is not).
     Call it again after the autotuner changes a choice."""
     if not mxfp8_eligible(layer):
         return
@@ -218,8 +249,13 @@ def precompile(layer, rows_list: Iterable[int], publish=None, bf16_input: bool |
                 quantize_mxfp8(torch.zeros(rows, groups * k, dtype=torch.bfloat16,
                                            device=layer.weight.device))
                 bf16 = False
-            warmup_low_latency(layer, rows, selected_tactic(layer, rows), publish, bf16,
-                               stream, finish_mixes)
+            tactic = selected_tactic(layer, rows)
+            in_epilogue = mxfp8_out and quantized_out_fits(tactic) and layer.bias is None
+            if mxfp8_out and not in_epilogue:  # quantized after the GEMM: load the quantizer
+                quantize_mxfp8(torch.zeros(rows, n, dtype=torch.bfloat16,
+                                           device=layer.weight.device))
+            warmup_low_latency(layer, rows, tactic, publish, bf16, stream, finish_mixes,
+                               mxfp8_out=in_epilogue)
 
 
 def compile_pinned(layer) -> None:

@@ -7,7 +7,9 @@ contiguous [N, K] tensor with a 128x4-swizzled scale buffer
 (``check_scale_buffer``) and ``groups`` a positive int dividing N
 (:func:`weight_operands`); the activation is a contiguous BF16 [rows, G*K]
 tensor or a ``QuantizedActivation`` with contiguous e4m3 [rows, G*K] data and a
-scale buffer for it; ``out`` is contiguous BF16 [rows, N]; the tactic fits
+scale buffer for it; ``out`` is contiguous BF16 [rows, N], or a
+``QuantizedActivation`` [rows, N] (e4m3 data and a scale buffer for it) with a
+tactic whose ``block_n`` is a multiple of 32 and no ``publish``; the tactic fits
 (N, K, groups) (``tactics.fits``: K % 32 == 0, (N/G) % BLOCK_N == 0, at most
 ``MAX_PIECES`` pieces, no empty split or piece); every operand is on the
 weight's device and 16-byte aligned; a ``publish`` target passes
@@ -103,6 +105,15 @@ def weight_operands(layer) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
     return storage, scale, n, k, groups
 
 
+def empty_mxfp8(rows: int, n: int, device: torch.device) -> QuantizedActivation:
+    """An MXFP8 [rows, N] output buffer of BF16 origin (every byte the kernel
+    writes, padding included)."""
+    return QuantizedActivation(
+        torch.empty(rows, n, dtype=torch.float8_e4m3fn, device=device),
+        torch.empty(mxfp8_scale_bytes(rows, n), dtype=torch.uint8, device=device),
+        torch.bfloat16, torch.Size((rows, n)))
+
+
 def _aligned(*tensors: torch.Tensor) -> None:
     for t in tensors:
         if t.data_ptr() % 16:
@@ -195,6 +206,39 @@ def _check_activation(a, rows: int, a_k: int) -> bool:
     return False
 
 
+def quantized_out_fits(tactic: Tactic) -> bool:
+    """Whether ``tactic``'s programs own whole 32-column groups, so the kernel
+    can write its output as MXFP8 (``QUANT_OUT``: module docstring)."""
+    return tactic.block_n % 32 == 0
+
+
+def _check_out(out, rows: int, n: int, tactic: Tactic, publish):
+    """(data, scale) kernel arguments of ``out``: a contiguous BF16 [rows, N]
+    tensor (its own scale argument, unused), or a ``QuantizedActivation`` of
+    [rows, N] the kernel writes as MXFP8 (``QUANT_OUT``)."""
+    if isinstance(out, torch.Tensor):
+        if out.dtype != torch.bfloat16 or tuple(out.shape) != (rows, n) or \
+                not out.is_contiguous():
+            raise ValueError(f"out must be contiguous bfloat16 [{rows}, {n}] (or an MXFP8 "
+                             f"QuantizedActivation), got {out.dtype} {tuple(out.shape)}")
+        return out, out
+    if not isinstance(out, QuantizedActivation):
+        raise ValueError(f"out must be a BF16 tensor or a QuantizedActivation, got "
+                         f"{type(out).__name__}")
+    data = out.data
+    if data.dtype != torch.float8_e4m3fn or tuple(data.shape) != (rows, n) or \
+            not data.is_contiguous():
+        raise ValueError(f"out.data must be contiguous float8_e4m3fn [{rows}, {n}], got "
+                         f"{data.dtype} {tuple(data.shape)}")
+    check_scale_buffer(out.scale, rows, n, "out.scale")
+    if not quantized_out_fits(tactic):
+        raise ValueError(f"an MXFP8 out needs a tactic whose block_n is a multiple of 32 "
+                         f"(whole scale groups per program), got {tactic}")
+    if publish is not None:
+        raise ValueError("an MXFP8 out cannot be published (the mailbox holds BF16)")
+    return data, out.scale
+
+
 def _finish_args(finish: MixesFinish | None, rows: int, device: torch.device, dummy,
                  launching: bool = True):
     """(positional, constexpr) arguments of ``FINISH_MIXES`` (dummies without);
@@ -271,14 +315,13 @@ def _launch_config(layer, a, out, tactic: Tactic, publish, finish: MixesFinish |
     device = storage.device
     a_bf16 = _check_activation(a, rows, groups * k)
     a_data, a_scale = (a, a) if a_bf16 else (a.data, a.scale)
-    if out.dtype != torch.bfloat16 or tuple(out.shape) != (rows, n) or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous bfloat16 [{rows}, {n}], got {out.dtype} "
-                         f"{tuple(out.shape)}")
     if not fits(tactic, n, k, groups):
         raise ValueError(f"tactic {tactic} is not valid for N={n}, K={k}, groups={groups}")
-    if any(t.device != device for t in (a_data, a_scale, out)):
+    quant_out = isinstance(out, QuantizedActivation)
+    out_data, out_scale = _check_out(out, rows, n, tactic, publish)
+    if any(t.device != device for t in (a_data, a_scale, out_data, out_scale)):
         raise ValueError(f"weight, activations and out must share one device ({device})")
-    _aligned(storage, w_scale, a_data, a_scale, out)
+    _aligned(storage, w_scale, a_data, a_scale, out_data, out_scale)
     if publish is not None:
         check_publish_target(publish, n, rows, device)
     buffers = _buffers(device, n, rows, tactic, publish)
@@ -296,22 +339,24 @@ def _launch_config(layer, a, out, tactic: Tactic, publish, finish: MixesFinish |
         A_UPFRONT=activation_upfront(tactic, k, a_bf16),
         A_BF16=a_bf16, USE_PDL=pdl, INTERPRETER=interpret_mode(), PUBLISH=publish is not None,
         TP=pub.tp, RANK=pub.rank, CAPACITY=pub.capacity, HIDDEN=pub.hidden,
-        TIMELINE=timeline, num_warps=tactic.num_warps, num_stages=1, launch_pdl=pdl,
-        **mix_kwargs,
+        TIMELINE=timeline, QUANT_OUT=quant_out, num_warps=tactic.num_warps, num_stages=1,
+        launch_pdl=pdl, **mix_kwargs,
     )
-    return grid, (storage, w_scale, a_data, a_scale, out, *buffers, stamps, first_slot, rows,
-                  *mix_args), kwargs
+    return grid, (storage, w_scale, a_data, a_scale, out_data, out_scale, *buffers, stamps,
+                  first_slot, rows, *mix_args), kwargs
 
 
-def launch_low_latency(layer, a, out: torch.Tensor, tactic: Tactic, publish=None,
-                       finish: MixesFinish | None = None) -> torch.Tensor:
+def launch_low_latency(layer, a, out, tactic: Tactic, publish=None,
+                       finish: MixesFinish | None = None):
     """``out`` [rows, N] (BF16) = ``a`` @ ``layer.weight`` with ``tactic`` on the
     current stream; ``a`` is MXFP8 (``QuantizedActivation``, 2-D data) or a BF16
-    [rows, G*K] tensor quantized in the prologue; with ``publish``, also into
+    [rows, G*K] tensor quantized in the prologue; ``out`` a BF16 tensor, or a
+    ``QuantizedActivation`` [rows, N] that receives the MXFP8 of that BF16
+    output (``quantized_out_fits(tactic)``); with ``publish``, also into
     the mailbox (module docstring); with ``finish``, also the next mixes the
     consumer before it left (``MixesFinish``)."""
     grid, args, kwargs = _launch_config(layer, a, out, tactic, publish, finish)
-    if out.shape[0]:
+    if grid[2]:
         mxfp8_gemm_kernel[grid](*args, **kwargs)
         if finish is not None and finish.launched is not None:
             finish.launched[0] = True  # the all-reduce's next call checks it
@@ -320,28 +365,28 @@ def launch_low_latency(layer, a, out: torch.Tensor, tactic: Tactic, publish=None
 
 def warmup_low_latency(layer, rows: int, tactic: Tactic, publish=None, bf16_input: bool = False,
                        stream: torch.cuda.Stream | None = None,
-                       finish: MixesFinish | None = None):
+                       finish: MixesFinish | None = None, mxfp8_out: bool = False):
     """Compile (launch nothing) the kernel ``launch_low_latency`` runs for
     ``rows`` rows, ``tactic`` and the input kind, and allocate its split-K
     scratch for the current stream, or for ``stream`` (the one later launches or
     a capture run on: module docstring), and for ``torch.cuda.graph``'s default
-    capture stream; returns the compiled kernel (None in the interpreter). Peer
+    capture stream; returns the compiled kernel (None in the interpreter);
+    ``mxfp8_out``: the variant writing an MXFP8 output (``QUANT_OUT``). Peer
     addresses are checked here, outside any capture: a host read of the table
     would synchronize."""
     storage, _, n, k, groups = weight_operands(layer)
     device = storage.device
     if stream is not None and device.type == "cuda":
         with torch.cuda.stream(stream):
-            return warmup_low_latency(layer, rows, tactic, publish, bf16_input, finish=finish)
+            return warmup_low_latency(layer, rows, tactic, publish, bf16_input, finish=finish,
+                                      mxfp8_out=mxfp8_out)
     a_k = groups * k
     if bf16_input:
         a = torch.empty(rows, a_k, dtype=torch.bfloat16, device=device)
     else:
-        a = QuantizedActivation(
-            torch.empty(rows, a_k, dtype=torch.float8_e4m3fn, device=device),
-            torch.empty(mxfp8_scale_bytes(rows, a_k), dtype=torch.uint8, device=device),
-            torch.bfloat16, torch.Size((rows, a_k)))
-    out = torch.empty(rows, n, dtype=torch.bfloat16, device=device)
+        a = empty_mxfp8(rows, a_k, device)
+    out = empty_mxfp8(rows, n, device) if mxfp8_out else \
+        torch.empty(rows, n, dtype=torch.bfloat16, device=device)
     if publish is not None and any(ptr % 16 for ptr in publish.peer_ptrs.tolist()):
         raise ValueError("publish.peer_ptrs must hold 16-byte aligned mailbox addresses")
     grid, args, kwargs = _launch_config(layer, a, out, tactic, publish, finish, launching=False)

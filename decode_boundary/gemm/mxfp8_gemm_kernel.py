@@ -100,6 +100,17 @@ the sentinel -0 (a 16-byte store may land in pieces). The three-stage mailbox
 (docs/DESIGN.md §6) keeps stage ``s`` apart from the one a lagging peer still
 consumes and clears.
 
+**MXFP8 output** (``QUANT_OUT``; ``wo_a`` feeding ``wo_b``). The program that
+writes an output block (the split-K reducer, where there is one) rounds it to
+BF16 as always and then quantizes those BF16 values with ``quantize_groups``,
+the quantizer's own device function, into e4m3 data [M, N] and swizzled
+exponents over (M, N/32) instead of storing BF16: byte for byte
+``quantize_mxfp8`` of the BF16 output (zero padding included), so the next
+GEMM gets the MXFP8 operand it would otherwise quantize in its prologue or in
+a quantizer launch. Groups of 32 run along the output columns, so a program
+must own whole groups: ``BLOCK_N % 32 == 0`` (the launcher checks it). Not
+with PUBLISH (the mailbox holds BF16).
+
 **Finishing the consumer's mixes** (``FINISH_MIXES``; ``common.contract.MixesFinish``).
 The consumer right before this GEMM may leave the combine of the next mHC
 mixes (summing each token's shares, then pre, post and comb) to it, so that
@@ -247,20 +258,71 @@ def _chunk(acc, w, ws, fetched, CH: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: t
 
 
 @triton.jit
-def _write_block(vals, out_ptr, rows, cols, M, N: tl.constexpr, is_first_block,
-                 peer_ptrs_ptr, stage_ptr, stage, PUBLISH: tl.constexpr, TP: tl.constexpr,
-                 RANK: tl.constexpr, CAPACITY: tl.constexpr, HIDDEN: tl.constexpr,
-                 INTERPRETER: tl.constexpr):
-    """Store FP32 ``vals`` [BLOCK_N, ROWS] (out^T) as BF16; publish when PUBLISH
-    into stage ``stage`` (the NEXT word, read by the kernel after its wait)."""
+def _write_block(vals, out_ptr, out_scale_ptr, row0, col0, M, N: tl.constexpr, is_first_block,
+                 peer_ptrs_ptr, stage_ptr, stage, PUBLISH: tl.constexpr, QUANT_OUT: tl.constexpr,
+                 TP: tl.constexpr, RANK: tl.constexpr, CAPACITY: tl.constexpr,
+                 HIDDEN: tl.constexpr, INTERPRETER: tl.constexpr):
+    """Store FP32 ``vals`` [BLOCK_N, ROWS] (out^T) as BF16, or with QUANT_OUT as
+    the MXFP8 of those BF16 values (module docstring); publish when PUBLISH into
+    stage ``stage`` (the NEXT word, read by the kernel after its wait). Rows
+    from ``row0``, columns from ``col0``."""
+    rows = row0 + tl.arange(0, vals.shape[1])
+    cols = col0 + tl.arange(0, vals.shape[0])
     out = to_bf16_rne(vals, not INTERPRETER)  # cvt.rn on the GPU
-    mask = rows[None, :] < M
-    tl.store(out_ptr + rows[None, :].to(tl.int64) * N + cols[:, None], out, mask=mask)
+    if QUANT_OUT:
+        _write_quantized(out, out_ptr, out_scale_ptr, row0, col0, M, N, INTERPRETER)
+    else:
+        mask = rows[None, :] < M
+        tl.store(out_ptr + rows[None, :].to(tl.int64) * N + cols[:, None], out, mask=mask)
     if PUBLISH:
-        publish_row(out, peer_ptrs_ptr, stage, RANK, rows[None, :], cols[:, None], mask,
-                    CAPACITY, TP=TP, HIDDEN=HIDDEN, TILE=True)
+        publish_row(out, peer_ptrs_ptr, stage, RANK, rows[None, :], cols[:, None],
+                    rows[None, :] < M, CAPACITY, TP=TP, HIDDEN=HIDDEN, TILE=True)
         if is_first_block:
             tl.store(stage_ptr + _STAGE_ACTIVE, stage)
+
+
+@triton.jit
+def _write_quantized(out, data_ptr, scale_ptr, row0, col0, M, N: tl.constexpr,
+                     INTERPRETER: tl.constexpr):
+    """QUANT_OUT: the BF16 block ``out`` [BLOCK_N, ROWS] (out^T; rows from
+    ``row0``, columns from ``col0``) as MXFP8 rows: e4m3 into ``data_ptr``
+    [M, N], exponents into the 128x4-swizzled ``scale_ptr`` over (M, N/32),
+    byte for byte what ``quantize_mxfp8`` writes for these BF16 values, its
+    zero padding included: the programs of the last row block zero the padding
+    rows below the next multiple of 128 at their groups, and the owners of the
+    last columns the padding groups up to a multiple of 4."""
+    BLOCK_N: tl.constexpr = out.shape[0]
+    ROWS: tl.constexpr = out.shape[1]
+    GROUPS_N: tl.constexpr = N // 32
+    N_TILES: tl.constexpr = (GROUPS_N + 3) // 4
+    rows = row0 + tl.arange(0, ROWS)
+    cols = col0 + tl.arange(0, BLOCK_N)
+    # Groups of 32 run along the output columns, out^T's first axis: transposed
+    # once here, in the epilogue, so quantize_groups sees [ROWS, groups, 32].
+    x = tl.reshape(tl.trans(out.to(tl.float32)), (ROWS, BLOCK_N // 32, 32))
+    q, exponent = quantize_groups(x, not INTERPRETER)
+    live = rows[:, None] < M
+    tl.store(data_ptr + rows[:, None].to(tl.int64) * N + cols[None, :],
+             tl.reshape(q, (ROWS, BLOCK_N)), mask=live)
+    groups = col0 // 32 + tl.arange(0, BLOCK_N // 32)
+    tl.store(scale_ptr + swizzled_offset(rows[:, None], groups[None, :], N_TILES),
+             exponent.to(tl.uint8), mask=live)
+    padded_rows = tl.cdiv(M, 128) * 128
+    pad = M + tl.arange(0, 128)  # every padding row: M .. the next multiple of 128
+    if row0 + ROWS >= M:
+        tl.store(scale_ptr + swizzled_offset(pad[:, None], groups[None, :], N_TILES),
+                 tl.zeros((128, BLOCK_N // 32), dtype=tl.uint8),
+                 mask=(pad < padded_rows)[:, None])
+    if GROUPS_N % 4 != 0:  # noqa: SIM102 (a compile-time test, then a run-time one)
+        if col0 + BLOCK_N == N:
+            extra = GROUPS_N + tl.arange(0, 4)
+            tail = (extra < N_TILES * 4)[None, :]
+            tl.store(scale_ptr + swizzled_offset(rows[:, None], extra[None, :], N_TILES),
+                     tl.zeros((ROWS, 4), dtype=tl.uint8), mask=live & tail)
+            if row0 + ROWS >= M:
+                tl.store(scale_ptr + swizzled_offset(pad[:, None], extra[None, :], N_TILES),
+                         tl.zeros((128, 4), dtype=tl.uint8),
+                         mask=(pad < padded_rows)[:, None] & tail)
 
 
 @triton.jit
@@ -290,7 +352,7 @@ def _finish_mixes_program(mix_ptr, generation_ptr, status_ptr, hc_scale_ptr, hc_
 
 @triton.jit(do_not_specialize=["M", "stamp_base", "mix_rounds", "wait_bound"])
 def mxfp8_gemm_kernel(
-    w_ptr, w_scale_ptr, a_ptr, a_scale_ptr, out_ptr,
+    w_ptr, w_scale_ptr, a_ptr, a_scale_ptr, out_ptr, out_scale_ptr,
     partial_ptr, counter_ptr, peer_ptrs_ptr, stage_ptr, stamp_ptr, stamp_base,
     M,
     mix_ptr, generation_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, post_out_ptr,
@@ -301,6 +363,7 @@ def mxfp8_gemm_kernel(
     A_UPFRONT: tl.constexpr, A_BF16: tl.constexpr, USE_PDL: tl.constexpr, INTERPRETER: tl.constexpr,
     PUBLISH: tl.constexpr, TP: tl.constexpr, RANK: tl.constexpr,
     CAPACITY: tl.constexpr, HIDDEN: tl.constexpr, TIMELINE: tl.constexpr = False,
+    QUANT_OUT: tl.constexpr = False,
     FINISH_MIXES: tl.constexpr = False, HC: tl.constexpr = 1, MIX_HIDDEN: tl.constexpr = 1,
     MIX_CHUNKS: tl.constexpr = 1, MIX_CHUNKS_P2: tl.constexpr = 1, SLOTS: tl.constexpr = 1,
     MIX_ROW: tl.constexpr = 1, TOTALS_OFF: tl.constexpr = 0, USE_PTX: tl.constexpr = False,
@@ -391,8 +454,9 @@ def mxfp8_gemm_kernel(
     rows = row0 + tl.arange(0, ROWS)
     is_first_block = (pid_n == 0) & (pid_m == 0)
     if SPLIT_K == 1:
-        _write_block(acc, out_ptr, rows, cols, M, N, is_first_block, peer_ptrs_ptr, stage_ptr,
-                     stage, PUBLISH, TP, RANK, CAPACITY, HIDDEN, INTERPRETER)
+        _write_block(acc, out_ptr, out_scale_ptr, row0, pid_n * BLOCK_N, M, N, is_first_block,
+                     peer_ptrs_ptr, stage_ptr, stage, PUBLISH, QUANT_OUT, TP, RANK, CAPACITY,
+                     HIDDEN, INTERPRETER)
     else:
         # Workspace: FP32 [blocks, SPLIT_K, ROWS, BLOCK_N], one tile per split.
         block = pid_m * (N // BLOCK_N) + pid_n
@@ -410,6 +474,7 @@ def mxfp8_gemm_kernel(
                 total += tl.load(partials + s * (ROWS * BLOCK_N) + tile, mask=real,
                                  other=0.0, cache_modifier=".cg")
             tl.store(counter_ptr + block, 0)  # re-armed for the next launch / graph replay
-            _write_block(total, out_ptr, rows, cols, M, N, is_first_block, peer_ptrs_ptr,
-                         stage_ptr, stage, PUBLISH, TP, RANK, CAPACITY, HIDDEN, INTERPRETER)
+            _write_block(total, out_ptr, out_scale_ptr, row0, pid_n * BLOCK_N, M, N, is_first_block,
+                         peer_ptrs_ptr, stage_ptr, stage, PUBLISH, QUANT_OUT, TP, RANK,
+                         CAPACITY, HIDDEN, INTERPRETER)
     stamp(stamp_ptr, slot, END, TIMELINE)

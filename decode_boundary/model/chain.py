@@ -4,9 +4,11 @@
 (row-parallel: this rank's partial sum) -> all-reduce + mHC + RMSNorm + MXFP8 of
 the next input -> the next layer's ``fused_wqa_wkv`` (docs/DESIGN.md §1).
 Called fused (``wo_b`` publishes from its epilogue through
-:class:`PublishingMxfp8Linear`, so only the consumer runs after it: four
-launches at M <= 8, each GEMM quantizing its BF16 input in its prologue) or
-unfused (plain ``wo_b``, then the publish kernel: five launches); the two
+:class:`PublishingMxfp8Linear`, so only the consumer runs after it, and
+``wo_a`` hands ``wo_b`` its output as MXFP8 from its own epilogue where its
+tactic allows it: four launches at every M up to the mailbox's capacity, plus
+the quantizer of the attention output above ``PROLOGUE_MAX_ROWS``) or unfused
+(plain ``wo_b`` on ``wo_a``'s BF16 output, then the publish kernel); the two
 must agree bit for bit, and both with :meth:`AttentionBoundary.reference`
 within ``CHAIN_RTOL``. Every kernel is launched with PDL where the GPU has
 it, so each weight read overlaps the previous kernel.
@@ -27,7 +29,7 @@ from decode_boundary import env
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
 from decode_boundary.boundary.consumer import MIXES_ASIDE_MIN_ROWS, mixes_aside_ok
 from decode_boundary.boundary.reference import consumer_mixes_ref, mhc_mixes_ref
-from decode_boundary.gemm import mxfp8_mm
+from decode_boundary.gemm import mxfp8_mm, mxfp8_out_in_epilogue
 from decode_boundary.gemm import precompile as gemm_precompile
 from decode_boundary.gemm.linear import Mxfp8Linear, load_linear
 from decode_boundary.gemm.reference import mxfp8_mm_ref
@@ -179,7 +181,9 @@ class AttentionBoundary:
         a peer that is still compiling, and before capturing CUDA graphs."""
         rows_list = list(rows_list)
         gemm_precompile(self.wo_a, rows_list, bf16_input=True)  # attention output: BF16
-        gemm_precompile(self.wo_b, rows_list, bf16_input=True)  # wo_a's output: BF16
+        handoff = [r for r in rows_list if mxfp8_out_in_epilogue(self.wo_a, r)]
+        gemm_precompile(self.wo_a, handoff, bf16_input=True, mxfp8_out=True)  # fused: to wo_b
+        gemm_precompile(self.wo_b, rows_list, bf16_input=True)  # unfused: wo_a's BF16 output
         gemm_precompile(self.fused_wqa_wkv, rows_list, bf16_input=False)  # the consumer's MXFP8
         for rows in rows_list:
             self.publisher.precompile(self.wo_b, rows)
@@ -268,8 +272,13 @@ class AttentionBoundary:
         epilogue when ``fused``, else by the publish kernel) and waits for
         :meth:`consume`. Split from it so simulated ranks of one process can
         all publish before any consumes."""
-        # One grouped GEMM; both GEMMs quantize their BF16 input in their prologue.
-        o = mxfp8_mm(self.wo_a, inputs.attn_out)
+        # One grouped GEMM. Fused, wo_a hands wo_b its output as MXFP8 where its tactic
+        # owns whole scale groups (its epilogue quantizes the BF16 output, byte for
+        # byte the quantizer's), so wo_b neither quantizes in its prologue nor waits
+        # for a quantizer launch; unfused, wo_b takes BF16 (quantized in its
+        # prologue, or by the quantizer above PROLOGUE_MAX_ROWS): the same bits.
+        handoff = fused and mxfp8_out_in_epilogue(self.wo_a, inputs.rows)
+        o = mxfp8_mm(self.wo_a, inputs.attn_out, mxfp8_out=handoff)
         return self.wo_b_published(o, fused)
 
     def wo_b_published(self, o: torch.Tensor, fused: bool = True) -> torch.Tensor:

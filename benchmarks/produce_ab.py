@@ -1,0 +1,87 @@
+"""How the fused chain's producer side (wo_a -> wo_b -> the mailbox) is best
+run, measured in the chain, two ways of one choice at a time (``--compare``):
+
+* ``handoff``: wo_a's output handed to wo_b as MXFP8 from wo_a's epilogue
+  (``mxfp8_mm(wo_a, ..., mxfp8_out=True)`` where ``mxfp8_out_in_epilogue``)
+  against wo_a writing BF16, which wo_b quantizes in its prologue (up to
+  ``PROLOGUE_MAX_ROWS`` rows) or the quantizer does first (above);
+* ``publish``: wo_b publishing from its epilogue (``PublishingMxfp8Linear``)
+  against the plain wo_b and the publish kernel.
+
+One rank's fused boundary (the one timer: CUDA graphs of back-to-back steps,
+rotated weight copies, cold L2; timed A, B, A, B in one process). Both ways
+must give the same bits and pass the reference check.
+
+    PYTHONPATH=. python benchmarks/produce_ab.py --compare handoff [--rows 4 8 16 32 64]
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+import decode_boundary.model.chain as chain
+from decode_boundary.bench.harness import (
+    one_gpu_ab,
+    one_gpu_boundary,
+    one_gpu_parser,
+    one_gpu_result,
+    one_gpu_row,
+    one_gpu_write,
+)
+from decode_boundary.model.chain import check_mixes, check_outputs, outputs_identical
+from decode_boundary.publishing_linear import PublishingMxfp8Linear
+
+WAYS = {"handoff": ("bf16", "mxfp8"), "publish": ("kernel", "epilogue")}
+
+
+def _run_way(ab, way: str, step):
+    """``step`` with the choice ``way`` made (the first way of each pair is the
+    one the chain does not take by itself)."""
+    handoff, supports = chain.mxfp8_out_in_epilogue, PublishingMxfp8Linear.supports
+    if way == "bf16":
+        chain.mxfp8_out_in_epilogue = lambda layer, rows: False
+    elif way == "kernel":
+        ab.publisher.supports = lambda layer, rows: False
+    try:
+        return step()
+    finally:
+        chain.mxfp8_out_in_epilogue = handoff
+        ab.publisher.__dict__.pop("supports", None)
+        assert ab.publisher.supports.__func__ is supports
+
+
+def main() -> None:
+    parser = one_gpu_parser(__doc__.splitlines()[0])
+    parser.add_argument("--compare", choices=sorted(WAYS), required=True)
+    args = parser.parse_args()
+    ab, views = one_gpu_boundary(args, seed=5)
+    device = ab.device
+    result = one_gpu_result(f"produce_ab_{args.compare}", args)
+    result["rows"] = []
+    for rows in args.rows:
+        inputs = ab.make_inputs(rows, seed=rows)
+        ways = {way: [functools.partial(_run_way, v, way,
+                                        functools.partial(v, inputs, fused=True,
+                                                          mixes_aside="auto"))
+                      for v in views] for way in WAYS[args.compare]}
+        us = one_gpu_ab(ways, device, join=ab.join_mixes)
+        outs = {}
+        for way in WAYS[args.compare]:
+            outs[way] = _run_way(ab, way, functools.partial(ab, inputs, fused=True,
+                                                            mixes_aside="auto"))
+            ab.join_mixes()
+        torch.cuda.synchronize(device)
+        first, second = outs.values()
+        failures = [] if outputs_identical(first, second) else ["outputs differ"]
+        ref = ab.reference(inputs)
+        for way, out in outs.items():
+            failures += [f"{way}: {f}" for f in check_outputs(out, ref) + check_mixes(out, ab)]
+        one_gpu_row(result, rows, us, failures)
+    ab.close()
+    print("wrote", one_gpu_write(result, args))
+
+
+if __name__ == "__main__":
+    main()

@@ -54,6 +54,13 @@ from decode_boundary.mxfp8.format import QuantizedActivation, check_quantized
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
 
+# Above this many rows the plain GEMM and the publish kernel are faster: measured in
+# the chain (benchmarks/produce_ab.py --compare publish, V4.1 TP-4 shapes, one H200):
+# the epilogue wins by 1.9-2.1 µs per step at M = 8 / 16 / 32 and loses by 4.5 at
+# M = 64, where wo_b runs 64-row tiles (as from 33 rows on).
+PUBLISH_EPILOGUE_MAX_ROWS = 32
+
+
 class PublishingMxfp8Linear:
     """Run an MXFP8 linear whose output ``all_reduce`` reduces next, publishing
     the output from the GEMM epilogue. Call it in place of the linear; anything
@@ -70,7 +77,7 @@ class PublishingMxfp8Linear:
         return (
             mxfp8_eligible(linear)
             and getattr(linear, "bias", None) is None
-            and 0 < num_tokens <= ar.capacity
+            and 0 < num_tokens <= min(PUBLISH_EPILOGUE_MAX_ROWS, ar.capacity)
             and n == ar.hidden_size
             and linear.weight.device == ar.device
             and ar.transport == "mailbox"  # over NCCL there is no mailbox to publish into

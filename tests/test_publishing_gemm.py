@@ -11,7 +11,7 @@ from decode_boundary.gemm import mxfp8_mm
 from decode_boundary.gemm.linear import Mxfp8Linear
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
-from decode_boundary.publishing_linear import PublishingMxfp8Linear
+from decode_boundary.publishing_linear import PUBLISH_EPILOGUE_MAX_ROWS, PublishingMxfp8Linear
 
 HIDDEN, K, HC, CAPACITY, TP = 128, 96, 2, 24, 2
 
@@ -110,6 +110,11 @@ def test_unsupported_inputs_fall_back_and_publish_nothing():
     assert torch.equal(before.view(torch.int16), ar._box.buffer.view(torch.int16))
     wide = Mxfp8Linear.from_float(torch.randn(HIDDEN, K, generator=gen).bfloat16())
     assert publisher.supports(wide, CAPACITY) and not publisher.supports(wide, CAPACITY + 1)
+    roomy = PublishingMxfp8Linear(BoundaryAllReduce.simulated(
+        TP, HIDDEN, HC, PUBLISH_EPILOGUE_MAX_ROWS + 8, 2, quantize_layer_input=True,
+        residual_only=False)[0])
+    assert roomy.supports(wide, PUBLISH_EPILOGUE_MAX_ROWS)
+    assert not roomy.supports(wide, PUBLISH_EPILOGUE_MAX_ROWS + 1)  # measured slower there
     assert not publisher.supports(wide, 0)
 
 

@@ -6,8 +6,9 @@ the next input -> the next layer's ``fused_wqa_wkv`` (docs/DESIGN.md §1).
 Called fused (``wo_b`` publishes from its epilogue through
 :class:`PublishingMxfp8Linear`, so only the consumer runs after it, and
 ``wo_a`` hands ``wo_b`` its output as MXFP8 from its own epilogue where its
-tactic allows it: four launches at every M up to the mailbox's capacity, plus
-the quantizer of the attention output above ``PROLOGUE_MAX_ROWS``) or unfused
+tactic allows it: four launches up to ``PUBLISH_EPILOGUE_MAX_ROWS`` rows, plus
+the quantizer of the attention output above ``PROLOGUE_MAX_ROWS``; above it the
+plain ``wo_b`` and the publish kernel, measured faster there) or unfused
 (plain ``wo_b`` on ``wo_a``'s BF16 output, then the publish kernel); the two
 must agree bit for bit, and both with :meth:`AttentionBoundary.reference`
 within ``CHAIN_RTOL``. Every kernel is launched with PDL where the GPU has

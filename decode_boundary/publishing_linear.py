@@ -53,7 +53,6 @@ from decode_boundary.gemm.tactics import PROLOGUE_MAX_ROWS
 from decode_boundary.mxfp8.format import QuantizedActivation, check_quantized
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
-
 # Above this many rows the plain GEMM and the publish kernel are faster: measured in
 # the chain (benchmarks/produce_ab.py --compare publish, V4.1 TP-4 shapes, one H200):
 # the epilogue wins by 1.9-2.1 µs per step at M = 8 / 16 / 32 and loses by 4.5 at

@@ -5,7 +5,8 @@ run, measured in the chain, two ways of one choice at a time (``--compare``):
   (``mxfp8_mm(wo_a, ..., mxfp8_out=True)`` where ``mxfp8_out_in_epilogue``)
   against wo_a writing BF16, which wo_b quantizes in its prologue (up to
   ``PROLOGUE_MAX_ROWS`` rows) or the quantizer does first (above);
-* ``publish``: wo_b publishing from its epilogue (``PublishingMxfp8Linear``)
+* ``publish``: wo_b publishing from its epilogue (``PublishingMxfp8Linear``,
+  at every row count up to the capacity, past ``PUBLISH_EPILOGUE_MAX_ROWS`` too)
   against the plain wo_b and the publish kernel.
 
 One rank's fused boundary (the one timer: CUDA graphs of back-to-back steps,
@@ -22,6 +23,7 @@ import functools
 import torch
 
 import decode_boundary.model.chain as chain
+import decode_boundary.publishing_linear as publishing_linear
 from decode_boundary.bench.harness import (
     one_gpu_ab,
     one_gpu_boundary,
@@ -40,14 +42,18 @@ def _run_way(ab, way: str, step):
     """``step`` with the choice ``way`` made (the first way of each pair is the
     one the chain does not take by itself)."""
     handoff, supports = chain.mxfp8_out_in_epilogue, PublishingMxfp8Linear.supports
+    cut = publishing_linear.PUBLISH_EPILOGUE_MAX_ROWS
     if way == "bf16":
         chain.mxfp8_out_in_epilogue = lambda layer, rows: False
     elif way == "kernel":
         ab.publisher.supports = lambda layer, rows: False
+    elif way == "epilogue":
+        publishing_linear.PUBLISH_EPILOGUE_MAX_ROWS = ab.all_reduce.capacity
     try:
         return step()
     finally:
         chain.mxfp8_out_in_epilogue = handoff
+        publishing_linear.PUBLISH_EPILOGUE_MAX_ROWS = cut
         ab.publisher.__dict__.pop("supports", None)
         assert ab.publisher.supports.__func__ is supports
 

@@ -21,7 +21,13 @@ from decode_boundary import env
 from decode_boundary.boundary import all_reduce as all_reduce_module
 from decode_boundary.boundary import consumer as consumer_module
 from decode_boundary.boundary.all_reduce import MAX_TP, BoundaryAllReduce
-from decode_boundary.common.contract import STAGES, check_publish_target, check_stage
+from decode_boundary.common.contract import (
+    MAILBOX_MAX_ELEMENTS,
+    STAGES,
+    check_mailbox_size,
+    check_publish_target,
+    check_stage,
+)
 from decode_boundary.env import NO_MULTICAST_ENV
 from decode_boundary.launch import RankContext, launch
 
@@ -300,6 +306,14 @@ def test_publish_target_ranges():
             check_publish_target(dataclasses.replace(target, **change), HIDDEN, 1, cpu)
     with pytest.raises(ValueError, match="exceed the mailbox capacity"):
         check_publish_target(target, HIDDEN, CAP + 1, cpu)
+    # Publishers address mailboxes with int32 offsets: a geometry past 2^31 elements is
+    # refused, by the target check and before any mailbox is allocated.
+    huge = MAILBOX_MAX_ELEMENTS // (STAGES * 2 * HIDDEN) + 1
+    with pytest.raises(ValueError, match="exceeds 2147483647 elements"):
+        check_publish_target(dataclasses.replace(target, capacity=huge), HIDDEN, 1, cpu)
+    with pytest.raises(ValueError, match="exceeds 2147483647 elements"):
+        BoundaryAllReduce.simulated(2, HIDDEN, HC, huge, TOP_K)
+    check_mailbox_size(2, huge - 1, HIDDEN)  # the largest that fits
     for index, label in ((0, "NEXT"), (1, "ACTIVE")):
         for stage in (-1, STAGES):
             words = target.stage_state.clone()

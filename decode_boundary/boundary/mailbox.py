@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..common.contract import SENTINEL, STAGES, advance_mix_rows
+from ..common.contract import SENTINEL, STAGES, advance_mix_rows, check_mailbox_size
 from ..env import disable_multicast, logger
 from .consumer import sumsq_columns
 
@@ -84,6 +84,7 @@ def _shape(tp, capacity, hidden):
                          f"{hidden}")
     if hidden % 8:
         raise ValueError(f"hidden must be a multiple of 8 (16-byte mailbox stores), got {hidden}")
+    check_mailbox_size(tp, capacity, hidden)
     return (STAGES, tp, capacity, hidden)
 
 

@@ -26,6 +26,20 @@ import torch
 
 STAGES = 3  # a peer may be one boundary ahead: stage s+1 is being written while s is read
 STAGE_NEXT, STAGE_ACTIVE = 0, 1  # indices into stage_state
+# Publishers address a peer's mailbox with int32 element offsets (the GEMM's 64-row
+# publishing epilogue kept 13 registers more with int64 ones, one resident program
+# per SM less: benchmarks/NOTES.md attempt 16), so a mailbox [STAGES, tp, capacity,
+# hidden] holds at most this many elements.
+MAILBOX_MAX_ELEMENTS = 2**31 - 1
+
+
+def check_mailbox_size(tp: int, capacity: int, hidden: int) -> None:
+    """Raise ``ValueError`` unless a [STAGES, tp, capacity, hidden] mailbox fits
+    ``MAILBOX_MAX_ELEMENTS`` (the publishers' int32 offsets)."""
+    if STAGES * tp * capacity * hidden > MAILBOX_MAX_ELEMENTS:
+        raise ValueError(f"a mailbox of tp {tp} x capacity {capacity} x hidden {hidden} "
+                         f"({STAGES} stages) exceeds {MAILBOX_MAX_ELEMENTS} elements: "
+                         "lower the capacity")
 SENTINEL = -0.0  # the fill value of an unwritten mailbox slot
 SENTINEL_BITS = -32768  # the same as int16 bits (0x8000), what kernels compare against
 # The abort poison (docs/FAILURES.md): a rank that rejects a step stores these
@@ -202,6 +216,7 @@ def check_publish_target(target: PublishTarget, hidden: int, rows: int,
                          f"({hidden}), a multiple of 8 (16-byte mailbox stores)")
     if rows > target.capacity:
         raise ValueError(f"{rows} rows exceed the mailbox capacity {target.capacity}")
+    check_mailbox_size(target.tp, target.capacity, target.hidden)
     if words.device.type == "cpu" and not torch.compiler.is_compiling():
         for index, label in ((STAGE_NEXT, "NEXT"), (STAGE_ACTIVE, "ACTIVE")):
             check_stage(int(words[index]), f"publish.stage_state[{label}]")

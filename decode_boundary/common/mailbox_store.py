@@ -27,7 +27,9 @@ def publish_row(x, peer_ptrs_ptr, stage, rank, m, cols, mask, capacity,
     tile (``cols`` [BLOCK_N, 1], ``m`` [1, ROWS])."""
     bits = x.to(tl.int16, bitcast=True)
     clean = tl.where(bits == _SENTINEL, 0, bits).to(tl.bfloat16, bitcast=True)
-    row = ((stage * TP + rank).to(tl.int64) * capacity + m) * HIDDEN
+    # int32 offsets (contract.MAILBOX_MAX_ELEMENTS, checked where mailboxes are made and
+    # targets checked): int64 ones cost the GEMM's 64-row epilogue 13 registers.
+    row = ((stage * TP + rank) * capacity + m) * HIDDEN
     for p in tl.static_range(TP):
         base = tl.load(peer_ptrs_ptr + p).to(tl.pointer_type(tl.bfloat16))
         # Mailboxes are 16-byte aligned and HIDDEN % 8 == 0, stated on the pointers

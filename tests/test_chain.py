@@ -109,6 +109,36 @@ def test_fused_boundary_is_four_launches_unfused_five(tiny_boundary, rows, monke
     assert outputs_identical(fused, unfused)
 
 
+def test_precompile_covers_every_gemm_a_step_launches(monkeypatch):
+    """Every GEMM variant a fused or unfused step launches (the handoff, the
+    plain wo_b on MXFP8 where the publisher declines, the quantize-first rows)
+    was compiled by ``precompile`` first, so no capture compiles. The
+    publishing variants are compiled through the all-reduce (on the GPU), not
+    here: the publisher is made to decline."""
+    import decode_boundary.gemm.launcher as launcher
+
+    seen = {False: set(), True: set()}
+    original = launcher._launch_config
+
+    def recording(layer, a, out, tactic, publish, finish=None, launching=True):
+        grid, args, kwargs = original(layer, a, out, tactic, publish, finish, launching)
+        seen[launching].add((tuple(layer.weight.shape), tactic, kwargs["A_BF16"],
+                             kwargs["QUANT_OUT"], kwargs.get("FINISH_MIXES", False)))
+        return grid, args, kwargs
+
+    monkeypatch.setattr(launcher, "_launch_config", recording)
+    ab = AttentionBoundary(MODELS["tiny"], 1, 0, None, torch.device("cpu"), capacity=24, seed=5)
+    rows_list = [1, 5, 20]
+    ab.precompile(rows_list)
+    monkeypatch.setattr(ab.publisher, "supports", lambda layer, rows: False)
+    for rows in rows_list:
+        for fused in (True, False):
+            ab(ab.make_inputs(rows, seed=rows), fused=fused)
+    assert seen[True] and seen[True] <= seen[False], seen[True] - seen[False]
+    assert any(quant_out for *_, quant_out, _ in seen[True])  # the handoff ran
+    ab.close()
+
+
 def test_strong_baseline_is_close_to_the_reference(tiny_boundary):
     """cuBLAS-BF16-style GEMMs + the traced mHC (aot_eager: the graph torch.compile
     would hand inductor) against the MXFP8 reference: a speed baseline, so close,

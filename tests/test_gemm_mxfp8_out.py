@@ -89,6 +89,13 @@ def test_mxfp8_mm_out_in_the_epilogue_and_after():
         assert_same_bytes(got, quantize_mxfp8(plain))
     assert not mxfp8_out_in_epilogue(layer, 1)  # 8-column blocks at one row: after
     assert mxfp8_out_in_epilogue(layer, 40)
+    # FP16 in: mxfp8_mm returns FP16, which rounds the BF16 output again (values past
+    # 65504 become inf): quantized after the GEMM, from what it returns.
+    assert not mxfp8_out_in_epilogue(layer, 40, torch.float16)
+    x = (activation(40, k, g).float() * 3e3).half()
+    got, plain = mxfp8_mm(layer, x, mxfp8_out=True), mxfp8_mm(layer, x)
+    assert plain.isinf().any() and got.orig_dtype == torch.float16
+    assert_same_bytes(got, quantize_mxfp8(plain))
 
 
 def test_mxfp8_out_refusals():

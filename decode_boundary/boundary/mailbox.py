@@ -84,8 +84,14 @@ def _shape(tp, capacity, hidden):
                          f"{hidden}")
     if hidden % 8:
         raise ValueError(f"hidden must be a multiple of 8 (16-byte mailbox stores), got {hidden}")
-    check_mailbox_size(tp, capacity, hidden)
     return (STAGES, tp, capacity, hidden)
+
+
+def _mailbox_shape(tp, capacity, hidden):
+    """``_shape`` of a mailbox buffer, which publishers address with int32 offsets."""
+    shape = _shape(tp, capacity, hidden)
+    check_mailbox_size(tp, capacity, hidden)
+    return shape
 
 
 def simulated_mailboxes(tp: int, capacity: int, hidden: int,
@@ -93,8 +99,8 @@ def simulated_mailboxes(tp: int, capacity: int, hidden: int,
     """tp mailboxes in this process, each able to "reach" the others by address
     (CPU interpreter tests, or tp = 1 on one GPU)."""
     device = torch.device(device)
-    buffers = [torch.empty(_shape(tp, capacity, hidden), dtype=torch.bfloat16, device=device)
-               for _ in range(tp)]
+    shape = _mailbox_shape(tp, capacity, hidden)
+    buffers = [torch.empty(shape, dtype=torch.bfloat16, device=device) for _ in range(tp)]
     ptrs = [b.data_ptr() for b in buffers]
     return [
         _words(r, tp, capacity, hidden, device, buffers[r],
@@ -111,7 +117,8 @@ def symmetric_mailbox(group: dist.ProcessGroup, capacity: int, hidden: int,
     import torch.distributed._symmetric_memory as symm_mem
 
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
-    buffer = symm_mem.empty(_shape(tp, capacity, hidden), dtype=torch.bfloat16, device=device)
+    buffer = symm_mem.empty(_mailbox_shape(tp, capacity, hidden), dtype=torch.bfloat16,
+                            device=device)
     handle = symm_mem.rendezvous(buffer, group.group_name)
     ptrs = [int(p) for p in handle.buffer_ptrs]
     if any(p % 16 for p in ptrs):

@@ -131,7 +131,7 @@ def _run(layer, x, tactic_for, finish=None, mxfp8_out: bool = False):
     tactic = tactic_for(rows)
     if tactic is None:
         return None
-    if mxfp8_out and layer.bias is None and quantized_out_fits(tactic):
+    if mxfp8_out and _epilogue_quantizes(layer, tactic, dtype):
         out = empty_mxfp8(rows, n, device)
         launch_low_latency(layer, a, out, tactic, finish=finish)
         return QuantizedActivation(out.data, out.scale, dtype, torch.Size((*shape[:-1], n)))
@@ -180,13 +180,22 @@ def mxfp8_mm(layer, x, *, finish_mixes: MixesFinish | None = None, mxfp8_out: bo
     return _run(layer, x, lambda rows: selected_tactic(layer, rows), finish_mixes, mxfp8_out)
 
 
-def mxfp8_out_in_epilogue(layer, rows: int) -> bool:
-    """Whether ``mxfp8_mm(layer, x, mxfp8_out=True)`` of ``rows`` rows writes
-    the MXFP8 output from the GEMM's epilogue (an eager launch of a layer the
-    kernel takes, no bias, a selected tactic of whole 32-column groups per
-    program); elsewhere it quantizes after the GEMM, one launch more."""
+def _epilogue_quantizes(layer, tactic: Tactic, dtype: torch.dtype) -> bool:
+    """Whether the epilogue's MXFP8 of the BF16 output is that of what
+    ``mxfp8_mm`` returns: no bias added after it, an output in BF16 or FP32
+    (exact from BF16; FP16 would round it again), whole groups per program."""
+    return (layer.bias is None and dtype in (torch.bfloat16, torch.float32)
+            and quantized_out_fits(tactic))
+
+
+def mxfp8_out_in_epilogue(layer, rows: int, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether ``mxfp8_mm(layer, x, mxfp8_out=True)`` of ``rows`` rows of
+    ``dtype`` writes the MXFP8 output from the GEMM's epilogue (an eager launch
+    of a layer the kernel takes, no bias, a BF16 or FP32 input, a selected
+    tactic of whole 32-column groups per program); elsewhere it quantizes
+    after the GEMM, one launch more."""
     return (rows > 0 and not torch.compiler.is_compiling() and mxfp8_eligible(layer)
-            and layer.bias is None and quantized_out_fits(selected_tactic(layer, rows)))
+            and _epilogue_quantizes(layer, selected_tactic(layer, rows), dtype))
 
 
 def shape_representatives(layers: Iterable) -> list:
@@ -250,7 +259,7 @@ def precompile(layer, rows_list: Iterable[int], publish=None, bf16_input: bool |
                                            device=layer.weight.device))
                 bf16 = False
             tactic = selected_tactic(layer, rows)
-            in_epilogue = mxfp8_out and quantized_out_fits(tactic) and layer.bias is None
+            in_epilogue = mxfp8_out and _epilogue_quantizes(layer, tactic, torch.bfloat16)
             if mxfp8_out and not in_epilogue:  # quantized after the GEMM: load the quantizer
                 quantize_mxfp8(torch.zeros(rows, n, dtype=torch.bfloat16,
                                            device=layer.weight.device))

@@ -185,6 +185,9 @@ class AttentionBoundary:
         handoff = [r for r in rows_list if mxfp8_out_in_epilogue(self.wo_a, r)]
         gemm_precompile(self.wo_a, handoff, bf16_input=True, mxfp8_out=True)  # fused: to wo_b
         gemm_precompile(self.wo_b, rows_list, bf16_input=True)  # unfused: wo_a's BF16 output
+        # Fused, where the publisher declines (NCCL transport, above its rows): the plain
+        # wo_b on the handed-over MXFP8.
+        gemm_precompile(self.wo_b, handoff, bf16_input=False)
         gemm_precompile(self.fused_wqa_wkv, rows_list, bf16_input=False)  # the consumer's MXFP8
         for rows in rows_list:
             self.publisher.precompile(self.wo_b, rows)

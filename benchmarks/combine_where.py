@@ -13,14 +13,7 @@ from __future__ import annotations
 
 import functools
 
-from decode_boundary.bench.harness import (
-    one_gpu_ab,
-    one_gpu_boundary,
-    one_gpu_parser,
-    one_gpu_result,
-    one_gpu_row,
-    one_gpu_write,
-)
+from decode_boundary.bench.harness import one_gpu_ab, one_gpu_parser
 from decode_boundary.gemm import mxfp8_mm
 from decode_boundary.model.chain import (
     AttentionBoundary,
@@ -38,23 +31,17 @@ def combined_by_consumer(ab: AttentionBoundary, inputs: BoundaryInputs) -> Bound
                            *mixes)
 
 
+def check(ab: AttentionBoundary, inputs: BoundaryInputs, outs: dict) -> list[str]:
+    failures = [] if outputs_identical(outs["consumer"], outs["next_gemm"]) \
+        else ["the two ways differ"]
+    return failures + check_outputs(outs["next_gemm"], ab.reference(inputs))
+
+
 def main() -> None:
     args = one_gpu_parser(__doc__.splitlines()[0]).parse_args()
-    ab, views = one_gpu_boundary(args, seed=5)
-    device = ab.device
-    result = one_gpu_result("combine_where", args)
-    result["rows"] = []
-    for rows in args.rows:
-        inputs = ab.make_inputs(rows, seed=rows)
-        ways = {"consumer": [functools.partial(combined_by_consumer, v, inputs) for v in views],
-                "next_gemm": [functools.partial(v, inputs, fused=True) for v in views]}
-        us = one_gpu_ab(ways, device)
-        a, b = combined_by_consumer(ab, inputs), ab(inputs, fused=True)
-        failures = [] if outputs_identical(a, b) else ["the two ways differ"]
-        failures += check_outputs(b, ab.reference(inputs))
-        one_gpu_row(result, rows, us, failures)
-    ab.close()
-    print("wrote", one_gpu_write(result, args))
+    ways = {"consumer": lambda ab, inputs: functools.partial(combined_by_consumer, ab, inputs),
+            "next_gemm": lambda ab, inputs: functools.partial(ab, inputs, fused=True)}
+    print("wrote", one_gpu_ab(args, "combine_where", ways, check))
 
 
 if __name__ == "__main__":

@@ -19,43 +19,32 @@ import functools
 
 import torch
 
-from decode_boundary.bench.harness import (
-    one_gpu_ab,
-    one_gpu_boundary,
-    one_gpu_parser,
-    one_gpu_result,
-    one_gpu_row,
-    one_gpu_write,
-)
+from decode_boundary.bench.harness import one_gpu_ab, one_gpu_parser
+from decode_boundary.boundary.consumer import mixes_aside_ok
 from decode_boundary.model.chain import check_mixes, check_outputs
+from decode_boundary.model.config import MODELS
+
+
+def check(ab, inputs, outs: dict) -> list[str]:
+    inline, aside = outs["inline"], outs["aside"]
+    failures = [] if torch.equal(inline.residual_out.view(torch.int16),
+                                 aside.residual_out.view(torch.int16)) \
+        else ["residual_out differs"]
+    ref = ab.reference(inputs)
+    failures += [f"aside: {f}" for f in check_outputs(aside, ref) + check_mixes(aside, ab)]
+    return failures + [f"inline: {f}" for f in check_outputs(inline, ref) +
+                       check_mixes(inline, ab)]
 
 
 def main() -> None:
     args = one_gpu_parser(__doc__.splitlines()[0]).parse_args()
-    ab, views = one_gpu_boundary(args, seed=5)
-    if not ab.mixes_aside_possible:
+    config = MODELS[args.model]
+    if not mixes_aside_ok(config.hc_mult, config.collapse_pre):
         raise SystemExit(f"{args.model}: its mixes cannot run aside (V4's collapse needs them)")
-    device = ab.device
-    result = one_gpu_result("mixes_aside_ab", args)
-    result["rows"] = []
-    for rows in args.rows:
-        inputs = ab.make_inputs(rows, seed=rows)
-        ways = {way: [functools.partial(v, inputs, fused=True, mixes_aside=way == "aside")
-                      for v in views] for way in ("inline", "aside")}
-        us = one_gpu_ab(ways, device, join=ab.join_mixes)
-        inline = ab(inputs, fused=True)
-        aside = ab(inputs, fused=True, mixes_aside=True)
-        ab.join_mixes()
-        torch.cuda.synchronize(device)
-        failures = [] if torch.equal(inline.residual_out.view(torch.int16),
-                                     aside.residual_out.view(torch.int16)) \
-            else ["residual_out differs"]
-        ref = ab.reference(inputs)
-        failures += [f"aside: {f}" for f in check_outputs(aside, ref) + check_mixes(aside, ab)]
-        failures += [f"inline: {f}" for f in check_outputs(inline, ref) + check_mixes(inline, ab)]
-        one_gpu_row(result, rows, us, failures)
-    ab.close()
-    print("wrote", one_gpu_write(result, args))
+    ways = {way: (lambda ab, inputs, aside=way == "aside":
+                  functools.partial(ab, inputs, fused=True, mixes_aside=aside))
+            for way in ("inline", "aside")}
+    print("wrote", one_gpu_ab(args, "mixes_aside_ab", ways, check))
 
 
 if __name__ == "__main__":

@@ -20,18 +20,9 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
 import decode_boundary.model.chain as chain
 import decode_boundary.publishing_linear as publishing_linear
-from decode_boundary.bench.harness import (
-    one_gpu_ab,
-    one_gpu_boundary,
-    one_gpu_parser,
-    one_gpu_result,
-    one_gpu_row,
-    one_gpu_write,
-)
+from decode_boundary.bench.harness import one_gpu_ab, one_gpu_parser
 from decode_boundary.model.chain import check_mixes, check_outputs, outputs_identical
 from decode_boundary.publishing_linear import PublishingMxfp8Linear
 
@@ -58,35 +49,23 @@ def _run_way(ab, way: str, step):
         assert ab.publisher.supports.__func__ is supports
 
 
+def check(ab, inputs, outs: dict) -> list[str]:
+    first, second = outs.values()
+    failures = [] if outputs_identical(first, second) else ["outputs differ"]
+    ref = ab.reference(inputs)
+    for way, out in outs.items():
+        failures += [f"{way}: {f}" for f in check_outputs(out, ref) + check_mixes(out, ab)]
+    return failures
+
+
 def main() -> None:
     parser = one_gpu_parser(__doc__.splitlines()[0])
     parser.add_argument("--compare", choices=sorted(WAYS), required=True)
     args = parser.parse_args()
-    ab, views = one_gpu_boundary(args, seed=5)
-    device = ab.device
-    result = one_gpu_result(f"produce_ab_{args.compare}", args)
-    result["rows"] = []
-    for rows in args.rows:
-        inputs = ab.make_inputs(rows, seed=rows)
-        ways = {way: [functools.partial(_run_way, v, way,
-                                        functools.partial(v, inputs, fused=True,
-                                                          mixes_aside="auto"))
-                      for v in views] for way in WAYS[args.compare]}
-        us = one_gpu_ab(ways, device, join=ab.join_mixes)
-        outs = {}
-        for way in WAYS[args.compare]:
-            outs[way] = _run_way(ab, way, functools.partial(ab, inputs, fused=True,
-                                                            mixes_aside="auto"))
-            ab.join_mixes()
-        torch.cuda.synchronize(device)
-        first, second = outs.values()
-        failures = [] if outputs_identical(first, second) else ["outputs differ"]
-        ref = ab.reference(inputs)
-        for way, out in outs.items():
-            failures += [f"{way}: {f}" for f in check_outputs(out, ref) + check_mixes(out, ab)]
-        one_gpu_row(result, rows, us, failures)
-    ab.close()
-    print("wrote", one_gpu_write(result, args))
+    ways = {way: (lambda ab, inputs, way=way: functools.partial(
+        _run_way, ab, way, functools.partial(ab, inputs, fused=True, mixes_aside="auto")))
+        for way in WAYS[args.compare]}
+    print("wrote", one_gpu_ab(args, f"produce_ab_{args.compare}", ways, check))
 
 
 if __name__ == "__main__":

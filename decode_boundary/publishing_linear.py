@@ -152,16 +152,13 @@ class PublishingMxfp8Linear:
 
     def precompile(self, linear: torch.nn.Module, num_tokens: int) -> None:
         """Compile the kernels ``num_tokens`` rows select (BF16 and MXFP8
-        input; above ``PROLOGUE_MAX_ROWS`` the MXFP8 one and the quantizer,
-        launched once on zeros), launching no GEMM: a publish without its
-        consumer would desynchronise the mailbox. Collective when it compiles something new
+        input; above ``PROLOGUE_MAX_ROWS`` gemm.precompile compiles the MXFP8
+        one and loads the quantizer, as ``_launch`` quantizes such a BF16
+        input first), launching no GEMM: a publish without its consumer would
+        desynchronise the mailbox. Collective when it compiles something new
         (it barriers the group)."""
         if self.supports(linear, num_tokens):
-            if num_tokens > PROLOGUE_MAX_ROWS:  # a BF16 input is quantized first (_launch)
-                k = linear.weight.shape[0]
-                quantize_mxfp8(torch.zeros(num_tokens, k, dtype=torch.bfloat16,
-                                           device=linear.weight.device))
-            for bf16 in (True, False)[num_tokens > PROLOGUE_MAX_ROWS:]:
+            for bf16 in (True, False):
                 self._compiled_tactic(linear, num_tokens, self.all_reduce.publish_target(), bf16)
 
     def _compiled_tactic(self, linear: torch.nn.Module, rows: int, target: PublishTarget,

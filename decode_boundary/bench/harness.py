@@ -30,6 +30,7 @@ from decode_boundary.model.chain import (
     MIX_NAMES,
     OUTPUT_NAMES,
     AttentionBoundary,
+    BoundaryInputs,
     BoundaryOutputs,
     check_mixes,
     check_outputs,
@@ -126,22 +127,40 @@ def one_gpu_write(result: dict, args: argparse.Namespace) -> Path:
     return write_json(result, args.out / name)
 
 
-def one_gpu_ab(ways: dict[str, list[Callable[[], object]]], device: torch.device,
-               rounds: int = 2, join: Callable[[], object] | None = None) -> dict[str, list]:
-    """µs per step of each way (name -> its steps over the weight copies), timed
-    A, B, A, B, ... ``rounds`` times in this process: ``{name: [µs per round]}``."""
-    us = {name: [] for name in ways}
-    for _ in range(rounds):
-        for name, steps in ways.items():
-            us[name].append(graph_time_us(steps, device, join=join))
-    return us
+# A way of an A/B: (boundary, inputs) -> a callable running one step on that boundary.
+Way = Callable[[AttentionBoundary, BoundaryInputs], Callable[[], BoundaryOutputs]]
 
 
-def one_gpu_row(result: dict, rows: int, us: dict, failures: list[str]) -> None:
-    """Record one row count of such an A/B in ``result["rows"]`` and print it."""
-    result["rows"].append({"rows": rows, "us": us, "failures": failures})
-    print(f"M={rows}: " + " ".join(f"{k} {v}" for k, v in us.items())
-          + f" µs; {'; '.join(failures) or 'bits equal, checks ok'}", flush=True)
+def one_gpu_ab(args: argparse.Namespace, kind: str, ways: dict[str, Way],
+               check: Callable[[AttentionBoundary, BoundaryInputs, dict[str, BoundaryOutputs]],
+                               list[str]], rounds: int = 2) -> Path:
+    """An A/B script's whole run on this GPU: per row count of ``args``, µs per
+    step of each way (its steps over the cold-L2 weight copies, timed A, B, A,
+    B, ... ``rounds`` times in this process, each graph ending joined with the
+    side stream), then one eager step of each way on the first boundary
+    (joined) and ``check(ab, inputs, {way: outputs})``'s failures; prints each
+    row, writes ``<kind>-...json`` (:func:`one_gpu_write`) and returns its path."""
+    ab, views = one_gpu_boundary(args, seed=5)
+    result = one_gpu_result(kind, args)
+    result["rows"] = []
+    for rows in args.rows:
+        inputs = ab.make_inputs(rows, seed=rows)
+        us = {name: [] for name in ways}
+        for _ in range(rounds):
+            for name, way in ways.items():
+                us[name].append(graph_time_us([way(v, inputs) for v in views], ab.device,
+                                              join=ab.join_mixes))
+        outs = {}
+        for name, way in ways.items():
+            outs[name] = way(ab, inputs)()
+            ab.join_mixes()
+        torch.cuda.synchronize(ab.device)
+        failures = check(ab, inputs, outs)
+        result["rows"].append({"rows": rows, "us": us, "failures": failures})
+        print(f"M={rows}: " + " ".join(f"{k} {v}" for k, v in us.items())
+              + f" µs; {'; '.join(failures) or 'bits equal, checks ok'}", flush=True)
+    ab.close()
+    return one_gpu_write(result, args)
 
 
 def one_gpu_boundary(args: argparse.Namespace, seed: int) -> tuple[AttentionBoundary, list]:

@@ -170,14 +170,14 @@ def mxfp8_mm(layer, x, *, finish_mixes: MixesFinish | None = None, mxfp8_out: bo
                                      or not mxfp8_eligible(layer)):
         raise ValueError("finish_mixes needs an eager launch of a layer the kernel takes "
                          "(mxfp8_eligible)")
-    if torch.compiler.is_compiling() or not mxfp8_eligible(layer):
-        if torch.compiler.is_compiling():
-            out = _traced_mm(layer, x)
-        else:
-            a, _, dtype, shape = _activation(layer, x)
-            out = _finish(layer, _reference(layer, a), dtype, shape)
-        return quantize_mxfp8(out) if mxfp8_out else out
-    return _run(layer, x, lambda rows: selected_tactic(layer, rows), finish_mixes, mxfp8_out)
+    if torch.compiler.is_compiling():
+        out = _traced_mm(layer, x)
+    elif not mxfp8_eligible(layer):
+        a, _, dtype, shape = _activation(layer, x)
+        out = _finish(layer, _reference(layer, a), dtype, shape)
+    else:
+        return _run(layer, x, lambda rows: selected_tactic(layer, rows), finish_mixes, mxfp8_out)
+    return quantize_mxfp8(out) if mxfp8_out else out
 
 
 def _epilogue_quantizes(layer, tactic: Tactic, dtype: torch.dtype) -> bool:
@@ -255,16 +255,20 @@ def precompile(layer, rows_list: Iterable[int], publish=None, bf16_input: bool |
             if bf16 and rows > PROLOGUE_MAX_ROWS:
                 # mxfp8_mm quantizes such inputs first: load the quantizer now (one
                 # launch on zeros, writing only its own outputs), not under capture.
-                quantize_mxfp8(torch.zeros(rows, groups * k, dtype=torch.bfloat16,
-                                           device=layer.weight.device))
+                _load_quantizer(rows, groups * k, layer.weight.device)
                 bf16 = False
             tactic = selected_tactic(layer, rows)
             in_epilogue = mxfp8_out and _epilogue_quantizes(layer, tactic, torch.bfloat16)
-            if mxfp8_out and not in_epilogue:  # quantized after the GEMM: load the quantizer
-                quantize_mxfp8(torch.zeros(rows, n, dtype=torch.bfloat16,
-                                           device=layer.weight.device))
+            if mxfp8_out and not in_epilogue:  # quantized after the GEMM
+                _load_quantizer(rows, n, layer.weight.device)
             warmup_low_latency(layer, rows, tactic, publish, bf16, stream, finish_mixes,
                                mxfp8_out=in_epilogue)
+
+
+def _load_quantizer(rows: int, width: int, device: torch.device) -> None:
+    """Compile and load ``quantize_mxfp8`` for [rows, width] (one launch on
+    zeros, writing only its own outputs), so no capture loads it."""
+    quantize_mxfp8(torch.zeros(rows, width, dtype=torch.bfloat16, device=device))
 
 
 def compile_pinned(layer) -> None:

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import torch
+from gemm_sweep import SHAPES as GEMM_SWEEP_SHAPES
 
 import decode_boundary.gemm.launcher as launcher
 from decode_boundary.bench.gemm import random_layer, time_cublas_bf16, time_ours
@@ -29,14 +30,8 @@ from decode_boundary.gemm.mxfp8_gemm_kernel import mxfp8_gemm_kernel
 from decode_boundary.gemm.tactics import table_tactic
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
-SHAPES = {  # name: (N, K, groups), as benchmarks/gemm_sweep.py
-    "wo_b": (5120, 2048, 1),
-    "wq_b": (8192, 1280, 1),
-    "fused_wqa_wkv": (1792, 5120, 1),
-    "wo_a": (2048, 4096, 2),
-    "v4pro_wo_b": (7168, 4096, 1),
-    "wo_b_tp2": (5120, 4096, 1),
-}
+# The sweep's shapes, V4-Flash wo_b aside (benchmarks/ is the script's directory, on sys.path).
+SHAPES = {name: shape for name, shape in GEMM_SWEEP_SHAPES.items() if name != "v4flash_wo_b"}
 
 _config = launcher._launch_config
 _cap: list[int | None] = [None]

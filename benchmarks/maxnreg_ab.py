@@ -39,6 +39,7 @@ _cap: list[int | None] = [None]
 
 def _capped_config(*args, **kwargs):
     grid, pos, kw = _config(*args, **kwargs)
+    kw = {key: value for key, value in kw.items() if key != "maxnreg"}  # the launcher's own cap
     if _cap[0] is not None:
         kw = dict(kw, maxnreg=_cap[0])
     return grid, pos, kw

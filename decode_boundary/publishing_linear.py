@@ -53,11 +53,12 @@ from decode_boundary.gemm.tactics import PROLOGUE_MAX_ROWS
 from decode_boundary.mxfp8.format import QuantizedActivation, check_quantized
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
-# Above this many rows the plain GEMM and the publish kernel are faster: measured in
-# the chain (benchmarks/produce_ab.py --compare publish, V4.1 TP-4 shapes, one H200):
-# the epilogue wins by 1.9-2.1 µs per step at M = 8 / 16 / 32 and loses by 4.5 at
-# M = 64, where wo_b runs 64-row tiles (as from 33 rows on).
-PUBLISH_EPILOGUE_MAX_ROWS = 32
+# Above this many rows the plain GEMM and the publish kernel would run instead;
+# measured in the chain (benchmarks/produce_ab.py --compare publish, V4.1 TP-4
+# shapes, one H200): the epilogue wins at every M up to the 64-row capacity, by
+# 1.9-2.1 µs at M = 8 / 16 / 32 and by 1.5 at 48 / 64 since its 64-row tile
+# compiles at 168 registers (int32 mailbox offsets; it lost by 4.5 at 181).
+PUBLISH_EPILOGUE_MAX_ROWS = 64
 
 
 class PublishingMxfp8Linear:

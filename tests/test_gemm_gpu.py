@@ -17,6 +17,7 @@ from gemm_helpers import exact_activation, exact_layer, make_input, make_layer, 
 from gemm_row_ranges import projection_mm
 from independent_ref import assert_mxfp8_equal, check_gemm, decode_mxfp8, layer_values
 
+import decode_boundary.gemm.launcher as launcher
 from decode_boundary.gemm import (
     Tactic,
     launch_low_latency,
@@ -380,3 +381,41 @@ def test_mxfp8_out_equals_the_quantized_output_bytes(n, k, groups):
         want = quantize_mxfp8(mxfp8_mm(layer, x))
         assert torch.equal(via_api.data.view(torch.uint8), want.data.view(torch.uint8)), rows
         assert torch.equal(via_api.scale, want.scale), rows
+
+
+def _capped_launches():
+    """(N, K, groups, tactic) of the table's 64-row entries the launcher caps."""
+    out = []
+    for (n, k, groups), entry in sorted(TABLE.items()):
+        tactic = entry.get(64)
+        if tactic is None:
+            continue
+        programs = n // tactic.block_n * tactic.split_k
+        if launcher.register_cap(tactic, programs, torch.device(DEV)) is not None:
+            out.append((n, k, groups, tactic))
+    return out
+
+
+def test_register_cap_keeps_bits_and_spills_nothing():
+    """Where the launcher compiles a 64-row tile under ``maxnreg``, the output
+    equals the uncapped kernel's bit for bit, with no register spilled and at
+    most the cap's registers (otherwise the cap costs, not buys, a program per SM)."""
+    capped = _capped_launches()
+    assert capped, "no tabled 64-row launch is capped: the V4-Pro wo_b entry should be"
+    for n, k, groups, tactic in capped:
+        layer = make_layer(n, k, DEV) if groups == 1 else grouped_layer(groups, n // groups, k)
+        a = make_input(64, groups * k, DEV)
+        outs = []
+        for keep_cap in (True, False):
+            out = poisoned(64, n, DEV)
+            grid, args, kwargs = launcher._launch_config(layer, a, out, tactic, None)
+            assert kwargs.get("maxnreg") == launcher.CAPPED_REGISTERS
+            if not keep_cap:
+                kwargs.pop("maxnreg")
+            kernel = mxfp8_gemm_kernel[grid](*args, **kwargs)
+            torch.cuda.synchronize()
+            if keep_cap:
+                assert kernel.n_regs <= launcher.CAPPED_REGISTERS and kernel.n_spills == 0, \
+                    (n, k, groups, tactic, kernel.n_regs, kernel.n_spills)
+            outs.append(out)
+        assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), (n, k, tactic)

@@ -245,3 +245,25 @@ def test_autotuner_needs_a_gpu_to_time():
     with pytest.raises(RuntimeError, match="times on a CUDA device; pass timer="):
         tuner.tune(make_layer(64, 128), 1)
     assert tuner.cache == {}
+
+
+def test_register_cap_only_where_a_third_program_per_sm_saves_a_wave(monkeypatch):
+    """The launcher caps 4-warp 64-row tiles at 168 registers only when three
+    programs per SM run the grid in fewer waves than two do; never on the
+    interpreter or on a CPU tensor's device."""
+    import decode_boundary.gemm.launcher as launcher
+
+    monkeypatch.setattr(launcher, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(launcher, "interpret_mode", lambda: False)
+    cuda = torch.device("cuda")
+    tile = Tactic(64, 64, 8, 4, 128)
+    for programs in range(1, 1200, 7):
+        saves = -(-programs // 396) < -(-programs // 264)
+        assert launcher.register_cap(tile, programs, cuda) == (168 if saves else None), programs
+    assert launcher.register_cap(tile, 896, cuda) == 168  # V4-Pro wo_b at 64 rows: 4 -> 3 waves
+    assert launcher.register_cap(tile, 256, cuda) is None  # grouped wo_a: one wave either way
+    assert launcher.register_cap(Tactic(128, 64, 16, 8, 128), 896, cuda) is None
+    assert launcher.register_cap(Tactic(64, 32, 8, 4, 128), 896, cuda) is None
+    assert launcher.register_cap(tile, 896, torch.device("cpu")) is None
+    monkeypatch.setattr(launcher, "interpret_mode", lambda: True)
+    assert launcher.register_cap(tile, 896, cuda) is None

@@ -56,6 +56,8 @@ captured on distinct streams (``torch.cuda.graph(g, stream=s_i)`` after
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -303,6 +305,34 @@ def _check_finish(f: MixesFinish, rows: int, device: torch.device,
                          f"{mix_totals_offset(f.hidden, hc)}, row {row}, <= {chunks} chunks)")
 
 
+# 64-row tensor-core tiles of 4 warps compile to ~175 registers per thread: two
+# programs per SM, where 168 allows three. The cap pays only where the third program
+# shortens the grid's waves (benchmarks/NOTES.md attempt 18: V4-Pro wo_b at 64 rows,
+# 896 programs, 40.4 -> 33.4 µs, same bits); where it does not (grouped wo_a, 512
+# programs: two waves either way) it costs ~0.4 µs, so it is not applied there. The
+# publishing and mixes-finishing variants hold more live values and were not
+# measured capped: they compile as they are.
+CAPPED_REGISTERS = 168
+_UNCAPPED_PROGRAMS_PER_SM, _CAPPED_PROGRAMS_PER_SM = 2, 3
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def register_cap(tactic: Tactic, programs: int, device: torch.device) -> int | None:
+    """The ``maxnreg`` a launch of ``programs`` programs of ``tactic`` compiles
+    with, or None (as compiled)."""
+    if device.type != "cuda" or interpret_mode() or tactic.rows_tile != 64 or \
+            tactic.num_warps != 4:
+        return None
+    sms = _sm_count(device)
+    waves = -(-programs // (_UNCAPPED_PROGRAMS_PER_SM * sms))
+    capped_waves = -(-programs // (_CAPPED_PROGRAMS_PER_SM * sms))
+    return CAPPED_REGISTERS if capped_waves < waves else None
+
+
 def _launch_config(layer, a, out, tactic: Tactic, publish, finish: MixesFinish | None = None,
                    launching: bool = True):
     """(grid, positional args, keyword args) shared by launch and warmup, so a
@@ -328,8 +358,8 @@ def _launch_config(layer, a, out, tactic: Tactic, publish, finish: MixesFinish |
     mix_args, mix_kwargs = _finish_args(finish, rows, device, buffers[0], launching)
     grid = (n // tactic.block_n + (rows if finish is not None else 0), tactic.split_k,
             -(-rows // tactic.rows_tile))
-    stamps, first_slot, timeline = launch_args("mxfp8_gemm_kernel", grid[0] * grid[1] * grid[2],
-                                               device, buffers[0])
+    programs = grid[0] * grid[1] * grid[2]
+    stamps, first_slot, timeline = launch_args("mxfp8_gemm_kernel", programs, device, buffers[0])
     pub = publish or NO_PUBLISH
     k_slice, pieces = k_pieces(k, tactic)
     pdl = use_pdl(device)
@@ -342,6 +372,9 @@ def _launch_config(layer, a, out, tactic: Tactic, publish, finish: MixesFinish |
         TIMELINE=timeline, QUANT_OUT=quant_out, num_warps=tactic.num_warps, num_stages=1,
         launch_pdl=pdl, **mix_kwargs,
     )
+    cap = register_cap(tactic, programs, device) if publish is None and finish is None else None
+    if cap is not None:
+        kwargs["maxnreg"] = cap
     return grid, (storage, w_scale, a_data, a_scale, out_data, out_scale, *buffers, stamps,
                   first_slot, rows, *mix_args), kwargs
 

@@ -248,7 +248,8 @@ def test_autotuner_needs_a_gpu_to_time():
 
 
 def test_register_cap_only_where_a_third_program_per_sm_saves_a_wave(monkeypatch):
-    """The launcher caps 4-warp 64-row tiles at 168 registers only when three
+    """The launcher caps 4-warp 64-row tiles of 128-wide K-pieces at 168
+    registers only when three
     programs per SM run the grid in fewer waves than two do; never on the
     interpreter or on a CPU tensor's device."""
     import decode_boundary.gemm.launcher as launcher
@@ -264,6 +265,7 @@ def test_register_cap_only_where_a_third_program_per_sm_saves_a_wave(monkeypatch
     assert launcher.register_cap(tile, 256, cuda) is None  # grouped wo_a: one wave either way
     assert launcher.register_cap(Tactic(128, 64, 16, 8, 128), 896, cuda) is None
     assert launcher.register_cap(Tactic(64, 32, 8, 4, 128), 896, cuda) is None
+    assert launcher.register_cap(Tactic(64, 64, 8, 4, 64), 896, cuda) is None  # spills capped
     assert launcher.register_cap(tile, 896, torch.device("cpu")) is None
     monkeypatch.setattr(launcher, "interpret_mode", lambda: True)
     assert launcher.register_cap(tile, 896, cuda) is None

@@ -305,13 +305,15 @@ def _check_finish(f: MixesFinish, rows: int, device: torch.device,
                          f"{mix_totals_offset(f.hidden, hc)}, row {row}, <= {chunks} chunks)")
 
 
-# 64-row tensor-core tiles of 4 warps compile to ~175 registers per thread: two
-# programs per SM, where 168 allows three. The cap pays only where the third program
-# shortens the grid's waves (benchmarks/NOTES.md attempt 18: V4-Pro wo_b at 64 rows,
-# 896 programs, 40.4 -> 33.4 µs, same bits); where it does not (grouped wo_a, 512
-# programs: two waves either way) it costs ~0.4 µs, so it is not applied there. The
-# publishing and mixes-finishing variants hold more live values and were not
-# measured capped: they compile as they are.
+# 64-row tensor-core tiles of 4 warps and 128-wide K-pieces compile to ~175
+# registers per thread: two programs per SM, where 168 allows three. The cap pays
+# only where the third program shortens the grid's waves (benchmarks/NOTES.md
+# attempt 18: V4-Pro wo_b at 64 rows, 896 programs, 40.4 -> 33.4 µs, same bits);
+# where it does not (grouped wo_a, 256 programs: one wave either way) it cost
+# ~0.4 µs. The 64-wide-piece tiles compile at 168 as they are, and the cap makes
+# ptxas spill them (fused_wqa_wkv 11.7 -> 15.6 µs, TP-2 wo_b 26.8 -> 30.4): not
+# capped. The publishing and mixes-finishing variants hold more live values and
+# were not measured capped: they compile as they are.
 CAPPED_REGISTERS = 168
 _UNCAPPED_PROGRAMS_PER_SM, _CAPPED_PROGRAMS_PER_SM = 2, 3
 
@@ -325,7 +327,7 @@ def register_cap(tactic: Tactic, programs: int, device: torch.device) -> int | N
     """The ``maxnreg`` a launch of ``programs`` programs of ``tactic`` compiles
     with, or None (as compiled)."""
     if device.type != "cuda" or interpret_mode() or tactic.rows_tile != 64 or \
-            tactic.num_warps != 4:
+            tactic.num_warps != 4 or tactic.chunk_k != 128:
         return None
     sms = _sm_count(device)
     waves = -(-programs // (_UNCAPPED_PROGRAMS_PER_SM * sms))

@@ -157,7 +157,10 @@ def _t(block_n, rows_tile, split_k=1, num_warps=4, chunk_k=256) -> Tactic:
 #   wo_a's output): buckets <= 16 are the BF16-in winners (the prologue favours
 #   wider blocks: every program quantizes its K-slice), 32.. the MXFP8-in ones;
 # * wq_b (8192, 1280, 1) and fused_wqa_wkv (1792, 5120, 1) take MXFP8 in the
-#   chain: every bucket is the MXFP8-in winner.
+#   chain: every bucket is the MXFP8-in winner, except fused_wqa_wkv's 1-row
+#   entry: 4 warps, not the 2 that won alone, measured 0.4 µs faster in the chain
+#   (benchmarks/chain_regs.py, NOTES attempt 17: fewer registers per thread, 78 vs
+#   160, beside the consumer and wo_b still running).
 # Shapes: DSV4.1-Flash TP-4 wo_b, wq_b, fused_wqa_wkv, grouped wo_a; V4-Pro
 # wo_b; DSV4.1-Flash wo_b at TP 2. Others take heuristic_tactic.
 TABLE: dict[tuple[int, int, int], dict[int, Tactic]] = {
@@ -170,7 +173,7 @@ TABLE: dict[tuple[int, int, int], dict[int, Tactic]] = {
                       8: _t(64, 16, 5, 4, 128), 16: _t(64, 16, 5, 4, 128),
                       32: _t(64, 32, 3, 4, 128), 48: _t(64, 64, 3, 4, 64),
                       64: _t(64, 64, 3, 4, 64)},
-    (1792, 5120, 1): {1: _t(4, 1, 1, 2, 1024), 2: _t(8, 2, 1, 4, 1024),
+    (1792, 5120, 1): {1: _t(4, 1, 1, 4, 1024), 2: _t(8, 2, 1, 4, 1024),
                       4: _t(64, 16, 14, 4, 128), 8: _t(64, 16, 10, 4, 128),
                       16: _t(64, 16, 10, 4, 128), 32: _t(64, 32, 14, 4, 128),
                       48: _t(64, 64, 14, 4, 64), 64: _t(64, 64, 14, 4, 64)},

@@ -41,7 +41,9 @@ from decode_boundary.model.chain import AttentionBoundary, check_outputs, output
 
 LAYERS = ("wo_a", "wo_b", "fused_wqa_wkv")
 # (warps, chunk_k) candidates: CUDA-core tiles (1-2 rows), tensor-core tiles (more rows).
-SHAPES = ((2, 256), (2, 512), (2, 1024), (4, 256), (4, 512), (4, 1024))
+# 8 warps since fused_wqa_wkv moved from 2 to 4 (NOTES attempt 17's outcome): the trend
+# may go on (the sweep grows from 48 to 144 combinations at M = 1, ~1 minute).
+SHAPES = ((2, 256), (2, 512), (2, 1024), (4, 256), (4, 512), (4, 1024), (8, 512), (8, 1024))
 DOT_SHAPES = ((4, 64), (4, 128), (8, 64), (8, 128))
 RETIME_TOP = 3  # the fastest combinations of the sweep timed again beside the table
 RETIME_ROUNDS = 3

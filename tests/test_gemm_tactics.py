@@ -249,9 +249,8 @@ def test_autotuner_needs_a_gpu_to_time():
 
 def test_register_cap_only_where_a_third_program_per_sm_saves_a_wave(monkeypatch):
     """The launcher caps 4-warp 64-row tiles of 128-wide K-pieces at 168
-    registers only when three
-    programs per SM run the grid in fewer waves than two do; never on the
-    interpreter or on a CPU tensor's device."""
+    registers only when three programs per SM run the grid in fewer waves than
+    two do; never on the interpreter or on a CPU tensor's device."""
     import decode_boundary.gemm.launcher as launcher
 
     monkeypatch.setattr(launcher, "_sm_count", lambda device: 132)

@@ -114,8 +114,7 @@ def sweep(ab: AttentionBoundary, views: list, rows: int, device: torch.device) -
         print(f"M={rows} " + " | ".join(f"{t.num_warps}w {t.chunk_k}"
                                         for t in combo) + f": {us:7.2f} µs", flush=True)
     best = _retime(trials, keys, steps, device)
-    for key, t in zip(keys, best["tactics"], strict=True):
-        AUTOTUNER.cache[key] = type(cands[0][0])(**t)
+    _pin(keys, best["tactics"])
     out = ab(inputs, fused=True)
     failures = [] if outputs_identical(out, ab(inputs, fused=False)) else ["fused != unfused"]
     failures += check_outputs(out, ab.reference(inputs))

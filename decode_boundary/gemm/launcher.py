@@ -326,8 +326,9 @@ def _sm_count(device: torch.device) -> int:
 def register_cap(tactic: Tactic, programs: int, device: torch.device) -> int | None:
     """The ``maxnreg`` a launch of ``programs`` programs of ``tactic`` compiles
     with, or None (as compiled)."""
-    if device.type != "cuda" or interpret_mode() or tactic.rows_tile != 64 or \
-            tactic.num_warps != 4 or tactic.chunk_k != 128:
+    # The tile test first: most launches fail it, and it reads no environment.
+    if (tactic.rows_tile, tactic.num_warps, tactic.chunk_k) != (64, 4, 128) or \
+            device.type != "cuda" or interpret_mode():
         return None
     sms = _sm_count(device)
     waves = -(-programs // (_UNCAPPED_PROGRAMS_PER_SM * sms))

@@ -160,7 +160,10 @@ def _t(block_n, rows_tile, split_k=1, num_warps=4, chunk_k=256) -> Tactic:
 #   chain: every bucket is the MXFP8-in winner, except fused_wqa_wkv's 1-row
 #   entry: 4 warps, not the 2 that won alone, measured 0.4 µs faster in the chain
 #   (benchmarks/chain_regs.py, NOTES attempt 17: fewer registers per thread, 78 vs
-#   160, beside the consumer and wo_b still running).
+#   160, beside the consumer and wo_b still running); likewise wo_a's 1-row entry:
+#   8 warps, 1.05 µs faster in the chain than 4 (16.21-16.28 vs 17.28-17.32 µs).
+# V4-Pro wo_b at 48 rows: the 4-warp 64-row tile under the launcher's register cap
+#   (31.1 µs, gemm_sweep 2026-12-04) instead of the 8-warp one (34 µs, spills if capped).
 # Shapes: DSV4.1-Flash TP-4 wo_b, wq_b, fused_wqa_wkv, grouped wo_a; V4-Pro
 # wo_b; DSV4.1-Flash wo_b at TP 2. Others take heuristic_tactic.
 TABLE: dict[tuple[int, int, int], dict[int, Tactic]] = {
@@ -177,7 +180,7 @@ TABLE: dict[tuple[int, int, int], dict[int, Tactic]] = {
                       4: _t(64, 16, 14, 4, 128), 8: _t(64, 16, 10, 4, 128),
                       16: _t(64, 16, 10, 4, 128), 32: _t(64, 32, 14, 4, 128),
                       48: _t(64, 64, 14, 4, 64), 64: _t(64, 64, 14, 4, 64)},
-    (2048, 4096, 2): {1: _t(8, 1, 1, 4, 1024), 2: _t(8, 2, 2, 4, 1024),
+    (2048, 4096, 2): {1: _t(8, 1, 1, 8, 1024), 2: _t(8, 2, 2, 4, 1024),
                       4: _t(128, 16, 16, 8, 128), 8: _t(128, 16, 16, 8, 128),
                       16: _t(64, 16, 8, 4, 128),
                       32: _t(64, 32, 11, 4, 128), 48: _t(64, 64, 8, 4, 128),
@@ -185,7 +188,7 @@ TABLE: dict[tuple[int, int, int], dict[int, Tactic]] = {
     (7168, 4096, 1): {1: _t(8, 1, 1, 4, 1024), 2: _t(8, 2, 2, 4, 1024),
                       4: _t(64, 16, 11, 4, 128), 8: _t(64, 16, 11, 4, 128),
                       16: _t(64, 16, 11, 4, 128),
-                      32: _t(64, 32, 8, 4, 128), 48: _t(128, 64, 16, 8, 128),
+                      32: _t(64, 32, 8, 4, 128), 48: _t(64, 64, 8, 4, 128),
                       64: _t(64, 64, 8, 4, 128)},
     (5120, 4096, 1): {1: _t(8, 1, 1, 4, 1024), 2: _t(8, 2, 1, 4, 1024),
                       4: _t(128, 16, 11, 8, 128), 8: _t(128, 16, 11, 8, 128),

@@ -161,7 +161,7 @@ def _t(block_n, rows_tile, split_k=1, num_warps=4, chunk_k=256) -> Tactic:
 #   entry: 4 warps, not the 2 that won alone, measured 0.4 µs faster in the chain
 #   (benchmarks/chain_regs.py, NOTES attempt 17: fewer registers per thread, 78 vs
 #   160, beside the consumer and wo_b still running); likewise wo_a's 1-row entry:
-#   8 warps, 1.05 µs faster in the chain than 4 (16.21-16.28 vs 17.28-17.32 µs).
+#   8 warps, 1.05 µs faster in the chain than 4 (16.24-16.28 vs 17.28-17.32 µs).
 # V4-Pro wo_b at 48 rows: the 4-warp 64-row tile under the launcher's register cap
 #   (31.1 µs, gemm_sweep 2026-12-04) instead of the 8-warp one (34 µs, spills if capped).
 # Shapes: DSV4.1-Flash TP-4 wo_b, wq_b, fused_wqa_wkv, grouped wo_a; V4-Pro

@@ -1,6 +1,5 @@
-"""How the fused chain's hand-offs (wo_a -> wo_b -> the mailbox -> the consumer
--> fused_wqa_wkv) are best run, measured in the chain, two ways of one choice
-at a time (``--compare``):
+"""How the fused chain's producer side (wo_a -> wo_b -> the mailbox) is best
+run, measured in the chain, two ways of one choice at a time (``--compare``):
 
 * ``handoff``: wo_a's output handed to wo_b as MXFP8 from wo_a's epilogue
   (``mxfp8_mm(wo_a, ..., mxfp8_out=True)`` where ``mxfp8_out_in_epilogue``)
@@ -8,11 +7,7 @@ at a time (``--compare``):
   ``PROLOGUE_MAX_ROWS`` rows) or the quantizer does first (above);
 * ``publish``: wo_b publishing from its epilogue (``PublishingMxfp8Linear``,
   at every row count up to the capacity, past ``PUBLISH_EPILOGUE_MAX_ROWS`` too)
-  against the plain wo_b and the publish kernel;
-* ``ready``: fused_wqa_wkv starting on the layer input's ready words (the
-  consumer's V4.1 mix shares after its layer input; ``MixesFinish``) against
-  waiting for the consumer's grid (the consumer given no ready words: the
-  shares before its norm wait, the GEMM's grid wait first).
+  against the plain wo_b and the publish kernel.
 
 One rank's fused boundary (the one timer: CUDA graphs of back-to-back steps,
 rotated weight copies, cold L2; timed A, B, A, B in one process). Both ways
@@ -25,22 +20,13 @@ from __future__ import annotations
 
 import functools
 
-import decode_boundary.boundary.all_reduce as all_reduce
 import decode_boundary.model.chain as chain
 import decode_boundary.publishing_linear as publishing_linear
 from decode_boundary.bench.harness import one_gpu_ab, one_gpu_parser
 from decode_boundary.model.chain import check_mixes, check_outputs, outputs_identical
 from decode_boundary.publishing_linear import PublishingMxfp8Linear
 
-WAYS = {"handoff": ("bf16", "mxfp8"), "publish": ("kernel", "epilogue"),
-        "ready": ("grid", "ready")}
-
-
-def _consume_without_ready(*args, input_ready=None, **kwargs):
-    return _CONSUME(*args, **kwargs)
-
-
-_CONSUME = all_reduce.consume
+WAYS = {"handoff": ("bf16", "mxfp8"), "publish": ("kernel", "epilogue")}
 
 
 def _run_way(ab, way: str, step):
@@ -54,12 +40,9 @@ def _run_way(ab, way: str, step):
         ab.publisher.supports = lambda layer, rows: False
     elif way == "epilogue":
         publishing_linear.PUBLISH_EPILOGUE_MAX_ROWS = ab.all_reduce.capacity
-    elif way == "grid":
-        all_reduce.consume = _consume_without_ready
     try:
         return step()
     finally:
-        all_reduce.consume = _CONSUME
         chain.mxfp8_out_in_epilogue = handoff
         publishing_linear.PUBLISH_EPILOGUE_MAX_ROWS = cut
         ab.publisher.__dict__.pop("supports", None)

@@ -31,21 +31,6 @@ GRAPH_ROWS = (1, 2, 5, 8, 16)  # 16: above the publishing GEMM's rows, the fallb
 LAYERS = 2
 
 
-def replayed_outputs(capture, device: torch.device) -> list:
-    """Capture ``capture()`` (-> a list of BoundaryOutputs) in a CUDA graph,
-    poison every output with NaN, replay the graph once and return the outputs
-    (one-GPU tests: what the replay wrote)."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = capture()
-    for out in outs:
-        for name in OUTPUT_NAMES + MIX_NAMES:
-            getattr(out, name).fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize(device)
-    return outs
-
-
 def _bits_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.view(torch.int16) != b.view(torch.int16)).sum()
 

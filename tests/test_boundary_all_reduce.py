@@ -107,8 +107,6 @@ def test_plain_sum_and_several_steps_with_a_fast_peer():
         for r in range(2):
             assert torch.equal(bits(results[k, r]), bits(reduce_ref(d["xs"])))
             assert int(ars[r]._box.stage_state[0]) == (k + 1) % 3
-            # STEP (contract.py): one more per publish; the publish of step k + 1 is out.
-            assert int(ars[r]._box.stage_state[2]) == min(k + 2, len(steps))
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -124,7 +122,6 @@ def test_finalize_matches_reference(tp):
                     torch.rand(m, TOP_K, generator=g), idx,
                     torch.randn(m, H, generator=g).bfloat16()))
     partials = [ar.publish_finalize(*args) for ar, args in zip(ars, moe, strict=True)]
-    assert all(int(ar._box.stage_state[2]) == 1 for ar in ars)  # STEP: one per publish
     want_partials = [moe_finalize_ref(*args) for args in moe]
     for p, w in zip(partials, want_partials, strict=True):
         assert torch.equal(bits(p), bits(w))

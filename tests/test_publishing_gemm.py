@@ -95,8 +95,6 @@ def test_fused_publish_rotates_stages_over_steps():
         for res_out, *_ in results:
             assert torch.equal(res_out.view(torch.int16), ref_res.view(torch.int16))
         assert all(int(ar._box.stage_state[0]) == (step + 1) % 3 for ar in ranks)
-        # STEP: one more per publish, by the epilogue (even steps) or the publish kernel.
-        assert all(int(ar._box.stage_state[2]) == step + 1 for ar in ranks)
 
 
 def test_unsupported_inputs_fall_back_and_publish_nothing():

@@ -445,11 +445,9 @@ class BoundaryAllReduce:
         bound = self._wait_bound
         if isinstance(bound, WaitTimeout):
             bound = wait_bound(bound.seconds, self.device)
-        ready = (box.input_ready, box.stage_state) if self.transport == "mailbox" else None
         return mixes_finish(mixes, box.mix_words, box.generation, box.status,
                             (torch.empty(m, hc, **f32), torch.empty(m, hc, **f32),
-                             torch.empty(m, hc, hc, **f32)), eps, bound, h, tactic, ptx,
-                            ready=ready)
+                             torch.empty(m, hc, hc, **f32)), eps, bound, h, tactic, ptx)
 
     def finalize(self, gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx,
                  shared_output, residual, post, comb, pre, norm_weight, norm_eps,
@@ -689,8 +687,7 @@ class BoundaryAllReduce:
                        partial=x)  # only checked: an early input must not alias it
         if self.transport == "mailbox":
             return consume(box.buffer, self.tp, m, mode=mode, stage_state=box.stage_state,
-                           before_launch=before_launch, input_ready=box.input_ready, **scratch,
-                           **inputs)
+                           before_launch=before_launch, **scratch, **inputs)
         gathered = torch.empty(self.tp, *x.shape, dtype=x.dtype, device=x.device)
 
         def gather() -> None:

@@ -66,14 +66,7 @@ from .. import env
 from ..common.contract import (  # the mix row's geometry, re-exported
     MIX_MIN_BLOCK as MIX_MIN_BLOCK,
 )
-from ..common.contract import (
-    STAGE_WORDS,
-    STAGES,
-    MixesFinish,
-    advance_mix_rows,
-    current_stream_id,
-    ready_columns,
-)
+from ..common.contract import STAGES, MixesFinish, advance_mix_rows, current_stream_id
 from ..common.contract import mix_columns as mix_columns
 from ..common.contract import mix_slots as mix_slots
 from ..common.contract import mix_totals_offset as mix_totals_offset
@@ -266,8 +259,8 @@ def _bound_units(timeout_s: float, ptx: bool) -> int:
 
 def status_error(status: int, tp: int, timeout_s: float) -> str | None:
     """What the status word reports (bit p: rank p never arrived, or with
-    ``ABORT_BIT``: aborted the step; ``NORM_TIMEOUT_BIT``: the norm hand-off,
-    the mixes' or the layer input's ready words timed out), or None when clear."""
+    ``ABORT_BIT``: aborted the step; ``NORM_TIMEOUT_BIT``: the norm hand-off
+    timed out), or None when clear."""
     missing = [p for p in range(tp) if status >> p & 1]
     if status & ABORT_BIT:
         return (f"rank(s) {missing} aborted this step (an input failed its checks there; a "
@@ -279,8 +272,7 @@ def status_error(status: int, tp: int, timeout_s: float) -> str | None:
         return (f"rank(s) {missing} did not publish within {timeout_s} s; call "
                 "reset(collective=True) on every rank")
     if status & NORM_TIMEOUT_BIT:
-        return (f"the programs of a token did not meet for the RMSNorm or the next mixes, "
-                f"or the GEMM after the consumer did not see the layer input's ready words, "
+        return (f"the programs of a token did not meet for the RMSNorm or the next mixes "
                 f"within {timeout_s} s (cooperative tactic: were they co-resident? a serial "
                 "consumer tactic needs no meeting); call reset(collective=True) on every rank")
     return None
@@ -441,7 +433,6 @@ def consume(
     mix_words: torch.Tensor | None = None,
     combine_mixes: bool = True,
     mixes_stream: torch.cuda.Stream | None = None,
-    input_ready: torch.Tensor | None = None,
 ) -> tuple:
     """Launch the consumer for ``m`` tokens. Returns (``reduced`` [M, H] in plain
     mode / ``residual_out`` [M, hc, H], ``layer_input`` [M, H] or None), and
@@ -475,11 +466,6 @@ def consume(
     PTX is off on the GPU (``DECODE_BOUNDARY_DISABLE_PTX``: the combine's
     bits would then depend on the kernel's FMA contraction), so the consumer
     combined.
-    ``input_ready`` (int32 [rows, ``ready_columns(H)``], zeroed with the stage
-    words; Lamport only): where a ``MixesFinish`` is returned, the consumer
-    tags these words once its layer input is stored and the finish carries
-    them, so the GEMM given it starts on them instead of this grid's completion
-    (``common.contract.MixesFinish``); ignored where nothing is left.
     ``mixes_stream`` (with ``mixes`` of the previous pre, V4.1, whose hc fits
     the mixes kernel: :func:`mixes_aside_ok`): the consumer runs without the
     mixes and the mixes kernel runs on this stream, after everything the
@@ -517,7 +503,7 @@ def consume(
         wait_bound = _bound_units(wait_bound.seconds, ptx)
     if lamport:
         _need(mailbox, "mailbox", torch.bfloat16, (STAGES, tp, capacity, hidden), device)
-        _need(stage_state, "stage_state", torch.int32, (STAGE_WORDS,), device)
+        _need(stage_state, "stage_state", torch.int32, (2,), device)
         _need(status, "status", torch.int32, (1,), device)
     else:
         _need(mailbox, "mailbox", torch.bfloat16, (tp, m, hidden), device)
@@ -549,11 +535,6 @@ def consume(
     if not isinstance(combine_mixes, bool):
         raise ValueError(f"combine_mixes must be a bool, got {combine_mixes!r}")
     defer = not combine_mixes and fused and can_leave_combine(ptx, device)
-    ready = defer and lamport and input_ready is not None
-    if ready:
-        rows_ready = input_ready.shape[0] if input_ready.ndim == 2 else 0
-        _need(input_ready, "input_ready", torch.int32,
-              (max(rows_ready, m), ready_columns(hidden)), device)
     layer_input = None
     quant = mxfp8_out is not None
     same_pre = isinstance(mixes, MhcMixes) and mixes.collapse == "same"
@@ -592,7 +573,6 @@ def consume(
             dict(partial=partial, mailbox=mailbox, stage_state=stage_state, status=status,
                  generation=generation, sumsq=sumsq, prenorm=prenorm,
                  mix_words=mix_words if mixes is not None else None,
-                 input_ready=input_ready if ready else None,
                  mxfp8_out_data=mxfp8_out[0] if quant else None,
                  mxfp8_out_scale=mxfp8_out[1] if quant else None))
     serial = mode == FULL and not tactic.cooperative
@@ -622,8 +602,7 @@ def consume(
         LAMPORT=lamport, COOPERATIVE=tactic.cooperative, USE_PTX=ptx,
         USE_PDL=pdl, TIMELINE=timeline, num_warps=tactic.warps, enable_fp_fusion=False,
         launch_pdl=pdl, **_mix_constants(mixes if fused else None, hc, hidden, tactic),
-        COMBINE=not defer, ready_ptr=input_ready if ready else None, READY=ready,
-        READY_STRIDE=ready_columns(hidden), **kwargs,
+        COMBINE=not defer, **kwargs,
     )
     if compile_only:
         load_module(compiled)
@@ -649,8 +628,7 @@ def consume(
     if combine_mixes:
         return out, layer_input, mixes_out
     finish = mixes_finish(mixes, mix_words, generation, status, mixes_out, eps, wait_bound,
-                          hidden, tactic, ptx, epoch,
-                          (input_ready, stage_state) if ready else None) if defer else None
+                          hidden, tactic, ptx, epoch) if defer else None
     return out, layer_input, mixes_out, finish
 
 
@@ -670,22 +648,18 @@ def can_leave_combine(ptx: bool, device: torch.device) -> bool:
 
 def mixes_finish(mixes: MhcMixes, mix_words: torch.Tensor, generation: torch.Tensor,
                  status: torch.Tensor, outputs: tuple, eps: float, wait_bound: int,
-                 hidden: int, tactic: ConsumerTactic, ptx: bool, epoch: int = -1,
-                 ready: tuple[torch.Tensor, torch.Tensor] | None = None) -> MixesFinish:
+                 hidden: int, tactic: ConsumerTactic, ptx: bool, epoch: int = -1) -> MixesFinish:
     """The ``MixesFinish`` of a consumer launch with ``tactic`` (its chunks'
     shares) that left the combine, for ``outputs`` = (pre, post, comb);
     ``epoch``: that launch's (``common.contract.advance_mix_rows``), -1 for a
-    finish made only to compile the finishing variant; ``ready``: (the layer
-    input's ready words, the stage words) where the launch tagged them."""
+    finish made only to compile the finishing variant."""
     hc = outputs[0].shape[1]
     row = _mix_row(hidden, hc)
-    input_ready, stage_state = ready or (None, None)
     return MixesFinish(mix_words, generation, status, mixes.hc_scale, mixes.hc_base, *outputs,
                        float(eps), float(mixes.hc_eps), mixes.sinkhorn_iters - 1,
                        int(wait_bound), hc, hidden, triton.cdiv(hidden, tactic.block_h),
                        row["SLOTS"], row["MIX_ROW"], row["TOTALS_OFF"], ptx, [False], epoch,
-                       current_stream_id(mix_words.device), input_ready, stage_state,
-                       tactic.block_h)
+                       current_stream_id(mix_words.device))
 
 
 def _mix_row(hidden: int, hc: int) -> dict:

@@ -116,18 +116,6 @@ makes the program's sums NaN (never finite with a rank's share missing). The
 gathered path (NCCL) reports a gathered poison the same way; a norm hand-off
 that times out yields a NaN total.
 
-**Layer-input ready words** (``READY``, Lamport only; the protocol is
-``common.contract.MixesFinish``'s): after its layer-input stores (BF16 and
-MXFP8), each program passes a CTA barrier (every thread's stores precede the
-release) and stores its word of ``ready_ptr`` [M, ``READY_STRIDE``] (token m,
-its chunk) = STEP with one release store at GPU scope, STEP read with a plain
-load after the grid wait like ACTIVE. The GEMM after this kernel then starts
-on those words instead of this grid's completion, so with V4.1's next mixes
-(``NEXT_MIXES``, left to that GEMM) every program publishes its mix share
-*after* its word: the shares leave the token's critical path (the GEMM
-combines them only after its own grid wait). The serial path releases every
-chunk's word after its last norm pass.
-
 **Why it is CUDA-graph safe.** The stage is read and advanced on the device,
 the generation words only ever move forward (on the device), the timeout and
 status live in device memory; no host value changes between replays, and the
@@ -138,14 +126,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..common.contract import (
-    ABORT_BITS,
-    SENTINEL_BITS,
-    STAGE_ACTIVE,
-    STAGE_NEXT,
-    STAGE_STEP,
-    STAGES,
-)
+from ..common.contract import ABORT_BITS, SENTINEL_BITS, STAGE_ACTIVE, STAGE_NEXT, STAGES
 from ..common.mhc_combine import (
     _combine_comb,
     _combine_mixes,
@@ -181,7 +162,6 @@ _PLAIN, _FULL = tl.constexpr(PLAIN), tl.constexpr(FULL)
 SENTINEL = tl.constexpr(SENTINEL_BITS)  # an unwritten slot element, as int16 bits
 _STAGES = tl.constexpr(STAGES)
 _NEXT, _ACTIVE = tl.constexpr(STAGE_NEXT), tl.constexpr(STAGE_ACTIVE)  # stage_state indices
-_STEP = tl.constexpr(STAGE_STEP)
 # Status bit of an aborted step (the sign bit): set with bit p of every rank p
 # whose slot held the abort poison (ABORT_BITS). A wait that gives up or meets
 # the poison yields NaN sums.
@@ -412,17 +392,13 @@ def consumer_kernel(
     MIXES: tl.constexpr = 0, SLOTS: tl.constexpr = 1, MIX_ROW: tl.constexpr = 1,
     TOTALS_OFF: tl.constexpr = 0, CHUNKS_P2: tl.constexpr = 1,
     MIX_WEIGHTS_EARLY: tl.constexpr = False, COMBINE: tl.constexpr = True,
-    TIMELINE: tl.constexpr = False, ready_ptr=None, READY: tl.constexpr = False,
-    READY_STRIDE: tl.constexpr = 1,
+    TIMELINE: tl.constexpr = False,
 ):
     CHUNKS: tl.constexpr = (HIDDEN + BLOCK_H - 1) // BLOCK_H
     UNITS: tl.constexpr = (HIDDEN + 31) // 32  # sumsq row: one word per 32 columns
     SERIAL: tl.constexpr = (MODE == _FULL) and (not COOPERATIVE)
     # The collapse with a given pre happens with the mixing; with SAME_PRE after the mixes.
     COLLAPSE: tl.constexpr = (MODE == _FULL) and (MIXES != _SAME_PRE)
-    # With ready words V4.1's shares follow the layer input: nobody in the chain waits
-    # for them before the GEMM's grid wait (module docstring).
-    SHARES_LATE: tl.constexpr = READY and (MIXES == _NEXT_MIXES)
     chunk = tl.program_id(0)  # always 0 when SERIAL: the program walks the row
     m = tl.program_id(1)
     slot = stamp_base + m * tl.num_programs(0) + chunk  # common.timeline (a diagnostic)
@@ -447,11 +423,8 @@ def consumer_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     stamp(stamp_ptr, slot, WAITED, TIMELINE)
     stage = tl.full((), 0, tl.int32)  # a tensor in both modes (the NCCL path has no stage)
-    step = tl.full((), 0, tl.int32)
     if LAMPORT:
         stage = tl.load(stage_ptr + _ACTIVE)
-        if READY:
-            step = tl.load(stage_ptr + _STEP)  # this step's publish advanced it
         if (m == 0) & (chunk == 0):
             # Read by the next publish, after our grid.
             tl.store(stage_ptr + _NEXT, (stage + 1) % _STAGES)
@@ -518,11 +491,6 @@ def consumer_kernel(
             gamma = tl.load(gamma_ptr + cols, mask=cmask, other=0.0)
             _norm_chunk(prenorm, gamma, total, eps, layer_ptr, qdata_ptr, qscale_ptr, m, c,
                         cols, cmask, HIDDEN, BLOCK_H, QUANT)
-        if READY:
-            tl.debug_barrier()  # every thread's layer-input stores precede the releases
-            for c in range(CHUNKS):
-                tl.atomic_xchg(ready_ptr + m * READY_STRIDE + c, step, sem="release",
-                               scope="gpu")
     else:
         streams, prenorm = _consume_chunk(mailbox_ptr, status_ptr, out_ptr, slot_row, row_stride,
                                           wait_bound, res, post, comb, pre, m, cols, cmask,
@@ -533,7 +501,7 @@ def consumer_kernel(
             # path, need not wait for this program's hc_fn loads and dots below.
             _publish_partial(sumsq_ptr, m, chunk, tl.sum(prenorm * prenorm, axis=0), tag, UNITS,
                              BLOCK_H)
-        if (MIXES != _NO_MIXES) and (not SHARES_LATE):
+        if MIXES != _NO_MIXES:
             # Every program's share before any program waits for it: chunk 0 sums them
             # (one fixed order).
             if not MIX_WEIGHTS_EARLY:
@@ -567,14 +535,6 @@ def consumer_kernel(
                 tl.store(generation_ptr + m, tag)
             _norm_chunk(prenorm, gamma, total, eps, layer_ptr, qdata_ptr, qscale_ptr, m, chunk,
                         cols, cmask, HIDDEN, BLOCK_H, QUANT)
-            if READY:
-                tl.debug_barrier()  # every thread's layer-input stores precede the release
-                tl.atomic_xchg(ready_ptr + m * READY_STRIDE + chunk, step, sem="release",
-                               scope="gpu")
-        if SHARES_LATE:
-            if not MIX_WEIGHTS_EARLY:
-                fn = _load_mix_weights(hc_fn_ptr, cols, cmask, HC, HIDDEN, SLOTS)
-            _publish_mix_partials(mix_ptr, fn, m, chunk, streams, tag, HC, SLOTS, MIX_ROW)
         if (MIXES == _NEXT_MIXES) and COMBINE:  # noqa: SIM102 (a constexpr test: pruned)
             if chunk == 0:  # nobody here waits for the next mixes: after the norm
                 _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr,

@@ -10,8 +10,7 @@ tensor (the NCCL fallback gathers it; callers may inspect it).
 **Memory consistency.** As the publish kernel (:mod:`.publish_kernel`; both
 store through ``common.mailbox_store.publish_row``): plain unicast stores of
 data that is its own flag, NEXT (``stage_ptr + STAGE_NEXT``) read after the
-grid wait, ACTIVE (``stage_ptr + STAGE_ACTIVE``) stored and STEP advanced once
-per grid (``mark_published``).
+grid wait, ACTIVE (``stage_ptr + STAGE_ACTIVE``) stored once per grid.
 
 **What the caller must guarantee.** As the publish kernel; in addition the
 indices lie in [-1, rows of ``gemm2_permuted``) (checked on the host only when
@@ -28,12 +27,12 @@ import triton
 import triton.language as tl
 
 from .. import env
-from ..common.contract import STAGE_NEXT
-from ..common.mailbox_store import mark_published, publish_row, read_step
+from ..common.contract import STAGE_ACTIVE, STAGE_NEXT
+from ..common.mailbox_store import publish_row
 from ..common.rounding import to_bf16_rne
 from .publish_kernel import PUBLISH_WARPS, load_module, publish_block
 
-_NEXT = tl.constexpr(STAGE_NEXT)  # a stage_state index
+_NEXT, _ACTIVE = tl.constexpr(STAGE_NEXT), tl.constexpr(STAGE_ACTIVE)  # stage_state indices
 
 
 @triton.jit
@@ -63,13 +62,12 @@ def finalize_publish_kernel(
     tl.store(partial_ptr + row_off + cols, partial, mask=mask)
     if PUBLISH:
         stage = tl.load(stage_ptr + _NEXT)
-        step = read_step(stage_ptr)
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
         publish_row(partial, peer_ptrs_ptr, stage, rank, m, cols, mask, capacity,
                     TP=TP, HIDDEN=HIDDEN)
         if (m == 0) & (chunk == 0):
-            mark_published(stage_ptr, stage, step)
+            tl.store(stage_ptr + _ACTIVE, stage)
 
 
 def check_finalize_inputs(gemm2_permuted, expert_weights, idx, shared_output, hidden, top_k,

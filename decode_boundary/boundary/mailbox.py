@@ -3,13 +3,11 @@
 Each rank owns ``buffer`` BF16 [STAGES, tp, capacity, hidden] that every peer
 can store into, filled with the sentinel -0 (``common.contract.SENTINEL``,
 "not yet written"); ``peer_ptrs`` int64 [tp] on the device holds every rank's
-buffer address as seen from this rank; ``stage_state`` int32 [3], indexed
-``STAGE_NEXT`` / ``STAGE_ACTIVE`` / ``STAGE_STEP``; ``status`` int32 [1] (bit p: rank p never
+buffer address as seen from this rank; ``stage_state`` int32 [2], indexed
+``STAGE_NEXT`` / ``STAGE_ACTIVE``; ``status`` int32 [1] (bit p: rank p never
 arrived within the wait bound; ``consumer_kernel.NORM_TIMEOUT_BIT``: a norm
 hand-off timed out). ``generation`` / ``sumsq`` / ``prenorm`` are the
-consumer's per-token scratch for the RMSNorm hand-off, zeroed together;
-``input_ready`` its layer input's ready words (``contract.MixesFinish``),
-zeroed with the stage words (their STEP tags).
+consumer's per-token scratch for the RMSNorm hand-off, zeroed together.
 
 Peer memory comes from PyTorch symmetric memory with multicast disabled
 (``symm_mem.empty`` + ``rendezvous``; peers reached by unicast stores only):
@@ -26,14 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..common.contract import (
-    SENTINEL,
-    STAGE_WORDS,
-    STAGES,
-    advance_mix_rows,
-    check_mailbox_size,
-    ready_columns,
-)
+from ..common.contract import SENTINEL, STAGES, advance_mix_rows, check_mailbox_size
 from ..env import disable_multicast, logger
 from .consumer import sumsq_columns
 
@@ -54,7 +45,6 @@ class Mailbox:
     generation: torch.Tensor
     sumsq: torch.Tensor
     prenorm: torch.Tensor
-    input_ready: torch.Tensor | None = None
     keepalive: object = None
     # The consumer's mix rows (next sublayer's mixes), allocated by an all-reduce
     # that computes them; tagged like sumsq, so zeroed with it.
@@ -66,7 +56,6 @@ class Mailbox:
         if self.buffer is not None:
             self.buffer.fill_(SENTINEL)
         self.stage_state.zero_()
-        self.input_ready.zero_()  # tagged with STEP: zeroed with it
         self.status.zero_()
         self.generation.zero_()
         self.sumsq.zero_()
@@ -78,9 +67,7 @@ class Mailbox:
 def _words(rank, tp, capacity, hidden, device, buffer, peer_ptrs, keepalive=None) -> Mailbox:
     box = Mailbox(
         rank, tp, capacity, hidden, buffer, peer_ptrs,
-        stage_state=torch.zeros(STAGE_WORDS, dtype=torch.int32, device=device),
-        input_ready=torch.zeros(capacity, ready_columns(hidden), dtype=torch.int32,
-                                device=device),
+        stage_state=torch.zeros(2, dtype=torch.int32, device=device),
         status=torch.zeros(1, dtype=torch.int32, device=device),
         generation=torch.zeros(capacity, dtype=torch.int32, device=device),
         sumsq=torch.zeros(capacity, sumsq_columns(hidden), dtype=torch.int64, device=device),

@@ -5,7 +5,7 @@ The mailbox layout is the one of docs/CONTRACTS.md and
 ``[STAGES, tp, capacity, hidden]`` filled with the sentinel -0
 (``SENTINEL_BITS``, "not yet written"); ``peer_ptrs[p]`` is its base address
 as seen from here; ``stage_state`` is this rank's int32 words, indexed
-``STAGE_NEXT``, ``STAGE_ACTIVE`` and ``STAGE_STEP``.
+``STAGE_NEXT`` and ``STAGE_ACTIVE``.
 ``decode_boundary.common.mailbox_store.publish_row`` is the store every
 publisher shares (this kernel, the MoE finalize kernel and the GEMM's
 publishing epilogue), so all store identical bits.
@@ -19,9 +19,8 @@ here so a published value can never look unwritten. NEXT (``stage_ptr +
 STAGE_NEXT``) is read with a plain load after the grid-dependency wait: the
 previous consumer wrote it and its grid has completed (kernel boundary), so
 the load sees it. ACTIVE (``stage_ptr + STAGE_ACTIVE``) is written with a
-plain store by one program, which also advances STEP (``mark_published``); the
-consumer reads both only after its own grid wait, i.e. after this whole grid
-completed and its stores were flushed.
+plain store by one program; the consumer reads it only after its own grid
+wait, i.e. after this whole grid completed and its stores were flushed.
 
 **What the caller must guarantee.** The consumer of the previous step has run
 on this rank (it advanced NEXT); the consumer of this step runs next on the
@@ -42,12 +41,12 @@ import triton
 import triton.language as tl
 
 from .. import env
-from ..common.contract import STAGE_NEXT
-from ..common.mailbox_store import mark_published, publish_row, read_step
+from ..common.contract import STAGE_ACTIVE, STAGE_NEXT
+from ..common.mailbox_store import publish_row
 
 PUBLISH_BLOCK_H = 512  # columns per program: 64 threads x one 16-byte store per peer
 PUBLISH_WARPS = 2
-_NEXT = tl.constexpr(STAGE_NEXT)  # a stage_state index
+_NEXT, _ACTIVE = tl.constexpr(STAGE_NEXT), tl.constexpr(STAGE_ACTIVE)  # stage_state indices
 
 
 @triton.jit
@@ -70,13 +69,12 @@ def publish_kernel(
         tl.extra.cuda.gdc_wait()  # x and NEXT come from earlier kernels
     x = tl.load(x_ptr + m.to(tl.int64) * HIDDEN + cols, mask=mask)
     stage = tl.load(stage_ptr + _NEXT)
-    step = read_step(stage_ptr)
     if USE_PDL:
         # The consumer's pre-wait loads (residual, post, comb, gamma) are not ours.
         tl.extra.cuda.gdc_launch_dependents()
     publish_row(x, peer_ptrs_ptr, stage, rank, m, cols, mask, capacity, TP=TP, HIDDEN=HIDDEN)
     if (m == 0) & (chunk == 0):
-        mark_published(stage_ptr, stage, step)
+        tl.store(stage_ptr + _ACTIVE, stage)
 
 
 def load_module(compiled) -> None:

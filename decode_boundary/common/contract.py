@@ -7,11 +7,8 @@ Mailbox (docs/DESIGN.md §6, docs/CONTRACTS.md): every rank owns a BF16
 filled with the sentinel -0.0 (BF16 bits ``SENTINEL_BITS``, "not yet
 written"). A publisher turns -0 into +0, so a value it stored is never taken
 for a hole. Each rank's local ``stage_state`` int32 [2] holds the stage the
-next publish writes (``stage_state[STAGE_NEXT]``), the stage the next
-consume reads (``stage_state[STAGE_ACTIVE]``) and the step number
-(``stage_state[STAGE_STEP]``): every publish adds one to it, so the consumer of
-a step and the GEMM after it read the same number, a new one every step (the
-tag of the layer input's ready words, :class:`MixesFinish`).
+next publish writes (``stage_state[STAGE_NEXT]``) and the stage the next
+consume reads (``stage_state[STAGE_ACTIVE]``).
 
 Scale buffers of MXFP8 operands follow the 128x4 swizzle of
 ``decode_boundary.mxfp8.format`` (``mxfp8_scale_bytes``,
@@ -28,8 +25,7 @@ from typing import NamedTuple
 import torch
 
 STAGES = 3  # a peer may be one boundary ahead: stage s+1 is being written while s is read
-STAGE_NEXT, STAGE_ACTIVE, STAGE_STEP = 0, 1, 2  # indices into stage_state
-STAGE_WORDS = 3  # stage_state's length
+STAGE_NEXT, STAGE_ACTIVE = 0, 1  # indices into stage_state
 # Publishers address a peer's mailbox with int32 element offsets (the GEMM's 64-row
 # publishing epilogue kept 13 registers more with int64 ones, one resident program
 # per SM less: benchmarks/NOTES.md attempt 16), so a mailbox [STAGES, tp, capacity,
@@ -123,25 +119,7 @@ class MixesFinish(NamedTuple):
     launch (or a re-arm) has rewritten the rows, and -1 marks a finish made
     only to compile the variant (``deferred_finish``), which no launch takes;
     ``stream``, the CUDA stream it was made on (0 off the GPU): the GEMM must
-    launch on it (its grid wait orders it after the consumer only there).
-
-    **The layer input's ready words** (``input_ready``, where the consumer
-    launch wrote its MXFP8 layer input in the mailbox transport): int32
-    [rows, ``ready_columns(H)``], word (m, c) the STEP number
-    (``stage_state[STAGE_STEP]``, advanced by this step's publish) once
-    program c (columns ``c * ready_cols ...``) of token m has stored its
-    layer input, BF16 and MXFP8 (a CTA barrier, then one release store,
-    GPU scope). The GEMM's weight owners then wait for the words of their
-    rows and K-slice (volatile polls, an acquire fence, bounded:
-    ``NORM_TIMEOUT_BIT`` and NaN outputs after the bound) instead of the
-    consumer's grid, and wait for the grid only at their end, so the GEMM's
-    completion still implies the consumer's. Its activation must therefore be
-    what the consumer stored before those words (the layer input or
-    ``residual_out``) or complete before the consumer started; its stores
-    (out, split-K scratch) precede the consumer's completion, and no kernel
-    still running then (the consumer) touches them. STEP tells this step's
-    words from older ones without a host value (graphs); words and STEP are
-    zeroed together (``Mailbox.rearm``)."""
+    launch on it (its grid wait orders it after the consumer only there)."""
 
     mix_words: torch.Tensor  # int64 [rows, mix_columns(H, hc)]
     generation: torch.Tensor  # int32 [rows]: generation[m] is the shares' tag
@@ -165,15 +143,6 @@ class MixesFinish(NamedTuple):
     launched: list | None = None
     epoch: int = -1
     stream: int = 0
-    input_ready: torch.Tensor | None = None  # int32 [rows, ready_columns(hidden)]
-    stage_state: torch.Tensor | None = None  # int32 [STAGE_WORDS]: STEP tags the words
-    ready_cols: int = 0  # columns per consumer program: one ready word each
-
-
-def ready_columns(hidden: int) -> int:
-    """Words per token of the layer input's ready words (int32, one per consumer
-    program's columns, programs of >= 32 columns): :class:`MixesFinish`."""
-    return -(-hidden // 32)
 
 
 def current_stream_id(device: torch.device) -> int:
@@ -238,11 +207,10 @@ def check_publish_target(target: PublishTarget, hidden: int, rows: int,
             ptrs.device != device:
         got = "None" if ptrs is None else f"{ptrs.dtype} {tuple(ptrs.shape)} on {ptrs.device}"
         raise ValueError(f"publish.peer_ptrs must be int64 [{target.tp}] on {device}, got {got}")
-    if words is None or words.dtype != torch.int32 or tuple(words.shape) != (STAGE_WORDS,) or \
+    if words is None or words.dtype != torch.int32 or tuple(words.shape) != (2,) or \
             words.device != device:
         got = "None" if words is None else f"{words.dtype} {tuple(words.shape)} on {words.device}"
-        raise ValueError(f"publish.stage_state must be int32 [{STAGE_WORDS}] on {device}, "
-                         f"got {got}")
+        raise ValueError(f"publish.stage_state must be int32 [2] on {device}, got {got}")
     if target.hidden != hidden or hidden % 8:
         raise ValueError(f"publish.hidden ({target.hidden}) must equal the producer's width "
                          f"({hidden}), a multiple of 8 (16-byte mailbox stores)")

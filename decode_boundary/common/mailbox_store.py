@@ -6,8 +6,6 @@ through :func:`publish_row`, so all of them write identical bits to identical
 addresses: -0 turned into +0 (0x8000 is the consumer's "not yet written"),
 slot ``[stage][rank][token]`` of every peer's ``[3, tp, capacity, hidden]``
 BF16 mailbox, one unicast 16-byte store per peer and 8 columns (never multicast).
-:func:`mark_published` is the stage-word update every publisher makes once per
-grid.
 """
 
 from __future__ import annotations
@@ -15,30 +13,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .contract import SENTINEL_BITS, STAGE_ACTIVE, STAGE_STEP
+from .contract import SENTINEL_BITS
 
 _SENTINEL = tl.constexpr(SENTINEL_BITS)
-_ACTIVE, _STEP = tl.constexpr(STAGE_ACTIVE), tl.constexpr(STAGE_STEP)
-
-
-@triton.jit
-def read_step(stage_ptr):
-    """STEP (contract.py), for :func:`mark_published`: read by a publisher after
-    its grid wait, early (its round trip then overlaps the publisher's work).
-    Volatile: the last writer is the previous publish, a kernel that completed
-    before this grid's wait; nothing may serve an older copy."""
-    return tl.load(stage_ptr + _STEP, volatile=True)
-
-
-@triton.jit
-def mark_published(stage_ptr, stage, step):
-    """Once per publishing grid, by one program after its stores: ACTIVE =
-    ``stage`` (the stage the consumer reads) and STEP = ``step`` + 1
-    (``step`` from :func:`read_step`: the number that tags this step's layer
-    input, contract.py). Plain stores: their readers, this step's consumer and
-    the GEMM after it, read them only after this grid has completed."""
-    tl.store(stage_ptr + _ACTIVE, stage)
-    tl.store(stage_ptr + _STEP, step + 1)
 
 
 @triton.jit

@@ -63,7 +63,6 @@ import triton
 
 from decode_boundary.common.contract import (
     NO_PUBLISH,
-    STAGE_WORDS,
     MixesFinish,
     check_publish_target,
     current_stream_id,
@@ -72,7 +71,6 @@ from decode_boundary.common.contract import (
     mix_rows_epoch,
     mix_slots,
     mix_totals_offset,
-    ready_columns,
 )
 from decode_boundary.common.timeline import launch_args
 from decode_boundary.env import interpret_mode, use_pdl
@@ -244,26 +242,18 @@ def _check_out(out, rows: int, n: int, tactic: Tactic, publish):
 
 
 def _finish_args(finish: MixesFinish | None, rows: int, device: torch.device, dummy,
-                 k_slice: int, launching: bool = True):
-    """(positional, constexpr) arguments of ``FINISH_MIXES`` (dummies without),
-    with the layer input's ready words where the finish carries them (``READY``;
-    ``k_slice``: the tactic's K per split); ``launching``: for a launch, not
-    only a compile (the finish must be current)."""
+                 launching: bool = True):
+    """(positional, constexpr) arguments of ``FINISH_MIXES`` (dummies without);
+    ``launching``: for a launch, not only a compile (the finish must be current)."""
     if finish is None:
         return (dummy,) * 8 + (0.0, 0.0, 0, 0), {}
     _check_finish(finish, rows, device, launching)
     f = finish
-    ready = {}
-    if f.input_ready is not None:
-        # The K-slice of a weight owner spans at most this many consumer programs.
-        span = -(-k_slice // f.ready_cols) + 1
-        ready = dict(ready_ptr=f.input_ready, READY=True, READY_STRIDE=ready_columns(f.hidden),
-                     READY_COLS=f.ready_cols, READY_SPAN=triton.next_power_of_2(span))
     return (f.mix_words, f.generation, f.status, f.hc_scale, f.hc_base, f.pre, f.post, f.comb,
             float(f.eps), float(f.hc_eps), int(f.rounds), int(f.wait_bound)), dict(
         FINISH_MIXES=True, HC=f.hc, MIX_HIDDEN=f.hidden, MIX_CHUNKS=f.chunks,
         MIX_CHUNKS_P2=triton.next_power_of_2(f.chunks), SLOTS=f.slots, MIX_ROW=f.mix_row,
-        TOTALS_OFF=f.totals_off, USE_PTX=f.use_ptx, **ready)
+        TOTALS_OFF=f.totals_off, USE_PTX=f.use_ptx)
 
 
 def _check_finish(f: MixesFinish, rows: int, device: torch.device,
@@ -290,8 +280,6 @@ def _check_finish(f: MixesFinish, rows: int, device: torch.device,
                 comb=(torch.float32, (rows, hc, hc)), hc_scale=(torch.float32, (3,)),
                 hc_base=(torch.float32, (n_mix,)), status=(torch.int32, (1,)),
                 generation=(torch.int32, None), mix_words=(torch.int64, None))
-    if f.input_ready is not None:
-        want.update(input_ready=(torch.int32, None), stage_state=(torch.int32, (STAGE_WORDS,)))
     for name, (dtype, shape) in want.items():
         t = getattr(f, name)
         # 16-byte aligned, as the precompiled variant assumes (Triton specializes pointers
@@ -315,15 +303,6 @@ def _check_finish(f: MixesFinish, rows: int, device: torch.device,
                          f"{tuple(f.mix_words.shape)}) is not the mix row of hidden {f.hidden}, "
                          f"hc {hc} (common.contract: slots {mix_slots(hc)}, totals at "
                          f"{mix_totals_offset(f.hidden, hc)}, row {row}, <= {chunks} chunks)")
-    if f.input_ready is not None:
-        cols = ready_columns(f.hidden)
-        if f.input_ready.ndim != 2 or f.input_ready.shape[0] < rows or \
-                f.input_ready.shape[1] != cols or f.ready_cols < 32 or \
-                f.ready_cols & (f.ready_cols - 1) or -(-f.hidden // f.ready_cols) != f.chunks:
-            raise ValueError(f"finish_mixes' ready words ({tuple(f.input_ready.shape)}, "
-                             f"{f.ready_cols} columns per word) are not the layer input's of "
-                             f"{rows} rows x hidden {f.hidden} in {f.chunks} chunks "
-                             f"(common.contract.ready_columns: {cols} words per row)")
 
 
 # 64-row tensor-core tiles of 4 warps and 128-wide K-pieces compile to ~175
@@ -379,20 +358,13 @@ def _launch_config(layer, a, out, tactic: Tactic, publish, finish: MixesFinish |
     if publish is not None:
         check_publish_target(publish, n, rows, device)
     buffers = _buffers(device, n, rows, tactic, publish)
-    k_slice, pieces = k_pieces(k, tactic)
-    mix_args, mix_kwargs = _finish_args(finish, rows, device, buffers[0], k_slice, launching)
-    if mix_kwargs.get("READY"):
-        if groups * k != finish.hidden:
-            raise ValueError(f"finish_mixes' ready words cover the layer input's {finish.hidden} "
-                             f"columns, the GEMM's activation has {groups * k}")
-        if publish is not None:
-            raise ValueError("a GEMM that starts on the consumer's ready words cannot publish")
-        buffers = (*buffers[:3], finish.stage_state)  # STEP tags the ready words
+    mix_args, mix_kwargs = _finish_args(finish, rows, device, buffers[0], launching)
     grid = (n // tactic.block_n + (rows if finish is not None else 0), tactic.split_k,
             -(-rows // tactic.rows_tile))
     programs = grid[0] * grid[1] * grid[2]
     stamps, first_slot, timeline = launch_args("mxfp8_gemm_kernel", programs, device, buffers[0])
     pub = publish or NO_PUBLISH
+    k_slice, pieces = k_pieces(k, tactic)
     pdl = use_pdl(device)
     kwargs = dict(
         N=n, K=k, GROUPS=groups, BLOCK_N=tactic.block_n, ROWS=tactic.rows_tile,

@@ -91,9 +91,8 @@ program right after its grid wait (volatile: the previous consumer's advance,
 ordered before this grid by stream order and the grid wait, is seen, and the
 load is not hoisted above the wait; read there, its round trip overlaps the
 products instead of following them). The
-writer of block (0, 0) then stores ``stage_state[STAGE_ACTIVE] = s`` and
-advances ``stage_state[STAGE_STEP]`` (``mark_published``), plain stores
-program-ordered only after its own stores. None of these stores is
+writer of block (0, 0) then stores ``stage_state[STAGE_ACTIVE] = s``, a plain
+store program-ordered only after its own stores. None of these stores is
 ordered for another program: the local consumer, the PDL dependent, reads
 ACTIVE and the mailbox only after this grid completed; a peer's consumer is
 not ordered after this grid at all and spins until no element of its slots is
@@ -131,21 +130,6 @@ docstring): the same bits as the consumer's own combine. pre / post / comb
 are complete only when this grid is: a kernel that reads them before its own
 grid wait (the next consumer reads post / comb / pre there) must not be
 inside this GEMM's PDL window.
-
-**Starting on the layer input's ready words** (``READY``, with
-``FINISH_MIXES`` where the consumer tagged them; the protocol is
-``common.contract.MixesFinish``'s). A weight owner does not wait for the
-consumer's grid after its weight loads: it reads STEP (``stage_state``,
-volatile: its writer, this step's publish, completed before the consumer's
-programs released this grid) and polls the ready words of its rows and of the
-consumer programs covering its K-slice (volatile, bounded like every wait
-here: ``NORM_TIMEOUT_BIT`` and NaN outputs after the bound) until each holds
-STEP; then an acquire fence (``fence.acq_rel.gpu``, each thread after its own
-polls) and a CTA barrier order its activation loads after the consumer's
-stores. Its ``gdc_wait`` moves to its end: the grid still completes only
-after the consumer's, which later kernels' grid waits rely on. Its stores
-(out, split-K scratch) may then precede the consumer's completion: the
-consumer touches none of them.
 """
 
 from __future__ import annotations
@@ -153,16 +137,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from decode_boundary.common.contract import STAGE_NEXT, STAGE_STEP
-from decode_boundary.common.mailbox_store import mark_published, publish_row, read_step
+from decode_boundary.common.contract import STAGE_ACTIVE, STAGE_NEXT
+from decode_boundary.common.mailbox_store import publish_row
 from decode_boundary.common.mhc_combine import finish_token_mixes
 from decode_boundary.common.rounding import quantize_groups, swizzled_offset, to_bf16_rne
-from decode_boundary.common.tagged_words import _gave_up, _spin
 from decode_boundary.common.timeline import END, MARK1, MARK2, START, WAITED, stamp, stamp_after
 
 _STAGE_NEXT = tl.constexpr(STAGE_NEXT)
-_STAGE_STEP = tl.constexpr(STAGE_STEP)
-_F32_NAN = tl.constexpr(float("nan"))
+_STAGE_ACTIVE = tl.constexpr(STAGE_ACTIVE)
 
 
 @triton.jit
@@ -277,13 +259,12 @@ def _chunk(acc, w, ws, fetched, CH: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: t
 
 @triton.jit
 def _write_block(vals, out_ptr, out_scale_ptr, row0, col0, M, N: tl.constexpr, is_first_block,
-                 peer_ptrs_ptr, stage_ptr, stage, step, PUBLISH: tl.constexpr,
-                 QUANT_OUT: tl.constexpr, TP: tl.constexpr, RANK: tl.constexpr,
-                 CAPACITY: tl.constexpr, HIDDEN: tl.constexpr, INTERPRETER: tl.constexpr):
+                 peer_ptrs_ptr, stage_ptr, stage, PUBLISH: tl.constexpr, QUANT_OUT: tl.constexpr,
+                 TP: tl.constexpr, RANK: tl.constexpr, CAPACITY: tl.constexpr,
+                 HIDDEN: tl.constexpr, INTERPRETER: tl.constexpr):
     """Store FP32 ``vals`` [BLOCK_N, ROWS] (out^T) as BF16, or with QUANT_OUT as
     the MXFP8 of those BF16 values (module docstring); publish when PUBLISH into
-    stage ``stage`` (the NEXT word, read by the kernel after its wait; ``step``
-    the STEP word read with it). Rows
+    stage ``stage`` (the NEXT word, read by the kernel after its wait). Rows
     from ``row0``, columns from ``col0``."""
     rows = row0 + tl.arange(0, vals.shape[1])
     cols = col0 + tl.arange(0, vals.shape[0])
@@ -297,7 +278,7 @@ def _write_block(vals, out_ptr, out_scale_ptr, row0, col0, M, N: tl.constexpr, i
         publish_row(out, peer_ptrs_ptr, stage, RANK, rows[None, :], cols[:, None],
                     rows[None, :] < M, CAPACITY, TP=TP, HIDDEN=HIDDEN, TILE=True)
         if is_first_block:
-            mark_published(stage_ptr, stage, step)
+            tl.store(stage_ptr + _STAGE_ACTIVE, stage)
 
 
 @triton.jit
@@ -345,36 +326,6 @@ def _write_quantized(out, data_ptr, scale_ptr, row0, col0, M, N: tl.constexpr,
 
 
 @triton.jit
-def _probe_ready(ptrs, live, step, UNUSED: tl.constexpr):
-    """One volatile poll of ready words: (the words, 1 where one does not hold ``step``)."""
-    words = tl.load(ptrs, mask=live, other=0, volatile=True)
-    return words, tl.where(live & (words != step), 1, 0)
-
-
-@triton.jit
-def _wait_layer_input(ready_ptr, stage_ptr, status_ptr, row0, M, col_lo, col_hi, wait_bound,
-                      ROWS: tl.constexpr, STRIDE: tl.constexpr, COLS: tl.constexpr,
-                      SPAN: tl.constexpr, USE_PTX: tl.constexpr):
-    """``READY``: wait until the ready words of rows ``row0 ..`` (< M) and of
-    the consumer programs covering activation columns [col_lo, col_hi) hold
-    this step's STEP (module docstring); True when the bound passed first."""
-    step = tl.load(stage_ptr + _STAGE_STEP, volatile=True)
-    i = tl.arange(0, ROWS * SPAN)
-    row = row0 + i // SPAN
-    chunk = col_lo // COLS + i % SPAN
-    live = (row < M) & (chunk * COLS < col_hi)
-    words, flags = _spin(_probe_ready, ready_ptr + row * STRIDE + chunk, live, step, status_ptr,
-                         wait_bound, 0, False, USE_PTX)
-    if USE_PTX:
-        # Each thread's polls that saw STEP, then this fence: an acquire of the
-        # consumer's release; the barrier below extends it to every thread's loads.
-        flags = tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r",
-                                          [flags], dtype=tl.int32, is_pure=False, pack=1)
-    tl.debug_barrier()
-    return _gave_up(flags, status_ptr)
-
-
-@triton.jit
 def _finish_mixes_program(mix_ptr, generation_ptr, status_ptr, hc_scale_ptr, hc_base_ptr,
                           pre_out_ptr, post_out_ptr, comb_out_ptr, m, mix_eps, hc_eps,
                           mix_rounds, wait_bound, stamp_ptr, slot, TIMELINE: tl.constexpr,
@@ -416,8 +367,6 @@ def mxfp8_gemm_kernel(
     FINISH_MIXES: tl.constexpr = False, HC: tl.constexpr = 1, MIX_HIDDEN: tl.constexpr = 1,
     MIX_CHUNKS: tl.constexpr = 1, MIX_CHUNKS_P2: tl.constexpr = 1, SLOTS: tl.constexpr = 1,
     MIX_ROW: tl.constexpr = 1, TOTALS_OFF: tl.constexpr = 0, USE_PTX: tl.constexpr = False,
-    ready_ptr=None, READY: tl.constexpr = False, READY_STRIDE: tl.constexpr = 1,
-    READY_COLS: tl.constexpr = 32, READY_SPAN: tl.constexpr = 1,
 ):
     W_K_TILES: tl.constexpr = (K // 32 + 3) // 4
     A_K: tl.constexpr = GROUPS * K
@@ -463,28 +412,20 @@ def mxfp8_gemm_kernel(
                                 W_K_TILES),)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-        if not READY:
-            tl.extra.cuda.gdc_wait()
-    row0 = pid_m * ROWS
-    stale = False
-    if READY:  # the consumer's ready words instead of its grid (module docstring)
-        stale = _wait_layer_input(ready_ptr, stage_ptr, status_ptr, row0, M, a_k0 + k0,
-                                  a_k0 + k_end, wait_bound, ROWS, READY_STRIDE, READY_COLS,
-                                  READY_SPAN, USE_PTX)
+        tl.extra.cuda.gdc_wait()
     stamp(stamp_ptr, slot, WAITED, TIMELINE)
 
+    row0 = pid_m * ROWS
     # A_UPFRONT: every piece's activation loads are issued here, back to back, before
     # the first product: a product's cross-warp sum is a barrier, and loads placed
     # after one wait for it, so per-piece loads cost one L2 round trip per piece.
     stage = tl.full((), 0, tl.int32)
-    step = tl.full((), 0, tl.int32)
     if PUBLISH:
         # Read here, not in the epilogue: its round trip then overlaps the products.
         # Volatile and after the wait: the previous consumer's advance is seen (and
         # nothing can advance it again before this grid ends: the next consumer
         # waits for it).
         stage = tl.load(stage_ptr + _STAGE_NEXT, volatile=True)
-        step = read_step(stage_ptr)
     fetched = ()
     if A_UPFRONT:
         for i in tl.static_range(PIECES):
@@ -509,14 +450,12 @@ def mxfp8_gemm_kernel(
                                  CHUNK, ROWS, A_K, A_K_TILES, A_BF16)
         acc = _chunk(acc, w, ws, piece, CHUNK, BLOCK_N, ROWS, A_BF16, INTERPRETER)
     stamp(stamp_ptr, slot, MARK1, TIMELINE)  # products done
-    if READY:
-        acc = tl.where(stale, _F32_NAN, acc)  # a layer input that never came: NaN, not stale
 
     rows = row0 + tl.arange(0, ROWS)
     is_first_block = (pid_n == 0) & (pid_m == 0)
     if SPLIT_K == 1:
         _write_block(acc, out_ptr, out_scale_ptr, row0, pid_n * BLOCK_N, M, N, is_first_block,
-                     peer_ptrs_ptr, stage_ptr, stage, step, PUBLISH, QUANT_OUT, TP, RANK, CAPACITY,
+                     peer_ptrs_ptr, stage_ptr, stage, PUBLISH, QUANT_OUT, TP, RANK, CAPACITY,
                      HIDDEN, INTERPRETER)
     else:
         # Workspace: FP32 [blocks, SPLIT_K, ROWS, BLOCK_N], one tile per split.
@@ -536,8 +475,6 @@ def mxfp8_gemm_kernel(
                                  other=0.0, cache_modifier=".cg")
             tl.store(counter_ptr + block, 0)  # re-armed for the next launch / graph replay
             _write_block(total, out_ptr, out_scale_ptr, row0, pid_n * BLOCK_N, M, N, is_first_block,
-                         peer_ptrs_ptr, stage_ptr, stage, step, PUBLISH, QUANT_OUT, TP, RANK,
+                         peer_ptrs_ptr, stage_ptr, stage, PUBLISH, QUANT_OUT, TP, RANK,
                          CAPACITY, HIDDEN, INTERPRETER)
-    if READY and USE_PDL:
-        tl.extra.cuda.gdc_wait()  # complete only after the consumer (module docstring)
     stamp(stamp_ptr, slot, END, TIMELINE)

@@ -66,33 +66,18 @@ def _probe_mix_row(ptrs, live, tag, UNUSED: tl.constexpr):
 @triton.jit
 def _share_totals(mix_ptr, status_ptr, m, tag, wait_bound, CHUNKS: tl.constexpr,
                   CHUNKS_P2: tl.constexpr, SLOTS: tl.constexpr, MIX_ROW: tl.constexpr,
-                  USE_PTX: tl.constexpr, PRE_OF_HC: tl.constexpr = 0):
+                  USE_PTX: tl.constexpr):
     """Poll token m's mix row until every chunk's share carries ``tag``
     (bounded: a timeout sets ``NORM_TIMEOUT_BIT`` and makes the totals NaN) and
     sum the shares over the chunks in one fixed tree: [SLOTS] FP32, the same
-    bits in every program that calls it. ``PRE_OF_HC`` = hc (0: every word):
-    only the words a pre needs, each chunk's first hc dots and its sum of
-    squares (word (2 + hc) * hc), are polled and summed, as a vector of hc + 1
-    totals (padded to a power of two with zeros): the dots first, then the sum
-    of squares. The tree is per word, so those totals have the same bits as in
-    the whole row's; every word is its own flag, so the others may still be in
-    flight."""
+    bits in every program that calls it."""
     c = tl.arange(0, CHUNKS_P2)[:, None]
-    if PRE_OF_HC > 0:
-        # V4 at 16 tokens: every program polls (512 of them), and whole 8 KB rows took a
-        # share of L2 that the shares' producers' hc_fn loads need (NOTES mixes item 17).
-        COLS: tl.constexpr = 8 if PRE_OF_HC < 8 else SLOTS  # a power of two >= hc + 1
-        i = tl.arange(0, COLS)[None, :]
-        j = tl.where(i < PRE_OF_HC, i, (2 + PRE_OF_HC) * PRE_OF_HC)
-        live = (c < CHUNKS) & (i <= PRE_OF_HC)
-    else:
-        COLS: tl.constexpr = SLOTS
-        j = tl.arange(0, SLOTS)[None, :]
-        live = (c < CHUNKS) & (j < SLOTS)
-    words, flags = _spin(_probe_mix_row, mix_ptr + m * MIX_ROW + c * SLOTS + j, live, tag,
-                         status_ptr, wait_bound, 0, False, USE_PTX)
+    j = tl.arange(0, SLOTS)[None, :]
+    words, flags = _spin(_probe_mix_row, mix_ptr + m * MIX_ROW + c * SLOTS + j,
+                         (c < CHUNKS) & (j < SLOTS), tag, status_ptr, wait_bound, 0, False,
+                         USE_PTX)
     stale = _gave_up(flags, status_ptr)
-    return tl.where(stale, _f32_nan(), _pairwise_sum(_untagged(words), CHUNKS_P2, COLS))
+    return tl.where(stale, _f32_nan(), _pairwise_sum(_untagged(words), CHUNKS_P2, SLOTS))
 
 
 @triton.jit
@@ -282,18 +267,19 @@ def _pre_from_shares(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, m, tag, eps
     """``SAME_PRE``: token m's pre computed by a program that does not combine,
     from the shares themselves (no hand-off from chunk 0, one L2 round trip
     less on the token's critical path): :func:`_share_totals` as in
-    :func:`_combine_pre_post`, so the same totals, polled and summed for the
-    HC + 1 words the pre needs only (``PRE_OF_HC``); they come out of that
-    vector as masked sums (x plus zeros: exact), then the same expressions.
-    Returns pre as a tuple of HC scalars (NaN where the poll gave up)."""
+    :func:`_combine_pre_post`, so the same totals; the HC + 1 of them the pre
+    needs come out of the [SLOTS] vector as masked sums (x plus zeros: exact),
+    then the same expressions. Returns pre as a tuple of HC scalars (NaN where
+    the poll gave up)."""
+    NMIX: tl.constexpr = (2 + HC) * HC
     scale = tl.load(hc_scale_ptr)
     base = ()
     for t in tl.static_range(HC):
         base = base + (tl.load(hc_base_ptr + t),)
     totals = _share_totals(mix_ptr, status_ptr, m, tag, wait_bound, CHUNKS, CHUNKS_P2, SLOTS,
-                           MIX_ROW, USE_PTX, HC)
-    k = tl.arange(0, totals.shape[0])  # the HC dots, then the sum of squares
-    rstd = _mix_rstd(tl.sum(tl.where(k == HC, totals, 0.0), axis=0), eps, HC, HIDDEN,
+                           MIX_ROW, USE_PTX)
+    k = tl.arange(0, SLOTS)
+    rstd = _mix_rstd(tl.sum(tl.where(k == NMIX, totals, 0.0), axis=0), eps, HC, HIDDEN,
                      USE_PTX)
     pre = ()
     for t in tl.static_range(HC):

@@ -7,10 +7,7 @@ run, measured in the chain, two ways of one choice at a time (``--compare``):
   ``PROLOGUE_MAX_ROWS`` rows) or the quantizer does first (above);
 * ``publish``: wo_b publishing from its epilogue (``PublishingMxfp8Linear``,
   at every row count up to the capacity, past ``PUBLISH_EPILOGUE_MAX_ROWS`` too)
-  against the plain wo_b and the publish kernel;
-* ``consumer_start`` (a diagnostic, NOTES attempt 20): the consumer starting its
-  body without the grid wait on wo_b (``consumer.EARLY_START_DIAGNOSTIC``)
-  against the grid wait: bounds what folding the consumer into wo_b could save.
+  against the plain wo_b and the publish kernel.
 
 One rank's fused boundary (the one timer: CUDA graphs of back-to-back steps,
 rotated weight copies, cold L2; timed A, B, A, B in one process). Both ways
@@ -23,22 +20,19 @@ from __future__ import annotations
 
 import functools
 
-import decode_boundary.boundary.consumer as consumer
 import decode_boundary.model.chain as chain
 import decode_boundary.publishing_linear as publishing_linear
 from decode_boundary.bench.harness import one_gpu_ab, one_gpu_parser
 from decode_boundary.model.chain import check_mixes, check_outputs, outputs_identical
 from decode_boundary.publishing_linear import PublishingMxfp8Linear
 
-WAYS = {"handoff": ("bf16", "mxfp8"), "publish": ("kernel", "epilogue"),
-        "consumer_start": ("early", "grid_wait")}
+WAYS = {"handoff": ("bf16", "mxfp8"), "publish": ("kernel", "epilogue")}
 
 
 def _run_way(ab, way: str, step):
     """``step`` with the choice ``way`` made (the first way of each pair is the
     one the chain does not take by itself)."""
     handoff, supports = chain.mxfp8_out_in_epilogue, PublishingMxfp8Linear.supports
-    consumer.EARLY_START_DIAGNOSTIC = way == "early"
     cut = publishing_linear.PUBLISH_EPILOGUE_MAX_ROWS
     if way == "bf16":
         chain.mxfp8_out_in_epilogue = lambda layer, rows: False
@@ -51,7 +45,6 @@ def _run_way(ab, way: str, step):
     finally:
         chain.mxfp8_out_in_epilogue = handoff
         publishing_linear.PUBLISH_EPILOGUE_MAX_ROWS = cut
-        consumer.EARLY_START_DIAGNOSTIC = False
         ab.publisher.__dict__.pop("supports", None)
         assert ab.publisher.supports.__func__ is supports
 

@@ -158,9 +158,6 @@ MIXES_FUSED_MAX_ROWS = 32
 # µs per step, inline / aside): M = 1 17.6 / 24.4, 4 24.0 / 28.0, 8 25.8 / 29.4, 16 33.9 /
 # 38.2, 32 56.0 / 45.2, 64 72.5 / 62.0 (benchmarks/NOTES.md).
 MIXES_ASIDE_MIN_ROWS = 32
-# A diagnostic for benchmarks/produce_ab.py only (NOTES attempt 20): the consumer
-# starts its body without the grid wait. Unsafe; never on in the library.
-EARLY_START_DIAGNOSTIC = False
 
 
 def consumer_tactic(m: int, hidden: int, mixes: str | None = None) -> ConsumerTactic:
@@ -603,8 +600,7 @@ def consume(
         TP=tp, HC=hc, HIDDEN=hidden, BLOCK_H=tactic.block_h,
         UNITS_P2=triton.next_power_of_2(sumsq_columns(hidden)), MODE=mode, QUANT=quant,
         LAMPORT=lamport, COOPERATIVE=tactic.cooperative, USE_PTX=ptx,
-        USE_PDL=pdl, TIMELINE=timeline, EARLY_START=EARLY_START_DIAGNOSTIC,
-        num_warps=tactic.warps, enable_fp_fusion=False,
+        USE_PDL=pdl, TIMELINE=timeline, num_warps=tactic.warps, enable_fp_fusion=False,
         launch_pdl=pdl, **_mix_constants(mixes if fused else None, hc, hidden, tactic),
         COMBINE=not defer, **kwargs,
     )

@@ -392,18 +392,13 @@ def consumer_kernel(
     MIXES: tl.constexpr = 0, SLOTS: tl.constexpr = 1, MIX_ROW: tl.constexpr = 1,
     TOTALS_OFF: tl.constexpr = 0, CHUNKS_P2: tl.constexpr = 1,
     MIX_WEIGHTS_EARLY: tl.constexpr = False, COMBINE: tl.constexpr = True,
-    TIMELINE: tl.constexpr = False, EARLY_START: tl.constexpr = False,
+    TIMELINE: tl.constexpr = False,
 ):
     CHUNKS: tl.constexpr = (HIDDEN + BLOCK_H - 1) // BLOCK_H
     UNITS: tl.constexpr = (HIDDEN + 31) // 32  # sumsq row: one word per 32 columns
     SERIAL: tl.constexpr = (MODE == _FULL) and (not COOPERATIVE)
     # The collapse with a given pre happens with the mixing; with SAME_PRE after the mixes.
     COLLAPSE: tl.constexpr = (MODE == _FULL) and (MIXES != _SAME_PRE)
-    # A DIAGNOSTIC (benchmarks/NOTES.md attempt 20), unsafe: no grid wait before the body
-    # (the Lamport poll alone waits for wo_b's stores), NEXT read and advanced instead of
-    # ACTIVE, the grid wait at the end. The previous consumer's generation and NEXT are
-    # assumed visible, which nothing here guarantees.
-    EARLY: tl.constexpr = EARLY_START and LAMPORT and (MODE == _FULL) and (not SERIAL)
     chunk = tl.program_id(0)  # always 0 when SERIAL: the program walks the row
     m = tl.program_id(1)
     slot = stamp_base + m * tl.num_programs(0) + chunk  # common.timeline (a diagnostic)
@@ -420,7 +415,7 @@ def consumer_kernel(
             # A weight, like the GEMMs': in flight while the publisher runs, not queued
             # behind the next GEMM's weight stream after the wait (consumer.py's tables).
             fn = _load_mix_weights(hc_fn_ptr, cols, cmask, HC, HIDDEN, SLOTS)
-    if USE_PDL and (not EARLY):
+    if USE_PDL:
         # Released here, not earlier or later: the dependent GEMM's weight stream then
         # overlaps this kernel's body; released before the wait or after the norm
         # hand-off, the same bytes only moved the contention (benchmarks/NOTES.md).
@@ -428,9 +423,7 @@ def consumer_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     stamp(stamp_ptr, slot, WAITED, TIMELINE)
     stage = tl.full((), 0, tl.int32)  # a tensor in both modes (the NCCL path has no stage)
-    if LAMPORT and EARLY:
-        stage = tl.load(stage_ptr + _NEXT, volatile=True)
-    elif LAMPORT:
+    if LAMPORT:
         stage = tl.load(stage_ptr + _ACTIVE)
         if (m == 0) & (chunk == 0):
             # Read by the next publish, after our grid.
@@ -503,8 +496,6 @@ def consumer_kernel(
                                           wait_bound, res, post, comb, pre, m, cols, cmask,
                                           TP, HC, HIDDEN, MODE, COLLAPSE, LAMPORT, USE_PTX)
         stamp(stamp_ptr, slot, MARK1, TIMELINE)  # slots in, residual_out stored
-        if USE_PDL and EARLY:
-            tl.extra.cuda.gdc_launch_dependents()
         if COLLAPSE:
             # The norm partial first: the token's hand-off, on every program's critical
             # path, need not wait for this program's hc_fn loads and dots below.
@@ -542,8 +533,6 @@ def consumer_kernel(
             stamp(stamp_ptr, slot, MARK2, TIMELINE)  # the token's partials met
             if chunk == 0:  # every program has read the old generation: it tagged with it
                 tl.store(generation_ptr + m, tag)
-                if EARLY and (m == 0):  # every wo_b program has published: NEXT was read
-                    tl.store(stage_ptr + _NEXT, (stage + 1) % _STAGES)
             _norm_chunk(prenorm, gamma, total, eps, layer_ptr, qdata_ptr, qscale_ptr, m, chunk,
                         cols, cmask, HIDDEN, BLOCK_H, QUANT)
         if (MIXES == _NEXT_MIXES) and COMBINE:  # noqa: SIM102 (a constexpr test: pruned)
@@ -552,6 +541,4 @@ def consumer_kernel(
                                post_out_ptr, comb_out_ptr, m, tag, eps, hc_eps, sinkhorn_rounds,
                                wait_bound, HC, HIDDEN, CHUNKS, CHUNKS_P2, SLOTS, MIX_ROW,
                                TOTALS_OFF, USE_PTX)
-    if USE_PDL and EARLY:
-        tl.extra.cuda.gdc_wait()  # completion still implies the publisher's
     stamp(stamp_ptr, slot, END, TIMELINE)

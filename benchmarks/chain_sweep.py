@@ -11,8 +11,11 @@ still running while they wait (PDL), so the winner can differ (the consumer's
 hc_fn placement lost alone and won in the chain: benchmarks/NOTES.md "V4-family
 mixes" item 10).
 
-The chosen tactics are checked (fused = unfused bit for bit, both against the
-reference) and printed as TABLE entries.
+Where the descent chose something other than the tables, the tables and the
+chosen combination are timed again, alternately, ``RETIME_ROUNDS`` times (one
+sample each cannot separate choices within a run's ~0.4 µs spread). The chosen
+tactics are checked (fused = unfused bit for bit, both against the reference)
+and printed as TABLE entries.
 
     PYTHONPATH=. python benchmarks/chain_sweep.py [--tp-shapes 4] [--rows 1 8] [--consumer-only]
 """
@@ -20,6 +23,7 @@ reference) and printed as TABLE entries.
 from __future__ import annotations
 
 import functools
+import statistics
 
 import torch
 
@@ -48,6 +52,7 @@ CONSUMER_SWEEP = tuple(ConsumerTactic(cols, warps, True, early)
                        for cols, warps in ((64, 2), (64, 4), (128, 4), (128, 8), (256, 4),
                                            (256, 8), (512, 4))
                        for early in ((False, True) if cols <= 32 * warps else (False,)))
+RETIME_ROUNDS = 3
 
 
 def sweep_consumer(ab: AttentionBoundary, steps: list, rows: int, device: torch.device,
@@ -95,10 +100,46 @@ def sweep(ab: AttentionBoundary, views: list, rows: int, device: torch.device,
     out = ab(inputs, fused=True)
     failures = [] if outputs_identical(out, ab(inputs, fused=False)) else ["fused != unfused"]
     failures += check_outputs(out, ab.reference(inputs))
-    for name in LAYERS:  # leave the table in charge for the next M
+    pins = {cache_key(getattr(ab, name), rows): AUTOTUNER.cache[cache_key(getattr(ab, name), rows)]
+            for name in layers}
+    retimed = _retime_against_tables(ab, steps, rows, device, pins, ab.all_reduce.tactic, chosen)
+    _unpin(ab, rows)  # leave the tables in charge for the next M
+    return {"rows": rows, "chosen": chosen, "trials": trials, "failures": failures,
+            "retimed": retimed}
+
+
+def _unpin(ab: AttentionBoundary, rows: int) -> None:
+    for name in LAYERS:
         AUTOTUNER.cache.pop(cache_key(getattr(ab, name), rows), None)
     ab.all_reduce.tactic = None
-    return {"rows": rows, "chosen": chosen, "trials": trials, "failures": failures}
+
+
+def _retime_against_tables(ab, steps, rows, device, pins: dict, consumer: ConsumerTactic,
+                           chosen: dict) -> dict | None:
+    """The tables and the descent's combination timed alternately (None where the
+    descent kept every table choice)."""
+    if all(c["tactic"] == _table_choice(ab, name, rows) for name, c in chosen.items()):
+        return None
+    times = {"tables": [], "chosen": []}
+    for _ in range(RETIME_ROUNDS):
+        _unpin(ab, rows)
+        times["tables"].append(graph_time_us(steps, device))
+        AUTOTUNER.cache.update(pins)
+        ab.all_reduce.tactic = consumer
+        times["chosen"].append(graph_time_us(steps, device))
+    print(f"M={rows} retimed: tables {times['tables']} chosen {times['chosen']} µs (medians "
+          f"{statistics.median(times['tables']):.2f} / {statistics.median(times['chosen']):.2f})",
+          flush=True)
+    return times
+
+
+def _table_choice(ab: AttentionBoundary, name: str, rows: int) -> dict:
+    c = ab.config
+    if name == "consumer":
+        fused = fuses_mixes(rows, c.hc_mult, c.collapse_pre)
+        return consumer_tactic(rows, c.hidden, c.collapse_pre if fused else None)._asdict()
+    n, k, groups, _ = cache_key(getattr(ab, name), rows)
+    return (table_tactic(n, k, rows, groups) or sweep_tactics(n, k, rows, groups)[0])._asdict()
 
 
 def main() -> None:
@@ -117,6 +158,9 @@ def main() -> None:
         for name, c in s["chosen"].items():
             print(f"  {name:14s} {tuple(c['tactic'].values())}: {c['us']:.2f} µs "
                   f"(table's {c['table_us']:.2f})")
+        if s["retimed"]:
+            print(f"  retimed, medians: tables {statistics.median(s['retimed']['tables']):.2f}, "
+                  f"chosen {statistics.median(s['retimed']['chosen']):.2f} µs")
     print("wrote", one_gpu_write(result, args))
 
 

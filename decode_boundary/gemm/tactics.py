@@ -163,11 +163,13 @@ def _t(block_n, rows_tile, split_k=1, num_warps=4, chunk_k=256) -> Tactic:
 #   160, beside the consumer and wo_b still running); likewise wo_a's 1-row entry:
 #   8 warps, 1.05 µs faster in the chain than 4 (16.24-16.28 vs 17.28-17.32 µs);
 #   and TP-2 wo_b's (5120, 4096) 1-row entry: 8 warps, the TP-2 chain 24.96-25.07 vs
-#   26.15-26.17 µs (chain_regs --tp-shapes 2, 2026-12-04); wo_a's 4- to 16-row and
-#   64-row entries: 256-wide pieces, chosen inside the chain (chain_sweep, three
-#   alternating rounds against the tables, 2026-12-04: M = 8 24.24 vs 24.73 µs, 16
-#   28.03 vs 28.69; at 64 with fused_wqa_wkv at 128-wide pieces too, 58.01 vs 59.55,
-#   but that tile spills 8 bytes under the register cap: not taken).
+#   26.15-26.17 µs (chain_regs --tp-shapes 2, 2026-12-04); wo_a's 4- to 16-row
+#   entries: 256-wide pieces, chosen inside the chain (chain_sweep, three alternating
+#   rounds against the tables, 2026-12-04: M = 8 24.24 vs 24.73 µs, 16 28.03 vs 28.69;
+#   the bench 22.4 / 24.3 / 28.0 at M = 4 / 8 / 16 against 22.9 / 24.8 / 28.9). Not
+#   taken at 64 rows: with fused_wqa_wkv at 128-wide pieces too the chain took 58.01 vs
+#   59.55 µs, but that tile spills 8 bytes under the register cap, and wo_a's alone
+#   did not move the bench (53.0 µs either way).
 # V4-Pro wo_b at 48 rows: the 4-warp 64-row tile under the launcher's register cap
 #   (31.1 µs, gemm_sweep 2026-12-04) instead of the 8-warp one (34 µs, spills if capped).
 # Shapes: DSV4.1-Flash TP-4 wo_b, wq_b, fused_wqa_wkv, grouped wo_a; V4-Pro
@@ -190,7 +192,7 @@ TABLE: dict[tuple[int, int, int], dict[int, Tactic]] = {
                       4: _t(128, 16, 16, 8, 256), 8: _t(128, 16, 16, 8, 256),
                       16: _t(64, 16, 8, 4, 256),
                       32: _t(64, 32, 11, 4, 128), 48: _t(64, 64, 8, 4, 128),
-                      64: _t(64, 64, 8, 4, 256)},
+                      64: _t(64, 64, 8, 4, 128)},
     (7168, 4096, 1): {1: _t(8, 1, 1, 4, 1024), 2: _t(8, 2, 2, 4, 1024),
                       4: _t(64, 16, 11, 4, 128), 8: _t(64, 16, 11, 4, 128),
                       16: _t(64, 16, 11, 4, 128),

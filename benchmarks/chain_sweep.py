@@ -73,7 +73,8 @@ def sweep_consumer(ab: AttentionBoundary, steps: list, rows: int, device: torch.
         print(f"M={rows} {'consumer':14s} {tuple(tactic)} {us:7.2f} µs", flush=True)
     best_us, best = min(timed)
     ab.all_reduce.tactic = best
-    return {"tactic": best._asdict(), "us": best_us, "table_us": timed[0][0]}
+    return {"tactic": best._asdict(), "table": base._asdict(), "us": best_us,
+            "table_us": timed[0][0]}
 
 
 def sweep(ab: AttentionBoundary, views: list, rows: int, device: torch.device,
@@ -95,13 +96,14 @@ def sweep(ab: AttentionBoundary, views: list, rows: int, device: torch.device,
             print(f"M={rows} {name:14s} {tuple(tactic)} {us:7.2f} µs", flush=True)
         best_us, best = min(timed)
         AUTOTUNER.cache[key] = best
-        chosen[name] = {"tactic": best._asdict(), "us": best_us, "table_us": timed[0][0]}
+        chosen[name] = {"tactic": best._asdict(), "table": base._asdict(), "us": best_us,
+                        "table_us": timed[0][0]}
     chosen["consumer"] = sweep_consumer(ab, steps, rows, device, trials)
     out = ab(inputs, fused=True)
     failures = [] if outputs_identical(out, ab(inputs, fused=False)) else ["fused != unfused"]
     failures += check_outputs(out, ab.reference(inputs))
-    pins = {cache_key(getattr(ab, name), rows): AUTOTUNER.cache[cache_key(getattr(ab, name), rows)]
-            for name in layers}
+    keys = [cache_key(getattr(ab, name), rows) for name in layers]
+    pins = {key: AUTOTUNER.cache[key] for key in keys}
     retimed = _retime_against_tables(ab, steps, rows, device, pins, ab.all_reduce.tactic, chosen)
     _unpin(ab, rows)  # leave the tables in charge for the next M
     return {"rows": rows, "chosen": chosen, "trials": trials, "failures": failures,
@@ -118,7 +120,7 @@ def _retime_against_tables(ab, steps, rows, device, pins: dict, consumer: Consum
                            chosen: dict) -> dict | None:
     """The tables and the descent's combination timed alternately (None where the
     descent kept every table choice)."""
-    if all(c["tactic"] == _table_choice(ab, name, rows) for name, c in chosen.items()):
+    if all(c["tactic"] == c["table"] for c in chosen.values()):
         return None
     times = {"tables": [], "chosen": []}
     for _ in range(RETIME_ROUNDS):
@@ -131,15 +133,6 @@ def _retime_against_tables(ab, steps, rows, device, pins: dict, consumer: Consum
           f"{statistics.median(times['tables']):.2f} / {statistics.median(times['chosen']):.2f})",
           flush=True)
     return times
-
-
-def _table_choice(ab: AttentionBoundary, name: str, rows: int) -> dict:
-    c = ab.config
-    if name == "consumer":
-        fused = fuses_mixes(rows, c.hc_mult, c.collapse_pre)
-        return consumer_tactic(rows, c.hidden, c.collapse_pre if fused else None)._asdict()
-    n, k, groups, _ = cache_key(getattr(ab, name), rows)
-    return (table_tactic(n, k, rows, groups) or sweep_tactics(n, k, rows, groups)[0])._asdict()
 
 
 def main() -> None:

@@ -1,0 +1,82 @@
+"""Pinned GEMM tactics against the tables, inside the chain: one rank's fused
+boundary timed with the tables' tactics and with each set of pins, in
+alternating rounds in one process (the one timer: CUDA graphs of back-to-back
+steps, rotated weight copies, cold L2). Every way must keep fused = unfused
+bit for bit and pass the reference check.
+
+A pin is ``layer=block_n,rows_tile,split_k,num_warps,chunk_k``; ``--way`` takes
+one or more pins (several ``--way`` options: several ways).
+
+    PYTHONPATH=. python benchmarks/tactic_ab.py --rows 64 \
+        --way fused_wqa_wkv=64,64,14,4,128 \
+        --way fused_wqa_wkv=64,64,14,4,128 wo_a=64,64,8,4,256
+"""
+
+from __future__ import annotations
+
+import functools
+
+from decode_boundary.bench.harness import (
+    one_gpu_boundary,
+    one_gpu_parser,
+    one_gpu_result,
+    one_gpu_write,
+)
+from decode_boundary.common.timing import graph_time_us
+from decode_boundary.gemm.autotune import AUTOTUNER, cache_key
+from decode_boundary.gemm.tactics import Tactic
+from decode_boundary.model.chain import check_outputs, outputs_identical
+
+ROUNDS = 3
+
+
+def parse_pin(text: str) -> tuple[str, Tactic]:
+    layer, _, fields = text.partition("=")
+    values = [int(v) for v in fields.split(",")]
+    if layer not in ("wo_a", "wo_b", "fused_wqa_wkv") or len(values) != len(Tactic._fields):
+        raise ValueError(f"pin {text!r}: expected layer=" + ",".join(Tactic._fields))
+    return layer, Tactic(*values)
+
+
+def main() -> None:
+    parser = one_gpu_parser(__doc__.splitlines()[0])
+    parser.add_argument("--way", nargs="+", action="append", required=True,
+                        help="pins of one way (layer=block_n,rows_tile,split_k,warps,chunk_k)")
+    args = parser.parse_args()
+    ways = {"tables": []} | {" ".join(w): [parse_pin(p) for p in w] for w in args.way}
+    ab, views = one_gpu_boundary(args, seed=5)
+    result = one_gpu_result("tactic_ab", args)
+    result["rows"] = []
+    for rows in args.rows:
+        inputs = ab.make_inputs(rows, seed=rows)
+        steps = [functools.partial(v, inputs, fused=True) for v in views]
+        keys = {name: cache_key(getattr(ab, name), rows) for name in ("wo_a", "wo_b",
+                                                                      "fused_wqa_wkv")}
+
+        def pin(pins, keys=keys):
+            for key in keys.values():
+                AUTOTUNER.cache.pop(key, None)
+            for name, tactic in pins:
+                AUTOTUNER.cache[keys[name]] = tactic
+
+        us, failures = {name: [] for name in ways}, []
+        for _ in range(ROUNDS):
+            for name, pins in ways.items():
+                pin(pins)
+                us[name].append(graph_time_us(steps, ab.device))
+        for name, pins in ways.items():
+            pin(pins)
+            out = ab(inputs, fused=True)
+            if not outputs_identical(out, ab(inputs, fused=False)):
+                failures.append(f"{name}: fused != unfused")
+            failures += [f"{name}: {f}" for f in check_outputs(out, ab.reference(inputs))]
+        pin([])
+        result["rows"].append({"rows": rows, "us": us, "failures": failures})
+        print(f"M={rows}: " + "; ".join(f"{k} {[round(x, 2) for x in v]}" for k, v in us.items())
+              + f" µs; {'; '.join(failures) or 'bits equal, checks ok'}", flush=True)
+    ab.close()
+    print("wrote", one_gpu_write(result, args))
+
+
+if __name__ == "__main__":
+    main()

@@ -396,10 +396,18 @@ def _capped_launches():
     return out
 
 
-def test_register_cap_keeps_bits_and_spills_nothing():
+# Registers a capped tile may spill (Triton's ``n_spills``: local bytes / 4):
+# fused_wqa_wkv's 64-row tile of 128-wide pieces spills 8 (32 bytes) under the cap and
+# is 2.3 µs faster in the chain than uncapped or 64-wide (benchmarks/NOTES.md attempt
+# 23); the spills this rule guards against ran to 66-244 and cost 3.6-23 µs (attempt 18).
+CAPPED_MAX_SPILLS = 8
+
+
+def test_register_cap_keeps_bits_and_barely_spills():
     """Where the launcher compiles a 64-row tile under ``maxnreg``, the output
-    equals the uncapped kernel's bit for bit, with no register spilled and at
-    most the cap's registers (otherwise the cap costs, not buys, a program per SM)."""
+    equals the uncapped kernel's bit for bit, with at most the cap's registers
+    and ``CAPPED_MAX_SPILLS`` registers spilled (otherwise the cap costs, not buys, a
+    program per SM)."""
     capped = _capped_launches()
     assert capped, "no tabled 64-row launch is capped: the V4-Pro wo_b entry should be"
     for n, k, groups, tactic in capped:
@@ -415,7 +423,8 @@ def test_register_cap_keeps_bits_and_spills_nothing():
             kernel = mxfp8_gemm_kernel[grid](*args, **kwargs)
             torch.cuda.synchronize()
             if keep_cap:
-                assert kernel.n_regs <= launcher.CAPPED_REGISTERS and kernel.n_spills == 0, \
+                assert kernel.n_regs <= launcher.CAPPED_REGISTERS and \
+                    kernel.n_spills <= CAPPED_MAX_SPILLS, \
                     (n, k, groups, tactic, kernel.n_regs, kernel.n_spills)
             outs.append(out)
         assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), (n, k, tactic)

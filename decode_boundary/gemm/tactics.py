@@ -166,10 +166,12 @@ def _t(block_n, rows_tile, split_k=1, num_warps=4, chunk_k=256) -> Tactic:
 #   26.15-26.17 µs (chain_regs --tp-shapes 2, 2026-12-04); wo_a's 4- to 16-row
 #   entries: 256-wide pieces, chosen inside the chain (chain_sweep, three alternating
 #   rounds against the tables, 2026-12-04: M = 8 24.24 vs 24.73 µs, 16 28.03 vs 28.69;
-#   the bench 22.4 / 24.3 / 28.0 at M = 4 / 8 / 16 against 22.9 / 24.8 / 28.9). Not
-#   taken at 64 rows: with fused_wqa_wkv at 128-wide pieces too the chain took 58.01 vs
-#   59.55 µs, but that tile spills 8 bytes under the register cap, and wo_a's alone
-#   did not move the bench (53.0 µs either way).
+#   the bench 22.4 / 24.3 / 28.0 at M = 4 / 8 / 16 against 22.9 / 24.8 / 28.9); and
+#   the 64-row entries of wo_a and fused_wqa_wkv: 256- and 128-wide pieces together
+#   (benchmarks/tactic_ab.py, three alternating rounds in the bench's path: 51.0-51.3
+#   vs 53.4-53.6 µs; wo_a's alone did not move the bench). fused_wqa_wkv's tile spills
+#   8 registers (32 bytes) under the launcher's register cap; uncapped (173 registers, two programs
+#   per SM) it lost the gain (53.6 µs).
 # V4-Pro wo_b at 48 rows: the 4-warp 64-row tile under the launcher's register cap
 #   (31.1 µs, gemm_sweep 2026-12-04) instead of the 8-warp one (34 µs, spills if capped).
 # Shapes: DSV4.1-Flash TP-4 wo_b, wq_b, fused_wqa_wkv, grouped wo_a; V4-Pro
@@ -187,12 +189,12 @@ TABLE: dict[tuple[int, int, int], dict[int, Tactic]] = {
     (1792, 5120, 1): {1: _t(4, 1, 1, 4, 1024), 2: _t(8, 2, 1, 4, 1024),
                       4: _t(64, 16, 14, 4, 128), 8: _t(64, 16, 10, 4, 128),
                       16: _t(64, 16, 10, 4, 128), 32: _t(64, 32, 14, 4, 128),
-                      48: _t(64, 64, 14, 4, 64), 64: _t(64, 64, 14, 4, 64)},
+                      48: _t(64, 64, 14, 4, 64), 64: _t(64, 64, 14, 4, 128)},
     (2048, 4096, 2): {1: _t(8, 1, 1, 8, 1024), 2: _t(8, 2, 2, 4, 1024),
                       4: _t(128, 16, 16, 8, 256), 8: _t(128, 16, 16, 8, 256),
                       16: _t(64, 16, 8, 4, 256),
                       32: _t(64, 32, 11, 4, 128), 48: _t(64, 64, 8, 4, 128),
-                      64: _t(64, 64, 8, 4, 128)},
+                      64: _t(64, 64, 8, 4, 256)},
     (7168, 4096, 1): {1: _t(8, 1, 1, 4, 1024), 2: _t(8, 2, 2, 4, 1024),
                       4: _t(64, 16, 11, 4, 128), 8: _t(64, 16, 11, 4, 128),
                       16: _t(64, 16, 11, 4, 128),

@@ -44,6 +44,7 @@ def test_kernel_times_are_microseconds_from_t0_and_unset_marks_read_nan():
     assert got["median_waited"] == us[:, waited].median().item()
     assert got["median_mark1"] == us[:, mark1].median().item()
     assert got["last_end"] == us[:, end].max().item()
+    assert got["first_end"] == us[0, end].item()
     assert math.isnan(got["median_mark2"])
     assert set(timeline.FIELDS) <= set(got)
 

@@ -103,14 +103,16 @@ def stamp(stamp_ptr, slot, which: tl.constexpr, TIMELINE: tl.constexpr):
 
 # What kernel_times reports of a launch, µs from the caller's t0.
 FIELDS = ("first_start", "last_start", "median_waited", "last_waited", "median_mark1",
-          "median_mark2", "median_end", "last_end")
+          "median_mark2", "median_end", "last_end", "first_end")
 
 
 def kernel_times(stamps: torch.Tensor, first: int, programs: int, t0: int) -> dict:
     """``FIELDS`` (and ``programs``) of the launch whose programs hold slots
     ``first .. first + programs`` of ``stamps`` (a recording's, on the host),
     in µs from ``t0`` (ns): first / last start, median / last grid-wait pass,
-    the median marks (NaN where the kernel sets none), median / last end."""
+    the median marks (NaN where the kernel sets none), median / last end, and
+    the end of the launch's first program (slot ``first``: a GEMM finishing the
+    mixes runs token 0's combine there, apart from the weight owners)."""
     s = stamps[first:first + programs].double()
     start, waited, mark1, mark2, end = ((s[:, i] - t0) / 1e3 for i in range(STAMPS))
 
@@ -122,7 +124,7 @@ def kernel_times(stamps: torch.Tensor, first: int, programs: int, t0: int) -> di
             "median_waited": waited.median().item(), "last_waited": waited.max().item(),
             "median_mark1": median(mark1), "median_mark2": median(mark2),
             "median_end": end.median().item(), "last_end": end.max().item(),
-            "programs": programs}
+            "first_end": end[0].item(), "programs": programs}
 
 
 def stamped_steps(steps, device: torch.device, calls: int, skip: int = 3) -> dict:

@@ -13,11 +13,16 @@ program start, the median and last pass of the grid wait, the median and last
 end. The same graph without stamps is timed too (the stamps' own cost).
 
     PYTHONPATH=. python benchmarks/timeline.py [--tp-shapes 4] [--rows 1 8]
-        [--fused-mixes-up-to N]
+        [--fused-mixes-up-to N] [--sinkhorn-iters N]
+
+``--sinkhorn-iters`` is a diagnostic: the chain timed with another number of
+comb's Sinkhorn rounds than the model's (other mixes; what the rounds cost on
+the combine's path).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -33,6 +38,7 @@ from decode_boundary.boundary import consumer
 from decode_boundary.common import timeline
 from decode_boundary.common.timing import graph_time_us
 from decode_boundary.model.chain import AttentionBoundary
+from decode_boundary.model.config import MODELS
 
 STEPS = 24  # steps in the graph; the first and last few are left out of the medians
 
@@ -51,7 +57,12 @@ def main() -> None:
     parser.add_argument("--fused-mixes-up-to", type=int, default=consumer.MIXES_FUSED_MAX_ROWS,
                         help="V4.1's next mixes fused in the consumer up to this many tokens, "
                              "from the mixes kernel beyond (default: the library's)")
+    parser.add_argument("--sinkhorn-iters", type=int, default=None,
+                        help="a diagnostic: comb's Sinkhorn rounds instead of the model's")
     args = parser.parse_args()
+    if args.sinkhorn_iters is not None:
+        MODELS[args.model] = dataclasses.replace(MODELS[args.model],
+                                                 hc_sinkhorn_iters=args.sinkhorn_iters)
     with fused_mixes_up_to(args.fused_mixes_up_to):
         ab, views = one_gpu_boundary(args, seed=3)
         device = ab.device

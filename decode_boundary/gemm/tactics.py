@@ -170,8 +170,8 @@ def _t(block_n, rows_tile, split_k=1, num_warps=4, chunk_k=256) -> Tactic:
 #   the 64-row entries of wo_a and fused_wqa_wkv: 256- and 128-wide pieces together
 #   (benchmarks/tactic_ab.py, three alternating rounds in the bench's path: 51.0-51.3
 #   vs 53.4-53.6 µs; wo_a's alone did not move the bench). fused_wqa_wkv's tile spills
-#   8 registers (32 bytes) under the launcher's register cap; uncapped (173 registers, two programs
-#   per SM) it lost the gain (53.6 µs).
+#   8 registers (32 bytes) under the launcher's register cap; uncapped (173 registers,
+#   two programs per SM) it lost the gain (53.6 µs).
 # V4-Pro wo_b at 48 rows: the 4-warp 64-row tile under the launcher's register cap
 #   (31.1 µs, gemm_sweep 2026-12-04) instead of the 8-warp one (34 µs, spills if capped).
 # Shapes: DSV4.1-Flash TP-4 wo_b, wq_b, fused_wqa_wkv, grouped wo_a; V4-Pro

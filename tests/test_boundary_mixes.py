@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import decode_boundary as db
-from decode_boundary.boundary.consumer import GEMM_SHARES_MIN_ROWS, fuses_mixes
+from decode_boundary.boundary.consumer import fuses_mixes
 from decode_boundary.boundary.reference import consumer_ref, mhc_mixes_ref
 
 H, HC, CAP, TP = 128, 4, 4, 2
@@ -228,18 +228,11 @@ def test_gpu_mixes_cooperative_graphs_and_compile(collapse):
 def _left_to_next_gemm(dev, h, rows, tactic=None, n_out=96, pin_gemm=None):
     """For each M: the call with ``combine_mixes=False`` leaves the mixes to
     the next GEMM (its ``MixesFinish``); outputs poisoned, then that GEMM's
-    extra programs fill them. Where the consumer computed the shares, every
-    output (the mixes, residual_out, the layer input and its MXFP8, the GEMM's
-    own) equals the call that combines in the consumer followed by the plain
-    GEMM, bit for bit. Where it left the shares too (V4.1 from
-    ``GEMM_SHARES_MIN_ROWS`` tokens: ``finish.streams`` is its residual_out),
-    the consumer ran without the mixes: residual_out, the layer input, its
-    MXFP8 and the GEMM's output equal those of an all-reduce without mixes
-    (and its plain GEMM) bit for bit, the mixes are within ``BAR`` of the
-    reference from that residual_out. The status word stays 0.
+    extra programs fill them. Every output (the mixes, residual_out, the layer
+    input and its MXFP8, the GEMM's own) equals the call that combines in the
+    consumer followed by the plain GEMM, bit for bit; the status word stays 0.
     ``pin_gemm(linear, m)``: pins the GEMM's tactic (split-K and row blocks put
     copies of the finishing programs at grid positions where they only pass)."""
-    from decode_boundary.boundary.consumer import shares_in_next_gemm
     from decode_boundary.gemm import mxfp8_mm
     from decode_boundary.gemm.linear import Mxfp8Linear
     from decode_boundary.mxfp8.format import QuantizedActivation, mxfp8_scale_bytes
@@ -254,10 +247,6 @@ def _left_to_next_gemm(dev, h, rows, tactic=None, n_out=96, pin_gemm=None):
                                     .to(dev))
     for m in rows if pin_gemm is not None else ():
         pin_gemm(linear, m)
-    (no_mixes,) = db.BoundaryAllReduce.simulated(1, h, HC, cap, 2, device=dev,
-                                                 quantize_layer_input=True, residual_only=False)
-    no_mixes.tactic = tactic
-    shared_somewhere = False
     for collapse in ("previous", "same"):
         (ar,) = db.BoundaryAllReduce.simulated(1, h, HC, cap, 2, device=dev,
                                                quantize_layer_input=True, residual_only=False,
@@ -272,34 +261,24 @@ def _left_to_next_gemm(dev, h, rows, tactic=None, n_out=96, pin_gemm=None):
             gamma = (1 + 0.1 * torch.randn(h, generator=g)).bfloat16().to(dev)
 
             def call(combine, ar=ar, m=m, x=x, residual=residual, post=post, comb=comb,
-                     pre=pre, gamma=gamma, mix_weights=weights):
+                     pre=pre, gamma=gamma):
                 q = (torch.empty(m, h, dtype=torch.float8_e4m3fn, device=dev),
                      torch.empty(mxfp8_scale_bytes(m, h), dtype=torch.uint8, device=dev))
-                out = ar(x, residual, post, comb, pre, gamma, EPS, q, mix_weights=mix_weights,
+                out = ar(x, residual, post, comb, pre, gamma, EPS, q, mix_weights=weights,
                          combine_mixes=combine)
                 return out, QuantizedActivation(*q, torch.bfloat16, torch.Size((m, h)))
 
             (res, layer, mixes), a = call(True)
-            gemm_shares = shares_in_next_gemm(m, HC, collapse)
-            if gemm_shares:  # the consumer without the mixes: an all-reduce without them
-                (res, layer), a = call(True, ar=no_mixes, pre=pre, mix_weights=None)
             want_q = mxfp8_mm(linear, a)
             (res2, layer2, mixes2, finish), a2 = call(False)
             assert finish is not None and all(t is u for t, u in zip(
                 (finish.pre, finish.post, finish.comb), mixes2, strict=True))
-            assert (finish.streams is res2) == gemm_shares, (collapse, m)
-            shared_somewhere |= gemm_shares
             for t in mixes2:
                 t.fill_(float("nan"))
             q2 = mxfp8_mm(linear, a2, finish_mixes=finish)
-            pairs = ((res2, res), (layer2, layer), (q2, want_q))
-            if not gemm_shares:
-                pairs += tuple(zip(mixes2, mixes, strict=True))
+            pairs = ((res2, res), (layer2, layer), (q2, want_q), *zip(mixes2, mixes, strict=True))
             for got, want in pairs:
                 assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (collapse, m)
-            for got, exp in zip(mixes2, mhc_mixes_ref(res2.cpu(), *(w.cpu() for w in weights),
-                                                      EPS, HC_EPS, ITERS), strict=True):
-                assert (got.cpu() - exp).abs().max().item() <= BAR, (collapse, m)
             assert torch.equal(a2.data.view(torch.uint8), a.data.view(torch.uint8))
             assert torch.equal(a2.scale, a.scale)
             ar.check()
@@ -310,17 +289,9 @@ def _left_to_next_gemm(dev, h, rows, tactic=None, n_out=96, pin_gemm=None):
             for wrong in (dict(slots=finish.slots * 2), dict(totals_off=finish.totals_off - 1),
                           dict(chunks=0), dict(chunks=h), dict(hidden=h * 2),
                           dict(mix_row=finish.mix_row + 16)):
-                with pytest.raises(ValueError, match="is not the mix row of hidden|with the "
-                                   "shares needs|finish_mixes.streams must be"):
+                with pytest.raises(ValueError, match="is not the mix row of hidden"):
                     mxfp8_mm(linear, a2, finish_mixes=finish._replace(**wrong))
-            if gemm_shares:  # the shares' operands are checked like the rest
-                with pytest.raises(ValueError, match="finish_mixes.streams must be"):
-                    mxfp8_mm(linear, a2, finish_mixes=finish._replace(streams=res2[:, :1]))
-                with pytest.raises(ValueError, match="finish_mixes.hc_fn must be"):
-                    mxfp8_mm(linear, a2, finish_mixes=finish._replace(hc_fn=None))
         ar.close()
-    no_mixes.close()
-    assert shared_somewhere == any(m >= GEMM_SHARES_MIN_ROWS for m in rows)
 
 
 def test_mixes_left_to_the_next_gemm():
@@ -360,8 +331,7 @@ def test_a_finish_left_unlaunched_or_stale_is_refused():
     GEMM: the all-reduce's next call refuses (``RuntimeError``; at tp = 1 the
     instance stays usable) while no GEMM launched with the returned
     ``MixesFinish``; the finish is still good then (nothing rewrote its
-    shares) and its GEMM gives the combining call's mixes (bit for bit where
-    the consumer computed the shares). A GEMM refuses a
+    shares) and its GEMM gives the combining call's bits. A GEMM refuses a
     finish older than the last consumer launch on its rows, one from before a
     collective reset (the rows re-armed), one made only to compile
     (``deferred_finish``), a 0-row input, and a misaligned output."""
@@ -396,10 +366,7 @@ def test_a_finish_left_unlaunched_or_stale_is_refused():
     mxfp8_mm(linear, a, finish_mixes=finish)  # the refused calls rewrote nothing
     assert finish.launched == [True]
     for got, exp in zip(mixes, want, strict=True):
-        if finish.streams is None:  # the consumer's shares: the combining call's bits
-            assert torch.equal(got.view(torch.int32), exp.view(torch.int32))
-        else:  # the GEMM's (tensor-core dots): within the mixes' bar of them
-            assert (got - exp).abs().max().item() <= BAR
+        assert torch.equal(got.view(torch.int32), exp.view(torch.int32))
     call(True)  # the next consumer launch rewrites the mix rows: the finish is stale
     with pytest.raises(ValueError, match="older than the last consumer launch"):
         mxfp8_mm(linear, a, finish_mixes=finish)

@@ -77,8 +77,8 @@ gemm_sig = {"w_ptr": "*fp8e4nv", "w_scale_ptr": "*u8", "a_ptr": "*fp8e4nv", "a_s
     "stage_ptr": "*i32", "stamp_ptr": "*i64", "stamp_base": "i32", "M": "i32",
     "mix_ptr": "*i64", "generation_ptr": "*i32", "status_ptr": "*i32", "hc_scale_ptr": "*fp32",
     "hc_base_ptr": "*fp32", "pre_out_ptr": "*fp32", "post_out_ptr": "*fp32",
-    "comb_out_ptr": "*fp32", "streams_ptr": "*bf16", "hc_fn_ptr": "*fp32", "mix_eps": "fp32",
-    "hc_eps": "fp32", "mix_rounds": "i32", "wait_bound": "i64"}
+    "comb_out_ptr": "*fp32", "mix_eps": "fp32", "hc_eps": "fp32", "mix_rounds": "i32",
+    "wait_bound": "i64"}
 gemm = dict(N=1536, K=5120, GROUPS=1, BLOCK_N=4, ROWS=1, SPLIT_K=1, K_SLICE=5120, CHUNK=1024,
     PIECES=5, A_UPFRONT=True, A_BF16=False, USE_PDL=True, INTERPRETER=False, PUBLISH=False,
     TP=1, RANK=0, CAPACITY=1, HIDDEN=1, TIMELINE=False, FINISH_MIXES=False, HC=1,
@@ -88,14 +88,6 @@ out["gemm"] = ptx(mxfp8_gemm_kernel, gemm_sig, gemm, 2, fp_fusion=True)
 out["gemm_finishing"] = ptx(mxfp8_gemm_kernel, gemm_sig, dict(
     gemm, FINISH_MIXES=True, HC=4, MIX_HIDDEN=5120, MIX_CHUNKS=40, MIX_CHUNKS_P2=64, SLOTS=32,
     MIX_ROW=80 * 32 + 32, TOTALS_OFF=80 * 32, USE_PTX=True), 2, fp_fusion=True)
-# fused_wqa_wkv at 16 rows (64 x 16 tiles, split 10, 4 warps), plain and with the group
-# programs that compute the next mixes' shares too (FINISH_MIXES with SHARES).
-gemm16 = dict(gemm, BLOCK_N=64, ROWS=16, SPLIT_K=10, K_SLICE=512, CHUNK=128, PIECES=4)
-out["gemm_16"] = ptx(mxfp8_gemm_kernel, gemm_sig, gemm16, 4, fp_fusion=True)
-out["gemm_16_shares"] = ptx(mxfp8_gemm_kernel, gemm_sig, dict(
-    gemm16, FINISH_MIXES=True, HC=4, MIX_HIDDEN=5120, MIX_CHUNKS=40, MIX_CHUNKS_P2=64, SLOTS=32,
-    MIX_ROW=80 * 32 + 32, TOTALS_OFF=80 * 32, USE_PTX=True, SHARES=True, SHARE_BLOCK=128,
-    SHARE_TOKENS=16), 4, fp_fusion=True)
 # The mixes kernel after the consumer (mixes_kernel.py: 128 columns x 16 tokens, 4 warps).
 out["mixes_kernel"] = ptx(next_mixes_kernel, {"streams_ptr": "*bf16", "hc_fn_ptr": "*fp32",
     "hc_scale_ptr": "*fp32", "hc_base_ptr": "*fp32", "generation_ptr": "*i32",
@@ -230,36 +222,6 @@ def test_the_next_gemm_combines_with_the_consumers_roundings(ptx):
     assert 0 < finishing.count("rcp.approx.ftz.f32") < 100
     assert "ld.volatile.global" in finishing and "%globaltimer" in finishing
     assert "fence" not in finishing and "membar" not in finishing
-
-
-def test_the_next_gemm_computes_shares_without_more_registers(ptx, tmp_path):
-    """The GEMM's group programs (``SHARES``) compute the shares on BF16
-    tensor cores (three parts x 4 streams x 128 / 16 k-steps per warp), poll
-    the shares volatile and bounded, and cost the weight owners no registers: every program of a
-    kernel gets its largest path's count, and held hc_fn parts would make it
-    255 (sm_90 ptxas, fused_wqa_wkv at 16 rows)."""
-    import triton.backends.nvidia as nvidia
-
-    code = ptx["gemm_16_shares"]
-    shares_mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
-    assert code.count(shares_mma) - ptx["gemm_16"].count(shares_mma) == 3 * 4 * 8
-    assert "ld.volatile.global" in code and "%globaltimer" in code
-    # no memory fence (the dots bring wgmma's and the async proxy's, as without the shares)
-    assert "membar" not in code and "fence.sc" not in code and "fence.acq_rel" not in code
-    ptxas = os.path.join(os.path.dirname(nvidia.__file__), "bin", "ptxas")
-    if not os.path.exists(ptxas):
-        pytest.skip("no ptxas")
-    used = {}
-    for name in ("gemm_16", "gemm_16_shares"):
-        src = tmp_path / f"{name}.ptx"
-        src.write_text(ptx[name])
-        proc = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(src), "-o", os.devnull],
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        info = proc.stdout + proc.stderr
-        assert "0 bytes spill stores, 0 bytes spill loads" in info, (name, info[-500:])
-        used[name] = int(re.search(r"Used (\d+) registers", info).group(1))
-    assert used["gemm_16_shares"] <= used["gemm_16"] + 8, used
 
 
 def test_no_fma_no_multicast(ptx):

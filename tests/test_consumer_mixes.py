@@ -30,9 +30,9 @@ from decode_boundary.boundary.consumer import (
     sumsq_columns,
 )
 from decode_boundary.boundary.consumer_kernel import FULL, RESIDUAL_ONLY
+from decode_boundary.boundary.mixes_kernel import _split_bf16
 from decode_boundary.boundary.reference import consumer_ref, mhc_mixes_ref
 from decode_boundary.common.mhc_combine import _combine_pre_post, _pre_from_shares
-from decode_boundary.common.mhc_shares import _split_bf16
 from decode_boundary.common.tagged_words import _tagged
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes
 
@@ -315,7 +315,7 @@ def _split_on(device):
 
 def test_mixes_kernel_splits_hc_fn_into_three_bf16_parts_exactly():
     """The mixes kernel's dots run on BF16 tensor cores with hc_fn split as hi +
-    mid + lo (``common.mhc_shares._split_bf16``): the three parts add up to the FP32
+    mid + lo (``mixes_kernel._split_bf16``): the three parts add up to the FP32
     value exactly, at magnitudes 1e-6 .. 1e2, whatever rounding the casts do."""
     _split_on("cpu")
 

@@ -66,7 +66,6 @@ from .consumer import (
     mix_columns,
     mixes_aside_ok,
     mixes_finish,
-    shares_in_next_gemm,
     status_error,
     wait_bound,
 )
@@ -434,16 +433,12 @@ class BoundaryAllReduce:
                              f"{rows!r}")
         m, hc, h = rows, self.hc_mult, self.hidden_size
         ptx = env.use_ptx(self.device)
-        gemm_shares = self.collapse_pre is not None and \
-            shares_in_next_gemm(m, hc, self.collapse_pre)
-        if self.collapse_pre is None or not (gemm_shares or fuses_mixes(m, hc, self.collapse_pre)) \
-                or not can_leave_combine(ptx, self.device):
+        if self.collapse_pre is None or not fuses_mixes(m, hc, self.collapse_pre) or \
+                not can_leave_combine(ptx, self.device):
             return None
         box = self._open()
         f32 = dict(dtype=torch.float32, device=self.device)
-        fn = torch.empty((2 + hc) * hc, hc * h, **f32) if gemm_shares else torch.empty(0, **f32)
-        streams = torch.empty(m, hc, h, dtype=torch.bfloat16, device=self.device) \
-            if gemm_shares else None
+        fn = torch.empty(0, **f32)
         mixes = MhcMixes(fn, torch.empty(3, **f32), torch.empty((2 + hc) * hc, **f32),
                          self.hc_eps, self.hc_sinkhorn_iters, self.collapse_pre)
         tactic = self.tactic or consumer_tactic(m, h, self.collapse_pre)
@@ -452,8 +447,7 @@ class BoundaryAllReduce:
             bound = wait_bound(bound.seconds, self.device)
         return mixes_finish(mixes, box.mix_words, box.generation, box.status,
                             (torch.empty(m, hc, **f32), torch.empty(m, hc, **f32),
-                             torch.empty(m, hc, hc, **f32)), eps, bound, h, tactic, ptx,
-                            streams=streams)
+                             torch.empty(m, hc, hc, **f32)), eps, bound, h, tactic, ptx)
 
     def finalize(self, gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx,
                  shared_output, residual, post, comb, pre, norm_weight, norm_eps,
@@ -646,13 +640,8 @@ class BoundaryAllReduce:
     def _consumer_key(self, m: int, mode: int, quant: bool, combine: bool = True,
                       aside: bool = False) -> tuple:
         mixes = self.collapse_pre if mode == FULL else None
-        # As consume decides (a key that tells more variants apart than it launches only
-        # compiles one twice).
-        gemm_shares = mixes is not None and not aside and not combine and \
-            shares_in_next_gemm(m, self.hc_mult, mixes)
-        fused = mixes is not None and not aside and not gemm_shares and \
-            fuses_mixes(m, self.hc_mult, mixes)
-        return ("consume", mode, quant, mixes, fused, combine or not fused, aside, gemm_shares,
+        fused = mixes is not None and not aside and fuses_mixes(m, self.hc_mult, mixes)
+        return ("consume", mode, quant, mixes, fused, combine or not fused, aside,
                 self.tactic or consumer_tactic(m, self.hidden_size, mixes if fused else None))
 
     def compile_variants(self, compilers: dict, force_barrier: bool = False) -> None:

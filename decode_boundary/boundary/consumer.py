@@ -70,7 +70,6 @@ from ..common.contract import STAGES, MixesFinish, advance_mix_rows, current_str
 from ..common.contract import mix_columns as mix_columns
 from ..common.contract import mix_slots as mix_slots
 from ..common.contract import mix_totals_offset as mix_totals_offset
-from ..common.mhc_shares import SHARE_BLOCK_H
 from ..common.timeline import launch_args
 from ..mxfp8.format import check_scale_buffer, mxfp8_scale_bytes
 from .consumer_kernel import (
@@ -84,7 +83,7 @@ from .consumer_kernel import (
     SAME_PRE,
     consumer_kernel,
 )
-from .mixes_kernel import launch_next_mixes
+from .mixes_kernel import MIXES_KERNEL_BLOCK_H, launch_next_mixes
 from .publish_kernel import load_module
 
 QUANT_GROUP = 32  # MXFP8 group: a chunk holds whole groups, so it is >= 32 columns
@@ -159,12 +158,6 @@ MIXES_FUSED_MAX_ROWS = 32
 # µs per step, inline / aside): M = 1 17.6 / 24.4, 4 24.0 / 28.0, 8 25.8 / 29.4, 16 33.9 /
 # 38.2, 32 56.0 / 45.2, 64 72.5 / 62.0 (benchmarks/NOTES.md).
 MIXES_ASIDE_MIN_ROWS = 32
-# From this many tokens on (up to MIXES_FUSED_MAX_ROWS), where the combine is left to the
-# next GEMM, V4.1's shares are left to it too (shares_in_next_gemm): its group programs
-# read hc_fn once per 16 tokens, where the consumer's per-token programs read all of it
-# per token (M x 2 MB through L2 at H = 5120), and the consumer runs its tactic without
-# the mixes (benchmarks/NOTES.md "V4-family mixes" item 19).
-GEMM_SHARES_MIN_ROWS = 2
 
 
 def consumer_tactic(m: int, hidden: int, mixes: str | None = None) -> ConsumerTactic:
@@ -188,16 +181,6 @@ def fuses_mixes(m: int, hc: int, collapse: str) -> bool:
     BF16 parts of 128 x slots (hc = 2-4: 16 or 32 slots; hc = 8's 64 slots
     did not fit even as one FP32 tile per stream: 520 KB of shared memory)."""
     return collapse == "same" or m <= MIXES_FUSED_MAX_ROWS or not mixes_kernel_takes(hc)
-
-
-def shares_in_next_gemm(m: int, hc: int, collapse: str) -> bool:
-    """Whether a consumer call of M tokens that leaves the combine to the next
-    GEMM (``combine_mixes=False``) leaves it the shares too, running without
-    the mixes itself (``GEMM_SHARES_MIN_ROWS``): V4.1's collapse only (V4's
-    needs the pre inside the consumer), an hc the group programs take, and up
-    to ``MIXES_FUSED_MAX_ROWS`` (beyond, the mixes go aside)."""
-    return collapse == "previous" and mixes_kernel_takes(hc) and \
-        GEMM_SHARES_MIN_ROWS <= m <= MIXES_FUSED_MAX_ROWS
 
 
 def mixes_kernel_takes(hc: int) -> bool:
@@ -347,7 +330,7 @@ def _check_tactic(tactic: ConsumerTactic, hidden: int, mode: int, mixes: bool = 
                          "columns (one share of the mix row per chunk)")
     chunks = triton.cdiv(hidden, block)
     if mixes_kernel:
-        chunks = max(chunks, triton.cdiv(hidden, SHARE_BLOCK_H))
+        chunks = max(chunks, triton.cdiv(hidden, MIXES_KERNEL_BLOCK_H))
     if mode == FULL and cooperative and chunks > 1 and env.interpret_mode():
         raise ValueError(f"tactic {tactic}: cooperative programs wait for each other, which "
                          "the interpreter (programs run one by one) cannot do")
@@ -544,18 +527,13 @@ def consume(
         raise ValueError("mixes_stream needs the full mode with mixes of the previous pre "
                          f"(collapse 'previous') and 16 <= mix_slots(hc) <= 32, got hc = {hc}, "
                          f"collapse {getattr(mixes, 'collapse', None)!r}")
-    if not isinstance(combine_mixes, bool):
-        raise ValueError(f"combine_mixes must be a bool, got {combine_mixes!r}")
-    # The next GEMM computes the shares too: the consumer runs without the mixes.
-    gemm_shares = isinstance(mixes, MhcMixes) and mixes_stream is None and mode == FULL and \
-        not combine_mixes and shares_in_next_gemm(m, hc, mixes.collapse) and \
-        can_leave_combine(ptx, device)
-    fused = isinstance(mixes, MhcMixes) and mixes_stream is None and not gemm_shares and \
+    fused = isinstance(mixes, MhcMixes) and mixes_stream is None and \
         fuses_mixes(m, hc, mixes.collapse)
     tactic = ConsumerTactic(*(tactic or consumer_tactic(m, hidden,
                                                         mixes.collapse if fused else None)))
-    _check_tactic(tactic, hidden, mode, fused,
-                  isinstance(mixes, MhcMixes) and not fused and not gemm_shares)
+    _check_tactic(tactic, hidden, mode, fused, isinstance(mixes, MhcMixes) and not fused)
+    if not isinstance(combine_mixes, bool):
+        raise ValueError(f"combine_mixes must be a bool, got {combine_mixes!r}")
     defer = not combine_mixes and fused and can_leave_combine(ptx, device)
     layer_input = None
     quant = mxfp8_out is not None
@@ -628,7 +606,7 @@ def consume(
     )
     if compile_only:
         load_module(compiled)
-    if mixes is not None and not fused and not gemm_shares:
+    if mixes is not None and not fused:
         aside = mixes_stream is not None
         launch = functools.partial(
             launch_next_mixes, out, fn, scale, base, eps, mixes.hc_eps, mixes.sinkhorn_iters,
@@ -649,10 +627,8 @@ def consume(
     epoch = -1 if compile_only else advance_mix_rows(mix_words)
     if combine_mixes:
         return out, layer_input, mixes_out
-    finish = None
-    if defer or gemm_shares:
-        finish = mixes_finish(mixes, mix_words, generation, status, mixes_out, eps, wait_bound,
-                              hidden, tactic, ptx, epoch, out if gemm_shares else None)
+    finish = mixes_finish(mixes, mix_words, generation, status, mixes_out, eps, wait_bound,
+                          hidden, tactic, ptx, epoch) if defer else None
     return out, layer_input, mixes_out, finish
 
 
@@ -672,23 +648,18 @@ def can_leave_combine(ptx: bool, device: torch.device) -> bool:
 
 def mixes_finish(mixes: MhcMixes, mix_words: torch.Tensor, generation: torch.Tensor,
                  status: torch.Tensor, outputs: tuple, eps: float, wait_bound: int,
-                 hidden: int, tactic: ConsumerTactic, ptx: bool, epoch: int = -1,
-                 streams: torch.Tensor | None = None) -> MixesFinish:
+                 hidden: int, tactic: ConsumerTactic, ptx: bool, epoch: int = -1) -> MixesFinish:
     """The ``MixesFinish`` of a consumer launch with ``tactic`` (its chunks'
     shares) that left the combine, for ``outputs`` = (pre, post, comb);
     ``epoch``: that launch's (``common.contract.advance_mix_rows``), -1 for a
-    finish made only to compile the finishing variant. ``streams``: the
-    launch's residual_out where it computed no shares (:func:`shares_in_next_gemm`):
-    the GEMM then computes them too, in its own chunks."""
+    finish made only to compile the finishing variant."""
     hc = outputs[0].shape[1]
     row = _mix_row(hidden, hc)
-    block = tactic.block_h if streams is None else SHARE_BLOCK_H
     return MixesFinish(mix_words, generation, status, mixes.hc_scale, mixes.hc_base, *outputs,
                        float(eps), float(mixes.hc_eps), mixes.sinkhorn_iters - 1,
-                       int(wait_bound), hc, hidden, triton.cdiv(hidden, block),
+                       int(wait_bound), hc, hidden, triton.cdiv(hidden, tactic.block_h),
                        row["SLOTS"], row["MIX_ROW"], row["TOTALS_OFF"], ptx, [False], epoch,
-                       current_stream_id(mix_words.device), streams,
-                       None if streams is None else mixes.hc_fn)
+                       current_stream_id(mix_words.device))
 
 
 def _mix_row(hidden: int, hc: int) -> dict:

@@ -134,7 +134,6 @@ from ..common.mhc_combine import (
     _no_logits,
     _pre_from_shares,
 )
-from ..common.mhc_shares import _load_mix_weights
 from ..common.rounding import quantize_groups, swizzled_offset, to_bf16_rne, zero_scale_padding
 from ..common.tagged_words import NORM_TIMEOUT_BIT as NORM_TIMEOUT_BIT  # a status bit, re-exported
 from ..common.tagged_words import (
@@ -151,6 +150,7 @@ from .consumer_mixes import (
     _NEXT_MIXES,
     _NO_MIXES,
     _SAME_PRE,
+    _load_mix_weights,
     _publish_mix_partials,
 )
 from .consumer_mixes import NEXT_MIXES as NEXT_MIXES  # the MIXES values, re-exported

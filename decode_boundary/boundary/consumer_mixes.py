@@ -52,13 +52,28 @@ _NO_MIXES, _NEXT_MIXES, _SAME_PRE = (tl.constexpr(NO_MIXES), tl.constexpr(NEXT_M
 
 
 @triton.jit
+def _load_mix_weights(hc_fn_ptr, cols, cmask, HC: tl.constexpr, HIDDEN: tl.constexpr,
+                      SLOTS: tl.constexpr):
+    """Columns ``cols`` of ``hc_fn`` FP32 [(2 + HC) * HC, HC * H], one [SLOTS,
+    BLOCK_H] tile per stream t (row j = mix j, rows >= (2 + HC) * HC zero), as
+    a tuple (also the mixes kernel's)."""
+    NMIX: tl.constexpr = (2 + HC) * HC
+    j = tl.arange(0, SLOTS)[:, None]
+    fn = ()
+    for t in tl.static_range(HC):
+        fn = fn + (tl.load(hc_fn_ptr + j.to(tl.int64) * (HC * HIDDEN) + t * HIDDEN
+                           + cols[None, :], mask=(j < NMIX) & cmask[None, :], other=0.0),)
+    return fn
+
+
+@triton.jit
 def _publish_mix_partials(mix_ptr, fn, m, chunk, streams, tag, HC: tl.constexpr,
                           SLOTS: tl.constexpr, MIX_ROW: tl.constexpr):
     """This chunk's share of the next sublayer's mixes, tagged into token m's
     mix row at ``chunk * SLOTS``: word j < (2 + HC) * HC = sum over its columns
     and streams of residual_out * hc_fn[j] (FP32, each product rounded), word
     (2 + HC) * HC = its sum of squares of residual_out, the rest +0.0. ``fn``:
-    its columns of hc_fn (``common.mhc_shares._load_mix_weights``)."""
+    its columns of hc_fn (:func:`_load_mix_weights`)."""
     NMIX: tl.constexpr = (2 + HC) * HC
     acc = tl.zeros(fn[0].shape, dtype=tl.float32)
     squares = tl.zeros(streams[0].shape, dtype=tl.float32)

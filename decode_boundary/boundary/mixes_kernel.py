@@ -7,12 +7,20 @@ cost the chain 14-21 µs (benchmarks/NOTES.md). Here a program owns
 ``BLOCK_H`` columns of ``TOKENS`` tokens, so ``hc_fn`` is read once per
 token group.
 
-**Layout.** A program is a *group program* of :mod:`..common.mhc_shares`
-(``BLOCK_H`` = ``SHARE_BLOCK_H`` columns of ``SHARE_TOKENS`` tokens; its
-docstring gives the layout, the dots and the order of shares and combine).
-Grid: (column chunks, token groups), chunks fastest; the program holds its
-chunk's hc_fn (loaded and split before its grid wait: a weight, overlapping
-the consumer). ``COOPERATIVE=False`` (the interpreter): one program per group.
+**Layout.** ``streams``: the consumer's ``residual_out`` BF16 ``[M, HC, H]``;
+``hc_fn`` FP32 ``[(2 + HC) * HC, HC * H]``; the mix rows int64 ``[rows,
+MIX_ROW]`` in the consumer's layout (``common.contract.mix_columns``: a share of
+``SLOTS`` words per chunk, then chunk 0's sums). Grid: (column chunks, token
+groups), chunks fastest. Program (c, g) holds ``hc_fn``'s columns of chunk c
+(loaded before its grid wait: a weight, overlapping the consumer), then for
+its tokens computes the chunk's (2 + HC) * HC dots on BF16 tensor cores and
+the sum of squares, and stores them tagged into each token's row at ``c *
+SLOTS`` — the consumer's shares, word for word. Then program (c, g) combines
+token g * TOKENS + i for every i = c mod chunks: the consumer's
+``_combine_mixes`` (bounded poll of the token's shares, one fixed sum, scalar
+sigmoid / softmax / Sinkhorn).
+``COOPERATIVE=False`` (the interpreter, whose programs run one by one): one
+program per group walks every chunk, then combines every token.
 
 **Tags and ordering.** A token's tag is ``generation[m]`` as the consumer
 left it: read with a plain load after the grid wait (the consumer has
@@ -33,9 +41,18 @@ kernel starts (it launches once they all released it).
 wrote ``streams`` and ``generation``; no other kernel uses the mix rows or
 the outputs meanwhile. The mix rows are zeroed only with the generations.
 
-**The dots** (``common.mhc_shares``): exact products of BF16 parts on
-tensor cores, FP32 accumulation; pre/post/comb match the reference within
-FP32 rounding, as the fused mixes do, not bit for bit.
+**The dots.** residual_out is BF16; hc_fn's FP32 columns are split (before
+the wait) into three BF16 parts, hi + mid + lo = the value exactly for 2^-110
+<= |x| < 3.39e38 and 0 (``_split_bf16``; below, lo loses bits under BF16's
+subnormals, <= 2^-134 absolute; above, hi overflows), so each product is
+exact and only the tensor cores' FP32 accumulation rounds: three BF16 MMAs
+per stream (the FP32 FMA dot took 18 µs of the kernel's 24 at 4 warps; with
+``tf32x3``, six TF32 MMAs a stream and 2 bits of hc_fn lost, the shares took
+~5 µs; benchmarks/NOTES.md). Without ``USE_PTX`` (the interpreter, whose BF16
+dot is wrong, or PTX switched off) the same parts are multiplied as FP32 (as
+BF16 values, exact in TF32 too). The dots are not the reference's summation
+order: pre/post/comb match it within FP32 rounding, as the fused mixes do,
+not bit for bit.
 """
 from __future__ import annotations
 
@@ -43,16 +60,68 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.mhc_shares import (
-    SHARE_BLOCK_H,
-    SHARE_TOKENS,
-    SHARE_WARPS,
-    chunk_parts,
-    group_combine,
-    group_shares,
-)
+from ..common.mhc_combine import _combine_mixes
+from ..common.tagged_words import _tagged
 from ..common.timeline import END, MARK1, MARK2, START, WAITED, launch_args, stamp, stamp_after
+from .consumer_mixes import _load_mix_weights
 from .publish_kernel import load_module
+
+TOKENS = 16  # tokens per program: tl.dot's smallest M
+# sm_90: 255 registers (hc_fn's parts held), no spills, 16 KB shared (64 x 4: 168, but
+# twice the shares to poll)
+MIXES_KERNEL_BLOCK_H, MIXES_KERNEL_WARPS = 128, 4
+
+
+@triton.jit
+def _split_bf16(fn, HC: tl.constexpr):
+    """hc_fn's FP32 tiles as three BF16 tiles each, hi + mid + lo = the value
+    exactly (8 + 8 + 8 significand bits; each remainder is exact in FP32): the
+    dots' products with residual_out (BF16) are then exact on BF16 tensor
+    cores. Flat tuple: stream t's parts at 3t .. 3t + 2, hi first."""
+    parts = ()
+    for t in tl.static_range(HC):
+        hi = fn[t].to(tl.bfloat16)
+        rest = fn[t] - hi.to(tl.float32)
+        mid = rest.to(tl.bfloat16)
+        parts = parts + (hi, mid, (rest - mid.to(tl.float32)).to(tl.bfloat16))
+    return parts
+
+
+@triton.jit
+def _chunk_parts(hc_fn_ptr, chunk, HC: tl.constexpr, HIDDEN: tl.constexpr,
+                 BLOCK_H: tl.constexpr, SLOTS: tl.constexpr):
+    """Chunk ``chunk``'s columns of hc_fn, loaded and split (``_split_bf16``)."""
+    cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
+    return _split_bf16(_load_mix_weights(hc_fn_ptr, cols, cols < HIDDEN, HC, HIDDEN, SLOTS), HC)
+
+
+@triton.jit
+def _store_shares(streams_ptr, mix_ptr, fn, chunk, tokens, live, tags, HC: tl.constexpr,
+                  HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, SLOTS: tl.constexpr,
+                  MIX_ROW: tl.constexpr, USE_PTX: tl.constexpr):
+    """Chunk ``chunk``'s share of every live token's mixes, tagged into its
+    row: the dots, then the sum of squares (word (2 + HC) * HC), then +0.0.
+    ``fn``: the chunk's hc_fn tiles as 3 * HC BF16 parts (``_chunk_parts``)."""
+    NMIX: tl.constexpr = (2 + HC) * HC
+    cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)[None, :]
+    rows = tokens[:, None]
+    acc = tl.zeros((rows.shape[0], SLOTS), dtype=tl.float32)
+    squares = tl.zeros((rows.shape[0],), dtype=tl.float32)
+    for t in tl.static_range(HC):
+        s = tl.load(streams_ptr + (rows * HC + t).to(tl.int64) * HIDDEN + cols,
+                    mask=live[:, None] & (cols < HIDDEN), other=0.0)
+        for part in tl.static_range(3):  # the smallest first
+            if USE_PTX:
+                acc = tl.dot(s, tl.trans(fn[t * 3 + 2 - part]), acc)
+            else:  # the interpreter's BF16 dot is wrong: FP32 operands
+                acc = tl.dot(s.to(tl.float32), tl.trans(fn[t * 3 + 2 - part].to(tl.float32)),
+                             acc, input_precision="tf32")  # BF16 values: exact in TF32
+        wide = s.to(tl.float32)
+        squares = squares + tl.sum(wide * wide, axis=1)
+    j = tl.arange(0, SLOTS)[None, :]
+    part = tl.where(j < NMIX, acc, tl.where(j == NMIX, squares[:, None], 0.0))
+    tl.store(mix_ptr + rows * MIX_ROW + chunk * SLOTS + j, _tagged(part, tags[:, None]),
+             mask=live[:, None])
 
 
 # m_total and stamp_base unspecialized: one compiled variant serves every M and slot
@@ -68,13 +137,13 @@ def next_mixes_kernel(
     COOPERATIVE: tl.constexpr, USE_PTX: tl.constexpr, USE_PDL: tl.constexpr,
     TIMELINE: tl.constexpr,
 ):
+    CHUNKS: tl.constexpr = (HIDDEN + BLOCK_H - 1) // BLOCK_H
     chunk = tl.program_id(0)  # always 0 without COOPERATIVE: the program walks the chunks
     group = tl.program_id(1)
     slot = stamp_base + group * tl.num_programs(0) + chunk  # common.timeline (a diagnostic)
     stamp(stamp_ptr, slot, START, TIMELINE)
-    fn = ()
     if COOPERATIVE:  # a weight: its loads overlap the consumer
-        fn = chunk_parts(hc_fn_ptr, chunk, HC, HIDDEN, BLOCK_H, SLOTS)
+        fn = _chunk_parts(hc_fn_ptr, chunk, HC, HIDDEN, BLOCK_H, SLOTS)
         if TIMELINE:  # mark2: hc_fn's columns in
             last = tl.sum(fn[3 * HC - 1].to(tl.float32), axis=None).to(tl.int32)
             stamp_after(stamp_ptr, slot, MARK2, last, TIMELINE)
@@ -85,14 +154,30 @@ def next_mixes_kernel(
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     stamp(stamp_ptr, slot, WAITED, TIMELINE)
-    first, step = group_shares(streams_ptr, hc_fn_ptr, generation_ptr, mix_ptr, fn, chunk, group,
-                               m_total, HC, HIDDEN, BLOCK_H, TOKENS, SLOTS, MIX_ROW, COOPERATIVE,
-                               COOPERATIVE, USE_PTX)
-    stamp(stamp_ptr, slot, MARK1, TIMELINE)  # mark1: the shares stored
-    group_combine(generation_ptr, mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr,
-                  post_out_ptr, comb_out_ptr, group, first, step, m_total, eps, hc_eps,
-                  sinkhorn_rounds, wait_bound, HC, HIDDEN, BLOCK_H, TOKENS, SLOTS, MIX_ROW,
-                  TOTALS_OFF, CHUNKS_P2, USE_PTX)
+    tokens = group * TOKENS + tl.arange(0, TOKENS)
+    live = tokens < m_total
+    tags = tl.load(generation_ptr + tokens, mask=live, other=0)
+    if COOPERATIVE:
+        _store_shares(streams_ptr, mix_ptr, fn, chunk, tokens, live, tags, HC, HIDDEN, BLOCK_H,
+                      SLOTS, MIX_ROW, USE_PTX)
+        first, step = chunk, CHUNKS
+        stamp(stamp_ptr, slot, MARK1, TIMELINE)  # mark1: the shares stored
+    else:
+        for c in range(CHUNKS):
+            _store_shares(streams_ptr, mix_ptr,
+                          _chunk_parts(hc_fn_ptr, c, HC, HIDDEN, BLOCK_H, SLOTS), c, tokens, live,
+                          tags, HC, HIDDEN, BLOCK_H, SLOTS, MIX_ROW, USE_PTX)
+        tl.debug_barrier()  # this program's stores precede its polls below
+        first, step = tl.full((), 0, tl.int32), 1
+    i = first
+    while i < TOKENS:
+        m = group * TOKENS + i
+        if m < m_total:
+            _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr,
+                           post_out_ptr, comb_out_ptr, m, tl.load(generation_ptr + m), eps,
+                           hc_eps, sinkhorn_rounds, wait_bound, HC, HIDDEN, CHUNKS, CHUNKS_P2,
+                           SLOTS, MIX_ROW, TOTALS_OFF, USE_PTX)
+        i += step
     stamp(stamp_ptr, slot, END, TIMELINE)
 
 
@@ -106,8 +191,8 @@ def launch_next_mixes(streams: torch.Tensor, hc_fn: torch.Tensor, hc_scale: torc
     written; ``row``: the mix row's geometry as constexprs (SLOTS, MIX_ROW,
     TOTALS_OFF; ``consumer._mix_row``)."""
     m, hc, hidden = streams.shape
-    chunks = triton.cdiv(hidden, SHARE_BLOCK_H)
-    grid = (chunks if cooperative else 1, triton.cdiv(m, SHARE_TOKENS))
+    chunks = triton.cdiv(hidden, MIXES_KERNEL_BLOCK_H)
+    grid = (chunks if cooperative else 1, triton.cdiv(m, TOKENS))
     kernel = next_mixes_kernel.warmup if compile_only else next_mixes_kernel[grid]
     stamps, stamp_base, timeline = (status, 0, False) if compile_only else \
         launch_args("next_mixes_kernel", grid[0] * grid[1], streams.device, status)
@@ -115,9 +200,9 @@ def launch_next_mixes(streams: torch.Tensor, hc_fn: torch.Tensor, hc_scale: torc
         streams, hc_fn, hc_scale, hc_base, generation, mix_words, status, *outputs, stamps,
         stamp_base, m,
         float(eps), float(hc_eps), sinkhorn_iters - 1, int(wait_bound),
-        HC=hc, HIDDEN=hidden, BLOCK_H=SHARE_BLOCK_H, TOKENS=SHARE_TOKENS, **row,
+        HC=hc, HIDDEN=hidden, BLOCK_H=MIXES_KERNEL_BLOCK_H, TOKENS=TOKENS, **row,
         CHUNKS_P2=triton.next_power_of_2(chunks), COOPERATIVE=cooperative, USE_PTX=ptx,
-        USE_PDL=pdl, TIMELINE=timeline, num_warps=SHARE_WARPS, enable_fp_fusion=False,
+        USE_PDL=pdl, TIMELINE=timeline, num_warps=MIXES_KERNEL_WARPS, enable_fp_fusion=False,
         launch_pdl=pdl,
         **(dict(grid=grid) if compile_only else {}))
     if compile_only:

@@ -119,9 +119,7 @@ class MixesFinish(NamedTuple):
     launch (or a re-arm) has rewritten the rows, and -1 marks a finish made
     only to compile the variant (``deferred_finish``), which no launch takes;
     ``stream``, the CUDA stream it was made on (0 off the GPU): the GEMM must
-    launch on it (its grid wait orders it after the consumer only there).
-    ``streams`` and ``hc_fn`` (both or neither): the GEMM computes the shares
-    as well (the consumer computed none)."""
+    launch on it (its grid wait orders it after the consumer only there)."""
 
     mix_words: torch.Tensor  # int64 [rows, mix_columns(H, hc)]
     generation: torch.Tensor  # int32 [rows]: generation[m] is the shares' tag
@@ -145,11 +143,6 @@ class MixesFinish(NamedTuple):
     launched: list | None = None
     epoch: int = -1
     stream: int = 0
-    # With both: the consumer ran without the mixes, and the GEMM computes the shares
-    # too (its SHARES programs, common.mhc_shares) from this residual_out (BF16 [M, hc,
-    # H]) and hc_fn (FP32 [(2 + hc) * hc, hc * H]); ``chunks`` is then theirs.
-    streams: torch.Tensor | None = None
-    hc_fn: torch.Tensor | None = None
 
 
 def current_stream_id(device: torch.device) -> int:

@@ -72,7 +72,6 @@ from decode_boundary.common.contract import (
     mix_slots,
     mix_totals_offset,
 )
-from decode_boundary.common.mhc_shares import SHARE_BLOCK_H, SHARE_TOKENS
 from decode_boundary.common.timeline import launch_args
 from decode_boundary.env import interpret_mode, use_pdl
 from decode_boundary.mxfp8.format import QuantizedActivation, check_scale_buffer, mxfp8_scale_bytes
@@ -247,27 +246,14 @@ def _finish_args(finish: MixesFinish | None, rows: int, device: torch.device, du
     """(positional, constexpr) arguments of ``FINISH_MIXES`` (dummies without);
     ``launching``: for a launch, not only a compile (the finish must be current)."""
     if finish is None:
-        return (dummy,) * 10 + (0.0, 0.0, 0, 0), {}
+        return (dummy,) * 8 + (0.0, 0.0, 0, 0), {}
     _check_finish(finish, rows, device, launching)
     f = finish
-    shares = f.streams is not None
     return (f.mix_words, f.generation, f.status, f.hc_scale, f.hc_base, f.pre, f.post, f.comb,
-            f.streams if shares else dummy, f.hc_fn if shares else dummy,
             float(f.eps), float(f.hc_eps), int(f.rounds), int(f.wait_bound)), dict(
         FINISH_MIXES=True, HC=f.hc, MIX_HIDDEN=f.hidden, MIX_CHUNKS=f.chunks,
         MIX_CHUNKS_P2=triton.next_power_of_2(f.chunks), SLOTS=f.slots, MIX_ROW=f.mix_row,
-        TOTALS_OFF=f.totals_off, USE_PTX=f.use_ptx, SHARES=shares, SHARE_BLOCK=SHARE_BLOCK_H,
-        SHARE_TOKENS=SHARE_TOKENS)
-
-
-def finish_programs(finish: MixesFinish | None, rows: int) -> int:
-    """The grid's front columns for ``finish`` (kernel docstring): one per token,
-    or with the shares the group programs (one per 16 tokens in the interpreter)."""
-    if finish is None:
-        return 0
-    if finish.streams is None:
-        return rows
-    return -(-rows // SHARE_TOKENS) * (1 if interpret_mode() else finish.chunks)
+        TOTALS_OFF=f.totals_off, USE_PTX=f.use_ptx)
 
 
 def _check_finish(f: MixesFinish, rows: int, device: torch.device,
@@ -294,10 +280,6 @@ def _check_finish(f: MixesFinish, rows: int, device: torch.device,
                 comb=(torch.float32, (rows, hc, hc)), hc_scale=(torch.float32, (3,)),
                 hc_base=(torch.float32, (n_mix,)), status=(torch.int32, (1,)),
                 generation=(torch.int32, None), mix_words=(torch.int64, None))
-    shares = f.streams is not None or f.hc_fn is not None
-    if shares:
-        want.update(streams=(torch.bfloat16, (rows, hc, f.hidden)),
-                    hc_fn=(torch.float32, (n_mix, hc * f.hidden)))
     for name, (dtype, shape) in want.items():
         t = getattr(f, name)
         # 16-byte aligned, as the precompiled variant assumes (Triton specializes pointers
@@ -313,10 +295,6 @@ def _check_finish(f: MixesFinish, rows: int, device: torch.device,
         raise ValueError(f"finish_mixes' scratch rows ({tuple(f.mix_words.shape)}, "
                          f"{tuple(f.generation.shape)}) are fewer than the GEMM's {rows}")
     row, chunks = mix_columns(f.hidden, hc), max_mix_chunks(f.hidden)
-    if shares and (f.chunks != -(-f.hidden // SHARE_BLOCK_H) or not 16 <= f.slots <= 32):
-        raise ValueError(f"finish_mixes with the shares needs chunks = cdiv(hidden, "
-                         f"{SHARE_BLOCK_H}) and 16 <= slots <= 32, got chunks {f.chunks}, "
-                         f"slots {f.slots}")
     if (f.slots, f.totals_off, f.mix_row) != (mix_slots(hc), mix_totals_offset(f.hidden, hc),
                                               row) or \
             not 1 <= f.chunks <= chunks or f.mix_words.shape[1] != row:
@@ -381,7 +359,7 @@ def _launch_config(layer, a, out, tactic: Tactic, publish, finish: MixesFinish |
         check_publish_target(publish, n, rows, device)
     buffers = _buffers(device, n, rows, tactic, publish)
     mix_args, mix_kwargs = _finish_args(finish, rows, device, buffers[0], launching)
-    grid = (n // tactic.block_n + finish_programs(finish, rows), tactic.split_k,
+    grid = (n // tactic.block_n + (rows if finish is not None else 0), tactic.split_k,
             -(-rows // tactic.rows_tile))
     programs = grid[0] * grid[1] * grid[2]
     stamps, first_slot, timeline = launch_args("mxfp8_gemm_kernel", programs, device, buffers[0])

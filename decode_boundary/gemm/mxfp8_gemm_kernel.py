@@ -130,23 +130,6 @@ docstring): the same bits as the consumer's own combine. pre / post / comb
 are complete only when this grid is: a kernel that reads them before its own
 grid wait (the next consumer reads post / comb / pre there) must not be
 inside this GEMM's PDL window.
-
-**The shares too** (``SHARES``, with ``FINISH_MIXES``; the consumer then ran
-without the mixes and left its ``residual_out`` and hc_fn in the
-``MixesFinish``). The front columns are the group programs of
-``common.mhc_shares`` instead, ``MIX_CHUNKS`` (chunks of ``SHARE_BLOCK``
-columns) per ``SHARE_TOKENS`` tokens (one per group in the interpreter,
-whose programs run one by one): each loads its chunk's hc_fn after the grid
-wait (held from before it, the parts would set every program's registers to
-255), computes the chunk's shares of its tokens on tensor cores
-(residual_out is complete then), and combines its tokens ``i = chunk mod MIX_CHUNKS``,
-polling their shares, which the other group programs of this grid store:
-these are dispatched first, and a combining program has stored its own shares
-before it polls, so none waits for a program that cannot start (the weight
-owners never wait). The tags are ``generation[m]`` as the consumer left it.
-Reading hc_fn once per 16 tokens, not once per token as the consumer's
-per-token programs do, is the point (benchmarks/NOTES.md "V4-family mixes"
-item 19).
 """
 
 from __future__ import annotations
@@ -157,7 +140,6 @@ import triton.language as tl
 from decode_boundary.common.contract import STAGE_ACTIVE, STAGE_NEXT
 from decode_boundary.common.mailbox_store import publish_row
 from decode_boundary.common.mhc_combine import finish_token_mixes
-from decode_boundary.common.mhc_shares import group_combine, group_shares
 from decode_boundary.common.rounding import quantize_groups, swizzled_offset, to_bf16_rne
 from decode_boundary.common.timeline import END, MARK1, MARK2, START, WAITED, stamp, stamp_after
 
@@ -368,52 +350,13 @@ def _finish_mixes_program(mix_ptr, generation_ptr, status_ptr, hc_scale_ptr, hc_
     stamp(stamp_ptr, slot, MARK1, TIMELINE)
 
 
-@triton.jit
-def _share_mixes_program(streams_ptr, hc_fn_ptr, mix_ptr, generation_ptr, status_ptr, hc_scale_ptr,
-                         hc_base_ptr, pre_out_ptr, post_out_ptr, comb_out_ptr, pid, M, mix_eps,
-                         hc_eps, mix_rounds, wait_bound, stamp_ptr, slot, TIMELINE: tl.constexpr,
-                         USE_PDL: tl.constexpr, HC: tl.constexpr, MIX_HIDDEN: tl.constexpr,
-                         MIX_CHUNKS: tl.constexpr, MIX_CHUNKS_P2: tl.constexpr,
-                         SLOTS: tl.constexpr, MIX_ROW: tl.constexpr, TOTALS_OFF: tl.constexpr,
-                         SHARE_BLOCK: tl.constexpr, SHARE_TOKENS: tl.constexpr,
-                         COOPERATIVE: tl.constexpr, USE_PTX: tl.constexpr):
-    """``SHARES``: a group program of ``common.mhc_shares`` (chunk ``pid mod
-    MIX_CHUNKS`` of token group ``pid / MIX_CHUNKS``; without ``COOPERATIVE``
-    group ``pid``, every chunk): the shares of its tokens' next mixes from
-    ``residual_out`` (``streams_ptr``), then the combine of its tokens. Its
-    hc_fn columns are loaded after the grid wait, a stream at a time: held from
-    before it (as the mixes kernel does) they would set the whole kernel's
-    registers to 255, the weight owners' too (sm_90 ptxas, fused_wqa_wkv at 16
-    rows: 137 registers late as without the shares, 255 and 48 bytes of spills
-    held). Timeline marks: WAITED at the grid wait, MARK2
-    with the shares stored, MARK1 once combined."""
-    chunk = pid % MIX_CHUNKS
-    group = pid // MIX_CHUNKS
-    if not COOPERATIVE:
-        chunk = 0
-        group = pid
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()  # the consumer's grid has completed: residual_out is in
-    stamp(stamp_ptr, slot, WAITED, TIMELINE)
-    first, step = group_shares(streams_ptr, hc_fn_ptr, generation_ptr, mix_ptr, (), chunk, group,
-                               M, HC, MIX_HIDDEN, SHARE_BLOCK, SHARE_TOKENS, SLOTS, MIX_ROW,
-                               False, COOPERATIVE, USE_PTX)
-    stamp(stamp_ptr, slot, MARK2, TIMELINE)
-    group_combine(generation_ptr, mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr,
-                  post_out_ptr, comb_out_ptr, group, first, step, M, mix_eps, hc_eps, mix_rounds,
-                  wait_bound, HC, MIX_HIDDEN, SHARE_BLOCK, SHARE_TOKENS, SLOTS, MIX_ROW,
-                  TOTALS_OFF, MIX_CHUNKS_P2, USE_PTX)
-    stamp(stamp_ptr, slot, MARK1, TIMELINE)
-
-
 @triton.jit(do_not_specialize=["M", "stamp_base", "mix_rounds", "wait_bound"])
 def mxfp8_gemm_kernel(
     w_ptr, w_scale_ptr, a_ptr, a_scale_ptr, out_ptr, out_scale_ptr,
     partial_ptr, counter_ptr, peer_ptrs_ptr, stage_ptr, stamp_ptr, stamp_base,
     M,
     mix_ptr, generation_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, post_out_ptr,
-    comb_out_ptr, streams_ptr, hc_fn_ptr, mix_eps, hc_eps, mix_rounds, wait_bound,
+    comb_out_ptr, mix_eps, hc_eps, mix_rounds, wait_bound,
     N: tl.constexpr, K: tl.constexpr, GROUPS: tl.constexpr,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr,
     K_SLICE: tl.constexpr, CHUNK: tl.constexpr, PIECES: tl.constexpr,
@@ -424,7 +367,6 @@ def mxfp8_gemm_kernel(
     FINISH_MIXES: tl.constexpr = False, HC: tl.constexpr = 1, MIX_HIDDEN: tl.constexpr = 1,
     MIX_CHUNKS: tl.constexpr = 1, MIX_CHUNKS_P2: tl.constexpr = 1, SLOTS: tl.constexpr = 1,
     MIX_ROW: tl.constexpr = 1, TOTALS_OFF: tl.constexpr = 0, USE_PTX: tl.constexpr = False,
-    SHARES: tl.constexpr = False, SHARE_BLOCK: tl.constexpr = 1, SHARE_TOKENS: tl.constexpr = 16,
 ):
     W_K_TILES: tl.constexpr = (K // 32 + 3) // 4
     A_K: tl.constexpr = GROUPS * K
@@ -436,30 +378,16 @@ def mxfp8_gemm_kernel(
     slot = stamp_base + (pid_m * tl.num_programs(1) + pid_k) * tl.num_programs(0) + pid_n
     stamp(stamp_ptr, slot, START, TIMELINE)
     if FINISH_MIXES:
-        # The grid's first columns finish the mixes (first: dispatched before the weight
-        # owners, so they wait at the grid dependency like them, and work while the
-        # products run; the consumer no longer ends with the combine): one per token, or
-        # with SHARES the group programs (module docstring).
-        front = M
-        if SHARES:
-            front = (M + SHARE_TOKENS - 1) // SHARE_TOKENS * (1 if INTERPRETER else MIX_CHUNKS)
-        if pid_n < front:
+        # The grid's first M columns finish the tokens' mixes (first: dispatched before
+        # the weight owners, so they wait at the grid dependency like them, and combine
+        # while the products run; the consumer no longer ends with the combine).
+        if pid_n < M:
             if (pid_k == 0) & (pid_m == 0):
-                if SHARES:
-                    _share_mixes_program(streams_ptr, hc_fn_ptr, mix_ptr, generation_ptr,
-                                         status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr,
-                                         post_out_ptr, comb_out_ptr, pid_n, M, mix_eps, hc_eps,
-                                         mix_rounds, wait_bound, stamp_ptr, slot, TIMELINE,
-                                         USE_PDL, HC, MIX_HIDDEN, MIX_CHUNKS, MIX_CHUNKS_P2,
-                                         SLOTS, MIX_ROW, TOTALS_OFF, SHARE_BLOCK, SHARE_TOKENS,
-                                         not INTERPRETER, USE_PTX)
-                else:
-                    _finish_mixes_program(mix_ptr, generation_ptr, status_ptr, hc_scale_ptr,
-                                          hc_base_ptr, pre_out_ptr, post_out_ptr, comb_out_ptr,
-                                          pid_n, mix_eps, hc_eps, mix_rounds, wait_bound,
-                                          stamp_ptr, slot, TIMELINE, USE_PDL, HC, MIX_HIDDEN,
-                                          MIX_CHUNKS, MIX_CHUNKS_P2, SLOTS, MIX_ROW, TOTALS_OFF,
-                                          USE_PTX)
+                _finish_mixes_program(mix_ptr, generation_ptr, status_ptr, hc_scale_ptr,
+                                      hc_base_ptr, pre_out_ptr, post_out_ptr, comb_out_ptr, pid_n,
+                                      mix_eps, hc_eps, mix_rounds, wait_bound, stamp_ptr, slot,
+                                      TIMELINE, USE_PDL, HC, MIX_HIDDEN, MIX_CHUNKS,
+                                      MIX_CHUNKS_P2, SLOTS, MIX_ROW, TOTALS_OFF, USE_PTX)
             else:
                 # Its copies at the other (split, row block) positions have nothing to do:
                 # they leave at once (a program that exits has released its dependents),
@@ -469,7 +397,7 @@ def mxfp8_gemm_kernel(
                 stamp(stamp_ptr, slot, MARK1, TIMELINE)
             stamp(stamp_ptr, slot, END, TIMELINE)
             return
-        pid_n -= front
+        pid_n -= M
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = pid_k * K_SLICE
     k_end = tl.minimum(k0 + K_SLICE, K)

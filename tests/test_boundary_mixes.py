@@ -385,3 +385,66 @@ def test_a_finish_left_unlaunched_or_stale_is_refused():
     call(True)
     assert ar._box.status.item() == 0
     ar.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("collapse", ["previous", "same"])
+def test_gpu_several_tokens_per_program(collapse):
+    """On the GPU at H = 5120: programs of several tokens (hc_fn read once per
+    program) against the one-token tactic of the same columns and warps on the
+    same inputs: residual_out bit for bit, layer_input within one BF16 ulp (its
+    norm sums run in another layout's order), the mixes within the bar of FP64
+    (a share's column sum may run in another order too), M = 5 (a dead token in
+    the last group) and 16; a CUDA graph replays the eager bits."""
+    from independent_ref import mhc_mixes_fp64
+
+    from decode_boundary.boundary.consumer import ConsumerTactic
+    from decode_boundary.mxfp8.format import mxfp8_scale_bytes
+
+    h, dev = 5120, "cuda"
+    (ar,) = db.BoundaryAllReduce.simulated(1, h, HC, 16, 2, device=dev, quantize_layer_input=True,
+                                           residual_only=False, collapse_pre=collapse)
+    g = torch.Generator().manual_seed(31)
+    n = (2 + HC) * HC
+    weights = tuple(t.to(dev) for t in (torch.randn(n, HC * h, generator=g) * 0.02,
+                                         torch.rand(3, generator=g) + 0.5,
+                                         torch.randn(n, generator=g) * 0.5))
+    for m, tactic in ((5, ConsumerTactic(128, 4, True, True, 2)),
+                      (5, ConsumerTactic(128, 8, True, True, 4)),
+                      (16, ConsumerTactic(128, 4, True, False, 2)),
+                      (16, ConsumerTactic(128, 4 if collapse == "previous" else 8, True, False,
+                                          4))):
+        x = torch.randn(m, h, generator=g).bfloat16().to(dev)
+        residual = torch.randn(m, HC, h, generator=g).bfloat16().to(dev)
+        post, comb, pre = (torch.rand(m, HC, generator=g).to(dev) * 2,
+                           torch.rand(m, HC, HC, generator=g).to(dev),
+                           torch.rand(m, HC, generator=g).to(dev))
+        gamma = (1 + 0.1 * torch.randn(h, generator=g)).bfloat16().to(dev)
+
+        def step(m=m, x=x, residual=residual, post=post, comb=comb, pre=pre, gamma=gamma):
+            q = (torch.full((m, h), float("nan"), device=dev).to(torch.float8_e4m3fn),
+                 torch.full((mxfp8_scale_bytes(m, h),), 0xAB, dtype=torch.uint8, device=dev))
+            out = ar(x, residual, post, comb, pre if collapse == "previous" else None, gamma,
+                     EPS, q, mix_weights=weights)
+            return (*out, q)
+
+        ar.tactic = tactic._replace(tokens=1)
+        want = step()
+        ar.tactic = tactic
+        got = step()
+        torch.cuda.synchronize()
+        assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16)), tactic
+        ulps = (got[1].view(torch.int16).int() - want[1].view(torch.int16).int()).abs()
+        assert ulps.max().item() <= 1, (tactic, ulps.max().item())
+        args = (got[0].cpu(), *(w.cpu() for w in weights), EPS, HC_EPS, ITERS)
+        for got_mix, exp in zip(got[2], mhc_mixes_fp64(*args), strict=True):
+            assert (got_mix.cpu().double() - exp.double()).abs().max().item() <= BAR
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graphed = step()
+        graph.replay()
+        ar.check()
+        assert torch.equal(graphed[1].view(torch.int16), got[1].view(torch.int16)), tactic
+        assert torch.equal(graphed[3][0].view(torch.uint8), got[3][0].view(torch.uint8))
+    ar.tactic = None
+    assert ar._box.status.item() == 0

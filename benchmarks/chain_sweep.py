@@ -53,14 +53,6 @@ CONSUMER_SWEEP = tuple(ConsumerTactic(cols, warps, True, early)
                                            (256, 8), (512, 4))
                        for early in ((False, True) if cols <= 32 * warps else (False,)))
 RETIME_ROUNDS = 3
-# Several tokens per program (fused mixes only; hc_fn read once per program, held
-# across its tokens): shapes whose grid at 16 tokens is one wave and that compile without
-# spills (sm_90 ptxas, H = 5120: V4.1 168 / 194 registers at 2 / 4 tokens x 128 x 4;
-# V4 183 at 2 tokens, 4 tokens spill at 4 warps).
-TOKENS_SWEEP = tuple(ConsumerTactic(cols, warps, True, early, tokens)
-                     for cols, warps, tokens, early in (
-                         (128, 4, 2, False), (128, 4, 2, True), (128, 4, 4, False),
-                         (128, 8, 4, False)))
 
 
 def sweep_consumer(ab: AttentionBoundary, steps: list, rows: int, device: torch.device,
@@ -71,8 +63,7 @@ def sweep_consumer(ab: AttentionBoundary, steps: list, rows: int, device: torch.
     fused = fuses_mixes(rows, c.hc_mult, c.collapse_pre)
     base = consumer_tactic(rows, c.hidden, c.collapse_pre if fused else None)
     timed = []
-    candidates = [*CONSUMER_SWEEP, *(t for t in TOKENS_SWEEP if fused and t.tokens <= rows)]
-    for tactic in [base, *(t for t in candidates if t != base)]:
+    for tactic in [base, *(t for t in CONSUMER_SWEEP if t != base)]:
         if not fused and tactic.mix_weights_early:
             continue  # no mixes in the consumer: the flag changes nothing
         ab.all_reduce.tactic = tactic

@@ -46,10 +46,10 @@ ptrs = ["mailbox_ptr:bf16", "stage_ptr:i32", "status_ptr:i32", "generation_ptr:i
         "comb_out_ptr:fp32", "stamp_ptr:i64"]
 sig = {p.split(":")[0]: "*" + p.split(":")[1] for p in ptrs}
 sig.update(stamp_base="i32", eps="fp32", hc_eps="fp32", capacity="i32", wait_bound="i64",
-           sinkhorn_rounds="i32", rows="i32")
+           sinkhorn_rounds="i32")
 full = dict(TP=2, HC=4, HIDDEN=5120, BLOCK_H=512, UNITS_P2=256, MODE=2, QUANT=True, LAMPORT=True,
     COOPERATIVE=True, USE_PTX=True, USE_PDL=True, MIXES=0, SLOTS=1, MIX_ROW=1,
-    TOTALS_OFF=0, CHUNKS_P2=1, MIX_WEIGHTS_EARLY=False, COMBINE=True, TOKENS=1, TIMELINE=False)
+    TOTALS_OFF=0, CHUNKS_P2=1, MIX_WEIGHTS_EARLY=False, COMBINE=True, TIMELINE=False)
 out["consumer"] = ptx(consumer_kernel, sig, full, 2)
 out["consumer_serial"] = ptx(consumer_kernel, sig, dict(full, BLOCK_H=1024, COOPERATIVE=False), 4)
 out["consumer_plain"] = ptx(consumer_kernel, sig, dict(full, MODE=0, QUANT=False), 2)
@@ -72,14 +72,6 @@ out["consumer_mixes_deferred"] = ptx(consumer_kernel, sig, dict(mixes, MIXES=1,
                                                                 COMBINE=False), 4)
 out["consumer_same_pre_deferred"] = ptx(consumer_kernel, sig, dict(mixes, MIXES=2,
                                                                    COMBINE=False), 4)
-# Four tokens per program (consumer.ConsumerTactic.tokens), hc_fn after the wait and before.
-out["consumer_mixes_tokens"] = ptx(consumer_kernel, sig, dict(mixes, MIXES=1, COMBINE=False,
-                                                              TOKENS=4), 4)
-# (V4 at 4 tokens spills at 4 warps: 255 registers, 1 KB of stack; 187 at 8.)
-out["consumer_same_pre_tokens"] = ptx(consumer_kernel, sig, dict(mixes, MIXES=2, COMBINE=False,
-                                                                 TOKENS=4), 8)
-out["consumer_same_pre_tokens_early"] = ptx(consumer_kernel, sig, dict(
-    mixes, MIXES=2, COMBINE=False, TOKENS=4, MIX_WEIGHTS_EARLY=True), 8)
 gemm_sig = {"w_ptr": "*fp8e4nv", "w_scale_ptr": "*u8", "a_ptr": "*fp8e4nv", "a_scale_ptr": "*u8",
     "out_ptr": "*bf16", "partial_ptr": "*fp32", "counter_ptr": "*i32", "peer_ptrs_ptr": "*i64",
     "stage_ptr": "*i32", "stamp_ptr": "*i64", "stamp_base": "i32", "M": "i32",
@@ -173,37 +165,13 @@ def test_consumer_mixes_load_hc_fn_where_the_tactic_says_and_poll_volatile(ptx):
         assert all(".or." in line for line in code.splitlines() if "atom." in line), name
 
 
-def test_several_tokens_per_program_read_hc_fn_once(ptx):
-    """A program of four tokens loads its hc_fn columns once (after the grid
-    wait, or before it with ``MIX_WEIGHTS_EARLY``), not once per token, and
-    polls its tokens' mix rows (V4) and norm rows with volatile loads."""
-    def fn_loads(name):  # 16-byte loads of hc_fn (its 4 streams' 24 x 128 FP32) per thread
-        warps = 8 if "same_pre" in name else 4
-        return 4 * 24 * 128 // (32 * warps) // 4
-
-    def loads(name):
-        code = ptx[name]
-        wait = code.index("griddepcontrol.wait")
-        return code[:wait].count("ld.global.v4"), code[wait:].count("ld.global.v4")
-
-    for name in ("consumer_mixes_tokens", "consumer_same_pre_tokens"):
-        before, after = loads(name)
-        assert fn_loads(name) <= after < 2 * fn_loads(name), (name, before, after)
-    early = loads("consumer_same_pre_tokens_early")
-    assert early[0] >= fn_loads("same_pre") > early[1], early
-    for name in ("consumer_mixes_tokens", "consumer_same_pre_tokens"):
-        assert "ld.volatile.global" in ptx[name] and "%globaltimer" in ptx[name], name
-
-
 def test_consumer_has_no_spills_and_a_short_body(ptx):
     """The fused consumer stays register-resident and close to the plain one:
     no local memory, and per program a few thousand instructions at most (the
     last-program whole-row norm it replaced was ~7,000 at 2 warps)."""
     for name in ("consumer", "consumer_serial", "consumer_plain", "consumer_mixes",
                  "consumer_same_pre", "consumer_mixes_early", "consumer_same_pre_early",
-                 "consumer_mixes_deferred", "consumer_same_pre_deferred", "gemm_finishing",
-                 "consumer_mixes_tokens", "consumer_same_pre_tokens",
-                 "consumer_same_pre_tokens_early"):
+                 "consumer_mixes_deferred", "consumer_same_pre_deferred", "gemm_finishing"):
         code = ptx[name]
         assert "ld.local" not in code and "st.local" not in code, name
     body = [line for line in ptx["consumer"].splitlines()
@@ -276,8 +244,7 @@ def test_no_register_spills(ptx, tmp_path):
     if not os.path.exists(ptxas):
         pytest.skip("no ptxas")
     for name in ("mixes_kernel", "consumer_mixes", "consumer_same_pre", "consumer_mixes_early",
-                 "consumer_same_pre_early", "gemm_finishing", "consumer_mixes_tokens",
-                 "consumer_same_pre_tokens", "consumer_same_pre_tokens_early"):
+                 "consumer_same_pre_early", "gemm_finishing"):
         src = tmp_path / f"{name}.ptx"
         src.write_text(ptx[name])
         proc = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(src), "-o", os.devnull],

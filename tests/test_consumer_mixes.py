@@ -384,38 +384,3 @@ def test_v4_pre_from_the_shares_is_chunk_0s_and_times_out_to_nan():
     rstd = (totals[nmix] / (hc * hidden) + eps).rsqrt()
     want = torch.sigmoid(totals[:hc] * rstd * scale[0].double() + base[:hc].double()) + hc_eps
     torch.testing.assert_close(pre[1].double(), want, rtol=0, atol=1e-6)
-
-
-@pytest.mark.parametrize("collapse", ["previous", "same"])
-@pytest.mark.parametrize(("m", "tokens", "block", "early"),
-                         [(3, 2, 64, False), (5, 4, 128, True), (2, 2, 256, True)])
-def test_several_tokens_per_program_give_the_serial_bits(collapse, m, tokens, block, early,
-                                                         cooperative_in_the_interpreter):
-    """Programs of ``tokens`` tokens (hc_fn read once per program; a dead token
-    in the last group where M is not a multiple) give the one-token serial
-    launch's bits, on a poisoned scratch reused by two launches: the generation
-    advanced once per launch for every token, none took a stale share; with and
-    without the combine (left to a later kernel: the MixesFinish's geometry)."""
-    s = scratch(m=m)
-    for launch_no in (1, 2):
-        d = step(20 + launch_no, m=m)
-        tactic = ConsumerTactic(block, 2, True, mix_weights_early=early, tokens=tokens)
-        got = launch(d, s, tactic, collapse)
-        assert s["status"].item() == 0
-        assert s["generation"][:m].eq(launch_no).all() and s["generation"][m].item() == 0
-        want = launch(d, scratch(m=m), ConsumerTactic(block, 2, False), collapse)
-        for a, b, what in zip(got[:2] + got[2] + got[3], want[:2] + want[2] + want[3],
-                              ("residual_out", "layer", "pre", "post", "comb", "q", "scale"),
-                              strict=True):
-            assert_same_bits(a, b, what)
-        check_mixes(got[0], got[2], d, 0.1, 3)
-
-
-def test_several_tokens_per_program_are_checked():
-    d = step(3)
-    for tactic, what in ((ConsumerTactic(64, 2, True, tokens=3), "power of two"),
-                         (ConsumerTactic(64, 2, False, tokens=2), "cooperative")):
-        with pytest.raises(ValueError, match=what):
-            launch(d, scratch(), tactic, "previous")
-    with pytest.raises(ValueError, match="cooperative"):
-        launch(d, scratch(), ConsumerTactic(64, 2, True, tokens=2))  # no mixes

@@ -99,15 +99,12 @@ class ConsumerTactic(NamedTuple):
     token walks the row chunk by chunk (only for the full mode; the others never
     need a whole row). ``mix_weights_early`` (fused mixes, cooperative): each
     program loads its hc_fn columns before its grid wait and holds them, as the
-    GEMMs hold their weights; else after its slots are in. ``tokens`` (fused
-    mixes, cooperative): tokens per program, so that a program reads its hc_fn
-    columns once for all of them (``consumer_kernel._consume_tokens``)."""
+    GEMMs hold their weights; else after its slots are in."""
 
     block_h: int
     warps: int
     cooperative: bool = True
     mix_weights_early: bool = False
-    tokens: int = 1
 
 
 # (largest M, tactic), re-pinned from `benchmarks/allreduce.py --sweep`. Measured on
@@ -173,7 +170,7 @@ def consumer_tactic(m: int, hidden: int, mixes: str | None = None) -> ConsumerTa
     tactic = next(t for limit, t in table if m <= limit)
     tactic = tactic._replace(block_h=min(tactic.block_h, triton.next_power_of_2(hidden)))
     if env.interpret_mode():
-        tactic = tactic._replace(cooperative=False, tokens=1)
+        tactic = tactic._replace(cooperative=False)
     return tactic
 
 
@@ -328,12 +325,6 @@ def _check_tactic(tactic: ConsumerTactic, hidden: int, mode: int, mixes: bool = 
     if block < QUANT_GROUP or block & (block - 1) or warps < 1 or warps & (warps - 1):
         raise ValueError(f"tactic {tactic}: columns per program must be a power of two "
                          f">= {QUANT_GROUP} and warps a power of two")
-    tokens = tactic.tokens
-    if not isinstance(tokens, int) or tokens < 1 or tokens & (tokens - 1):
-        raise ValueError(f"tactic {tactic}: tokens per program must be a power of two >= 1")
-    if tokens > 1 and not (mixes and cooperative):  # mixes imply the full mode
-        raise ValueError(f"tactic {tactic}: several tokens per program only with the next "
-                         "mixes fused in a cooperative launch")
     if mixes and block < MIX_MIN_BLOCK:
         raise ValueError(f"tactic {tactic}: with mixes a program takes >= {MIX_MIN_BLOCK} "
                          "columns (one share of the mix row per chunk)")
@@ -585,8 +576,7 @@ def consume(
                  mxfp8_out_data=mxfp8_out[0] if quant else None,
                  mxfp8_out_scale=mxfp8_out[1] if quant else None))
     serial = mode == FULL and not tactic.cooperative
-    tokens = tactic.tokens if fused else 1
-    grid = (1 if serial else triton.cdiv(hidden, tactic.block_h), triton.cdiv(m, tokens))
+    grid = (1 if serial else triton.cdiv(hidden, tactic.block_h), m)
     dummy = out  # stands in for pointers a mode does not touch
     pdl = ptx and env.use_pdl(device)
     kernel = consumer_kernel.warmup if compile_only else consumer_kernel[grid]
@@ -606,13 +596,13 @@ def consume(
         _or(fn, dummy), _or(scale, dummy), _or(base, dummy), _or(mix_words, dummy),
         *(mixes_out or (dummy,) * 3),
         stamps, first_slot, float(eps), float(mixes.hc_eps) if mixes is not None else 0.0,
-        capacity, int(wait_bound), mixes.sinkhorn_iters - 1 if mixes is not None else 0, m,
+        capacity, int(wait_bound), mixes.sinkhorn_iters - 1 if mixes is not None else 0,
         TP=tp, HC=hc, HIDDEN=hidden, BLOCK_H=tactic.block_h,
         UNITS_P2=triton.next_power_of_2(sumsq_columns(hidden)), MODE=mode, QUANT=quant,
         LAMPORT=lamport, COOPERATIVE=tactic.cooperative, USE_PTX=ptx,
         USE_PDL=pdl, TIMELINE=timeline, num_warps=tactic.warps, enable_fp_fusion=False,
         launch_pdl=pdl, **_mix_constants(mixes if fused else None, hc, hidden, tactic),
-        COMBINE=not defer, TOKENS=tokens, **kwargs,
+        COMBINE=not defer, **kwargs,
     )
     if compile_only:
         load_module(compiled)

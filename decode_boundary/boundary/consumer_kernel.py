@@ -133,8 +133,6 @@ from ..common.mhc_combine import (
     _combine_pre_post,
     _no_logits,
     _pre_from_shares,
-    _pre_of_tokens,
-    spread,
 )
 from ..common.rounding import quantize_groups, swizzled_offset, to_bf16_rne, zero_scale_padding
 from ..common.tagged_words import NORM_TIMEOUT_BIT as NORM_TIMEOUT_BIT  # a status bit, re-exported
@@ -378,205 +376,23 @@ def _consume_chunk(mailbox_ptr, status_ptr, out_ptr, slot_row, row_stride, wait_
                        COLLAPSE)
 
 
-@triton.jit
-def _scalar_of(v, i):
-    """Entry i of a per-token vector (an exact masked sum)."""
-    return tl.sum(tl.where(tl.arange(0, v.shape[0]) == i, v, 0), axis=0)
-
-
-@triton.jit
-def _token_sums(x, TOKENS: tl.constexpr, WIDTH: tl.constexpr):
-    """Per token, the sum of its [WIDTH] elements of ``x`` [TOKENS * WIDTH]."""
-    return tl.sum(tl.reshape(x, (TOKENS, WIDTH)), axis=1)
-
-
-@triton.jit
-def _publish_token_partials(sumsq_ptr, m_tok, live_tok, chunk, partial, tag_tok,
-                            UNITS: tl.constexpr, BLOCK_H: tl.constexpr):
-    """:func:`_publish_partial` for TOKENS tokens (``partial``: [TOKENS])."""
-    PER_CHUNK: tl.constexpr = BLOCK_H // 32
-    k = tl.arange(0, PER_CHUNK)[None, :]
-    units = chunk * PER_CHUNK + k
-    tl.store(sumsq_ptr + m_tok[:, None] * UNITS + units,
-             _tagged(tl.where(k == 0, partial[:, None], 0.0), tag_tok[:, None]),
-             mask=live_tok[:, None] & (units < UNITS))
-
-
-@triton.jit
-def _wait_token_partials(sumsq_ptr, status_ptr, m_tok, live_tok, tag_tok, wait_bound,
-                         UNITS: tl.constexpr, UNITS_P2: tl.constexpr, TOKENS: tl.constexpr,
-                         USE_PTX: tl.constexpr):
-    """:func:`_wait_partials` for TOKENS tokens in one poll: [TOKENS] sums of
-    squares, each row's units summed in one fixed order (the same in every
-    program of the launch: one tactic per M, on every rank)."""
-    u = tl.arange(0, TOKENS * UNITS_P2) % UNITS_P2
-    words, flags = _spin(_probe_partials,
-                         sumsq_ptr + spread(m_tok, TOKENS, UNITS_P2) * UNITS + u,
-                         spread(live_tok, TOKENS, UNITS_P2) & (u < UNITS),
-                         spread(tag_tok, TOKENS, UNITS_P2), status_ptr, wait_bound, 0, False,
-                         USE_PTX)
-    stale = _gave_up(flags, status_ptr)
-    return tl.where(stale, _f32_nan(), _token_sums(_untagged(words), TOKENS, UNITS_P2))
-
-
-@triton.jit
-def _norm_tokens(prenorm, gamma, total, eps, layer_ptr, qdata_ptr, qscale_ptr, m_e, m_tok,
-                 live_tok, first, rows, chunk, cols, cmask, HIDDEN: tl.constexpr,
-                 BLOCK_H: tl.constexpr, TOKENS: tl.constexpr, QUANT: tl.constexpr):
-    """:func:`_norm_chunk` for TOKENS tokens (``total``: per element, its token's
-    sum of squares; ``first``: the group's first token; ``rows``: M)."""
-    rstd = tl.math.rsqrt(total / HIDDEN + eps)
-    y = to_bf16_rne((prenorm * rstd) * gamma.to(tl.float32))
-    row_off = m_e.to(tl.int64) * HIDDEN
-    tl.store(layer_ptr + row_off + cols, y, mask=cmask)
-    if QUANT:
-        GROUPS: tl.constexpr = BLOCK_H // 32
-        K_TILES: tl.constexpr = (HIDDEN // 32 + 3) // 4
-        q, exponent = quantize_groups(tl.reshape(y.to(tl.float32), (TOKENS, GROUPS, 32)))
-        tl.store(qdata_ptr + row_off + cols, tl.reshape(q, (TOKENS * BLOCK_H,)), mask=cmask)
-        groups = chunk * GROUPS + tl.arange(0, GROUPS)
-        tl.store(qscale_ptr + swizzled_offset(m_tok[:, None], groups[None, :], K_TILES),
-                 exponent.to(tl.uint8),
-                 mask=live_tok[:, None] & (groups < HIDDEN // 32)[None, :])
-        for i in tl.static_range(TOKENS):
-            if first + i < rows:
-                zero_scale_padding(qscale_ptr, first + i, rows, groups, chunk == 0,
-                                   HIDDEN // 32)
-
-
-@triton.jit
-def _consume_tokens(mailbox_ptr, stage_ptr, status_ptr, generation_ptr, sumsq_ptr,
-                    residual_ptr, post_ptr, comb_ptr, pre_ptr, gamma_ptr, out_ptr, layer_ptr,
-                    qdata_ptr, qscale_ptr, hc_fn_ptr, hc_scale_ptr, hc_base_ptr, mix_ptr,
-                    pre_out_ptr, post_out_ptr, comb_out_ptr, stamp_ptr, slot,
-                    eps, hc_eps, capacity, wait_bound, sinkhorn_rounds, rows, chunk, group,
-                    TP: tl.constexpr, HC: tl.constexpr, HIDDEN: tl.constexpr,
-                    BLOCK_H: tl.constexpr, UNITS_P2: tl.constexpr, QUANT: tl.constexpr,
-                    LAMPORT: tl.constexpr, USE_PTX: tl.constexpr, USE_PDL: tl.constexpr,
-                    MIXES: tl.constexpr,
-                    SLOTS: tl.constexpr, MIX_ROW: tl.constexpr, TOTALS_OFF: tl.constexpr,
-                    CHUNKS_P2: tl.constexpr, MIX_WEIGHTS_EARLY: tl.constexpr,
-                    COMBINE: tl.constexpr, TOKENS: tl.constexpr, TIMELINE: tl.constexpr):
-    """The cooperative full mode with the next mixes for TOKENS tokens per
-    program (``TOKENS`` > 1): program (chunk, group) owns the chunk's columns of
-    tokens group * TOKENS ... (those < ``rows``), so it reads its hc_fn columns
-    once for all of them (one program per token reads them once per token: M x
-    2 MB through L2 at H = 5120). Each phase handles the program's tokens
-    together, one poll for all of them: the slots, then (``SAME_PRE``) the
-    shares for the pre, then the norm partials. Elements are token-major
-    ([TOKENS * BLOCK_H], element e of token e // BLOCK_H); dead tokens (past M)
-    read token M - 1's inputs and store nothing.
-
-    The bits: residual_out, the mix shares and each token's pre are those of a
-    program per token (the same functions on the token's values); a chunk's
-    norm partial and the row's total are sums in this layout's order, so
-    layer_input may differ from the one-token tactic's by the rounding of a
-    sum (the same in every program of the launch and on every rank: the tactic
-    is one per M)."""
-    CHUNKS: tl.constexpr = (HIDDEN + BLOCK_H - 1) // BLOCK_H
-    UNITS: tl.constexpr = (HIDDEN + 31) // 32
-    first = group * TOKENS
-    e = tl.arange(0, TOKENS * BLOCK_H)
-    cols = chunk * BLOCK_H + e % BLOCK_H
-    m_e = first + e // BLOCK_H
-    cmask = (m_e < rows) & (cols < HIDDEN)
-    m_safe = tl.minimum(m_e, rows - 1)  # dead tokens read a real token's inputs
-    m_tok = first + tl.arange(0, TOKENS)
-    live_tok = m_tok < rows
-    m_tok_safe = tl.minimum(m_tok, rows - 1)
-    res, post, comb, pre, gamma = _load_inputs(residual_ptr, post_ptr, comb_ptr, pre_ptr,
-                                               gamma_ptr, m_safe, cols, cmask, HC, HIDDEN,
-                                               _FULL, MIXES)
-    mine = chunk * BLOCK_H + tl.arange(0, BLOCK_H)  # this chunk's columns, once
-    if MIX_WEIGHTS_EARLY:
-        fn = _load_mix_weights(hc_fn_ptr, mine, mine < HIDDEN, HC, HIDDEN, SLOTS)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    stamp(stamp_ptr, slot, WAITED, TIMELINE)
-    stage = tl.full((), 0, tl.int32)
-    if LAMPORT:
-        stage = tl.load(stage_ptr + _ACTIVE)
-        if (group == 0) & (chunk == 0):
-            tl.store(stage_ptr + _NEXT, (stage + 1) % _STAGES)
-    row_stride = capacity.to(tl.int64) * HIDDEN
-    slot_row = (stage * TP).to(tl.int64) * row_stride + m_safe.to(tl.int64) * HIDDEN
-    tag_tok = tl.load(generation_ptr + m_tok_safe, volatile=True) + 1
-    streams, prenorm = _consume_chunk(mailbox_ptr, status_ptr, out_ptr, slot_row, row_stride,
-                                      wait_bound, res, post, comb, pre, m_e, cols, cmask, TP, HC,
-                                      HIDDEN, _FULL, MIXES != _SAME_PRE, LAMPORT, USE_PTX)
-    stamp(stamp_ptr, slot, MARK1, TIMELINE)
-    if MIXES != _SAME_PRE:  # the norm partials first, as one program per token does
-        _publish_token_partials(sumsq_ptr, m_tok, live_tok, chunk,
-                                _token_sums(prenorm * prenorm, TOKENS, BLOCK_H), tag_tok, UNITS,
-                                BLOCK_H)
-    if not MIX_WEIGHTS_EARLY:
-        fn = _load_mix_weights(hc_fn_ptr, mine, mine < HIDDEN, HC, HIDDEN, SLOTS)
-    # Each token's shares from its residual_out read back as [BLOCK_H] vectors (this
-    # program's own stores, ordered before the loads by the barrier; plain loads, from
-    # L1), every load issued before the first dot: picking a token's columns out of
-    # the token-major registers instead is a masked cross-thread reduction per token
-    # and stream (the first version's, NOTES "V4-family mixes" item 14).
-    tl.debug_barrier()
-    token_streams = ()
-    for i in tl.static_range(TOKENS):
-        live_i = (first + i < rows) & (mine < HIDDEN)
-        streams_i = ()
-        for t in tl.static_range(HC):
-            streams_i = streams_i + (tl.load(
-                out_ptr + ((first + i) * HC + t).to(tl.int64) * HIDDEN + mine, mask=live_i,
-                other=0.0),)
-        token_streams = token_streams + (streams_i,)
-    for i in tl.static_range(TOKENS):
-        if first + i < rows:
-            _publish_mix_partials(mix_ptr, fn, first + i, chunk, token_streams[i],
-                                  _scalar_of(tag_tok, i), HC, SLOTS, MIX_ROW)
-    if MIXES == _SAME_PRE:
-        new_pre = _pre_of_tokens(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, m_tok_safe,
-                                 live_tok, tag_tok, eps, hc_eps, wait_bound, HC, HIDDEN, CHUNKS,
-                                 CHUNKS_P2, SLOTS, MIX_ROW, TOKENS, USE_PTX)
-        pre_e = ()
-        for t in tl.static_range(HC):
-            pre_e = pre_e + (spread(new_pre[t], TOKENS, BLOCK_H),)
-        prenorm = _collapse(streams, pre_e, HC)
-        _publish_token_partials(sumsq_ptr, m_tok, live_tok, chunk,
-                                _token_sums(prenorm * prenorm, TOKENS, BLOCK_H), tag_tok, UNITS,
-                                BLOCK_H)
-    total = _wait_token_partials(sumsq_ptr, status_ptr, m_tok_safe, live_tok, tag_tok,
-                                 wait_bound, UNITS, UNITS_P2, TOKENS, USE_PTX)
-    stamp(stamp_ptr, slot, MARK2, TIMELINE)
-    if chunk == 0:  # every program has read the old generations: it tagged with them
-        tl.store(generation_ptr + m_tok, tag_tok, mask=live_tok)
-    _norm_tokens(prenorm, gamma, spread(total, TOKENS, BLOCK_H), eps, layer_ptr, qdata_ptr,
-                 qscale_ptr, m_e, m_tok, live_tok, first, rows, chunk, cols, cmask, HIDDEN,
-                 BLOCK_H, TOKENS, QUANT)
-    if COMBINE:  # noqa: SIM102 (a constexpr test: pruned)
-        if chunk == 0:  # nobody in this launch waits for pre / post / comb (after the norm)
-            for i in tl.static_range(TOKENS):
-                if first + i < rows:
-                    _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr,
-                                   post_out_ptr, comb_out_ptr, first + i, _scalar_of(tag_tok, i),
-                                   eps, hc_eps, sinkhorn_rounds, wait_bound, HC, HIDDEN, CHUNKS,
-                                   CHUNKS_P2, SLOTS, MIX_ROW, TOTALS_OFF, USE_PTX)
-
-
 # capacity is the gathered buffer's M in NCCL mode: unspecialized, so M = 1 does
 # not turn it into a Python int.
-@triton.jit(do_not_specialize=["capacity", "stamp_base", "rows"])
+@triton.jit(do_not_specialize=["capacity", "stamp_base"])
 def consumer_kernel(
     mailbox_ptr, stage_ptr, status_ptr, generation_ptr, sumsq_ptr, prenorm_ptr,
     residual_ptr, post_ptr, comb_ptr, pre_ptr, gamma_ptr,
     out_ptr, layer_ptr, qdata_ptr, qscale_ptr,
     hc_fn_ptr, hc_scale_ptr, hc_base_ptr, mix_ptr, pre_out_ptr, post_out_ptr, comb_out_ptr,
     stamp_ptr, stamp_base,
-    eps, hc_eps, capacity, wait_bound, sinkhorn_rounds, rows,
+    eps, hc_eps, capacity, wait_bound, sinkhorn_rounds,
     TP: tl.constexpr, HC: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr,
     UNITS_P2: tl.constexpr, MODE: tl.constexpr, QUANT: tl.constexpr, LAMPORT: tl.constexpr,
     COOPERATIVE: tl.constexpr, USE_PTX: tl.constexpr, USE_PDL: tl.constexpr,
     MIXES: tl.constexpr = 0, SLOTS: tl.constexpr = 1, MIX_ROW: tl.constexpr = 1,
     TOTALS_OFF: tl.constexpr = 0, CHUNKS_P2: tl.constexpr = 1,
     MIX_WEIGHTS_EARLY: tl.constexpr = False, COMBINE: tl.constexpr = True,
-    TOKENS: tl.constexpr = 1, TIMELINE: tl.constexpr = False,
+    TIMELINE: tl.constexpr = False,
 ):
     CHUNKS: tl.constexpr = (HIDDEN + BLOCK_H - 1) // BLOCK_H
     UNITS: tl.constexpr = (HIDDEN + 31) // 32  # sumsq row: one word per 32 columns
@@ -587,17 +403,6 @@ def consumer_kernel(
     m = tl.program_id(1)
     slot = stamp_base + m * tl.num_programs(0) + chunk  # common.timeline (a diagnostic)
     stamp(stamp_ptr, slot, START, TIMELINE)
-    if TOKENS > 1:  # program (chunk, token group): see _consume_tokens
-        _consume_tokens(mailbox_ptr, stage_ptr, status_ptr, generation_ptr, sumsq_ptr,
-                        residual_ptr, post_ptr, comb_ptr, pre_ptr, gamma_ptr, out_ptr, layer_ptr,
-                        qdata_ptr, qscale_ptr, hc_fn_ptr, hc_scale_ptr, hc_base_ptr, mix_ptr,
-                        pre_out_ptr, post_out_ptr, comb_out_ptr, stamp_ptr, slot, eps, hc_eps,
-                        capacity, wait_bound, sinkhorn_rounds, rows, chunk, m, TP, HC, HIDDEN,
-                        BLOCK_H, UNITS_P2, QUANT, LAMPORT, USE_PTX, USE_PDL, MIXES, SLOTS,
-                        MIX_ROW, TOTALS_OFF, CHUNKS_P2, MIX_WEIGHTS_EARLY, COMBINE, TOKENS,
-                        TIMELINE)
-        stamp(stamp_ptr, slot, END, TIMELINE)
-        return
     offs = tl.arange(0, BLOCK_H)
     cols = chunk * BLOCK_H + offs
     cmask = cols < HIDDEN

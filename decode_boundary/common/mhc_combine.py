@@ -289,56 +289,6 @@ def _pre_from_shares(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, m, tag, eps
 
 
 @triton.jit
-def spread(v, TOKENS: tl.constexpr, WIDTH: tl.constexpr):
-    """A per-token vector [TOKENS] over its tokens' elements [TOKENS * WIDTH]
-    (token-major: element e belongs to token e // WIDTH)."""
-    return tl.reshape(tl.broadcast_to(v[:, None], (TOKENS, WIDTH)), (TOKENS * WIDTH,))
-
-
-@triton.jit
-def _pre_of_tokens(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, m_tok, live_tok, tag_tok,
-                   eps, hc_eps, wait_bound, HC: tl.constexpr, HIDDEN: tl.constexpr,
-                   CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, SLOTS: tl.constexpr,
-                   MIX_ROW: tl.constexpr, TOKENS: tl.constexpr, USE_PTX: tl.constexpr):
-    """:func:`_pre_from_shares` for TOKENS tokens at once (``m_tok``, ``live_tok``,
-    ``tag_tok``: [TOKENS]): one poll of all their mix rows (a token's round trips
-    do not follow each other), each token's shares summed in the same index-fixed
-    tree as :func:`_pairwise_sum` and the same expressions after it, so each
-    token's pre has the bits one program per token gets. Returns pre as a tuple
-    of HC [TOKENS] vectors (NaN where the poll gave up; dead tokens: unused)."""
-    NMIX: tl.constexpr = (2 + HC) * HC
-    scale = tl.load(hc_scale_ptr)
-    base = ()
-    for t in tl.static_range(HC):
-        base = base + (tl.load(hc_base_ptr + t),)
-    # Only the words the pre needs: the HC pre dots and the sum of squares of every
-    # chunk (each word carries its own tag, so the others need not be waited for; the
-    # sums are per word, so these come out as in the whole row's). Column j < HC holds
-    # word j, column HC word NMIX; 2 * HC >= HC + 1 columns (HC a power of two).
-    WORDS: tl.constexpr = 2 * HC
-    c = tl.arange(0, TOKENS * CHUNKS_P2) % CHUNKS_P2
-    rows = spread(m_tok, TOKENS, CHUNKS_P2)
-    live = spread(live_tok, TOKENS, CHUNKS_P2) & (c < CHUNKS)
-    j = tl.arange(0, WORDS)[None, :]
-    word = tl.where(j < HC, j, NMIX)
-    words, flags = _spin(_probe_mix_row,
-                         mix_ptr + rows[:, None] * MIX_ROW + c[:, None] * SLOTS + word,
-                         live[:, None] & (j <= HC), spread(tag_tok, TOKENS, CHUNKS_P2)[:, None],
-                         status_ptr, wait_bound, 0, False, USE_PTX)
-    stale = _gave_up(flags, status_ptr)
-    x = tl.reshape(_untagged(words), (TOKENS, CHUNKS_P2, WORDS))
-    for level in tl.static_range(CHUNKS_P2.bit_length() - 1):  # _pairwise_sum's tree, per token
-        x = tl.sum(tl.reshape(x, (TOKENS, 2, CHUNKS_P2 >> (level + 1), WORDS)), axis=1)
-    totals = tl.where(stale, _f32_nan(), tl.reshape(x, (TOKENS, WORDS)))
-    rstd = _mix_rstd(tl.sum(tl.where(j == HC, totals, 0.0), axis=1), eps, HC, HIDDEN, USE_PTX)
-    pre = ()
-    for t in tl.static_range(HC):
-        pre = pre + (_pre_of(tl.sum(tl.where(j == t, totals, 0.0), axis=1), rstd, scale, base[t],
-                             hc_eps, USE_PTX),)
-    return pre
-
-
-@triton.jit
 def _no_logits(HC: tl.constexpr):
     """HC * HC zeros: the comb logits of a program that does not combine."""
     logits = ()

@@ -99,12 +99,16 @@ class ConsumerTactic(NamedTuple):
     token walks the row chunk by chunk (only for the full mode; the others never
     need a whole row). ``mix_weights_early`` (fused mixes, cooperative): each
     program loads its hc_fn columns before its grid wait and holds them, as the
-    GEMMs hold their weights; else after its slots are in."""
+    GEMMs hold their weights; else after its slots are in. ``release_late``
+    (fused mixes, cooperative): the kernel after it is released only once this
+    program has loaded its hc_fn columns and stored its share, not right after
+    the grid wait, so that its weight stream does not queue in front of them."""
 
     block_h: int
     warps: int
     cooperative: bool = True
     mix_weights_early: bool = False
+    release_late: bool = False
 
 
 # (largest M, tactic), re-pinned from `benchmarks/allreduce.py --sweep`. Measured on
@@ -675,7 +679,8 @@ def _mix_constants(mixes: MhcMixes | None, hc: int, hidden: int,
         return dict(MIXES=NO_MIXES)
     return dict(MIXES=COLLAPSES[mixes.collapse], **_mix_row(hidden, hc),
                 CHUNKS_P2=triton.next_power_of_2(triton.cdiv(hidden, tactic.block_h)),
-                MIX_WEIGHTS_EARLY=holds_mix_weights(tactic, hc))
+                MIX_WEIGHTS_EARLY=holds_mix_weights(tactic, hc),
+                RELEASE_LATE=tactic.release_late and tactic.cooperative)
 
 
 def holds_mix_weights(tactic: ConsumerTactic, hc: int) -> bool:

@@ -392,7 +392,7 @@ def consumer_kernel(
     MIXES: tl.constexpr = 0, SLOTS: tl.constexpr = 1, MIX_ROW: tl.constexpr = 1,
     TOTALS_OFF: tl.constexpr = 0, CHUNKS_P2: tl.constexpr = 1,
     MIX_WEIGHTS_EARLY: tl.constexpr = False, COMBINE: tl.constexpr = True,
-    TIMELINE: tl.constexpr = False,
+    TIMELINE: tl.constexpr = False, RELEASE_LATE: tl.constexpr = False,
 ):
     CHUNKS: tl.constexpr = (HIDDEN + BLOCK_H - 1) // BLOCK_H
     UNITS: tl.constexpr = (HIDDEN + 31) // 32  # sumsq row: one word per 32 columns
@@ -420,7 +420,8 @@ def consumer_kernel(
         # overlaps this kernel's body; released before the wait or after the norm
         # hand-off, the same bytes only moved the contention (benchmarks/NOTES.md).
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if not RELEASE_LATE:
+            tl.extra.cuda.gdc_launch_dependents()
     stamp(stamp_ptr, slot, WAITED, TIMELINE)
     stage = tl.full((), 0, tl.int32)  # a tensor in both modes (the NCCL path has no stage)
     if LAMPORT:
@@ -507,6 +508,8 @@ def consumer_kernel(
             if not MIX_WEIGHTS_EARLY:
                 fn = _load_mix_weights(hc_fn_ptr, cols, cmask, HC, HIDDEN, SLOTS)
             _publish_mix_partials(mix_ptr, fn, m, chunk, streams, tag, HC, SLOTS, MIX_ROW)
+        if USE_PDL and RELEASE_LATE:
+            tl.extra.cuda.gdc_launch_dependents()
         if MIXES == _SAME_PRE:  # the collapse needs the new pre: every program computes it
             if (chunk == 0) & COMBINE:  # comb's Sinkhorn waits until its partial is out
                 new_pre, logits = _combine_pre_post(

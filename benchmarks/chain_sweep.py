@@ -63,7 +63,7 @@ def sweep_consumer(ab: AttentionBoundary, steps: list, rows: int, device: torch.
     fused = fuses_mixes(rows, c.hc_mult, c.collapse_pre)
     base = consumer_tactic(rows, c.hidden, c.collapse_pre if fused else None)
     timed = []
-    late = [base._replace(release_late=True)] if fused else []  # a probe (NOTES mixes item 21)
+    late = [base._replace(release_late=True)] if fused else []  # the release after the share
     for tactic in [base, *late, *(t for t in CONSUMER_SWEEP if t != base)]:
         if not fused and tactic.mix_weights_early:
             continue  # no mixes in the consumer: the flag changes nothing

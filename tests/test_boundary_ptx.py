@@ -72,6 +72,9 @@ out["consumer_mixes_deferred"] = ptx(consumer_kernel, sig, dict(mixes, MIXES=1,
                                                                 COMBINE=False), 4)
 out["consumer_same_pre_deferred"] = ptx(consumer_kernel, sig, dict(mixes, MIXES=2,
                                                                    COMBINE=False), 4)
+# The next GEMM released after each program's share (ConsumerTactic.release_late).
+out["consumer_mixes_release_late"] = ptx(consumer_kernel, sig, dict(
+    mixes, MIXES=1, MIX_WEIGHTS_EARLY=True, COMBINE=False, RELEASE_LATE=True), 4)
 gemm_sig = {"w_ptr": "*fp8e4nv", "w_scale_ptr": "*u8", "a_ptr": "*fp8e4nv", "a_scale_ptr": "*u8",
     "out_ptr": "*bf16", "partial_ptr": "*fp32", "counter_ptr": "*i32", "peer_ptrs_ptr": "*i64",
     "stage_ptr": "*i32", "stamp_ptr": "*i64", "stamp_base": "i32", "M": "i32",
@@ -224,12 +227,30 @@ def test_the_next_gemm_combines_with_the_consumers_roundings(ptx):
     assert "fence" not in finishing and "membar" not in finishing
 
 
+def test_release_late_releases_after_the_share(ptx):
+    """``RELEASE_LATE``: the dependents are released once, after the grid wait
+    and after the program's share (its second tagged 64-bit store, the norm
+    partial being the first); without it right after the wait, before either."""
+    for name, late in (("consumer_mixes_deferred", False), ("consumer_mixes_release_late", True)):
+        lines = ptx[name].splitlines()
+        (wait,) = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
+        (release,) = [i for i, line in enumerate(lines)
+                      if "griddepcontrol.launch_dependents" in line]
+        tagged = [i for i, line in enumerate(lines) if "st.global" in line and "b64" in line]
+        assert len(tagged) >= 2, name
+        if late:
+            assert release > tagged[1] > tagged[0] > wait, name
+        else:
+            assert wait < release < tagged[0], name
+
+
 def test_no_fma_no_multicast(ptx):
     for name, code in ptx.items():
         assert "multimem" not in code, name
     for name in ("consumer", "consumer_serial", "consumer_plain", "consumer_mixes",
                  "consumer_same_pre", "consumer_mixes_early", "consumer_same_pre_early",
-                 "consumer_mixes_deferred", "consumer_same_pre_deferred"):
+                 "consumer_mixes_deferred", "consumer_same_pre_deferred",
+                 "consumer_mixes_release_late"):
         assert "fma.rn.f32" not in ptx[name], name
     assert "fma.rn.f32" not in ptx["finalize"]
 

@@ -133,7 +133,12 @@ CONSUMER_TACTICS = (
 # to 8 tokens: V4.1 21.0 -> 19.9 / 26.5 -> 25.5 / 27.3 -> 25.1 / 27.4 -> 26.1 us per
 # step at M = 1 / 2 / 4 / 8, V4 20.0 -> 18.6 ... 29.9 -> 28.4, and loses at 16 (34.3 ->
 # 38.4: 128 registers of hc_fn per thread, fewer programs per SM).
+# At one token the next GEMM is released only after each program's share
+# (release_late): 15.89-15.94 against 16.28-16.37 us per step, three alternating rounds
+# in the chain (benchmarks/chain_sweep.py --consumer-only, 13e3c42; NOTES "V4-family
+# mixes" item 21); at 4 and 8 tokens it lost 0.8-1.0 us, at 16 0.5.
 MIXES_TACTICS = (
+    (1, ConsumerTactic(128, 4, mix_weights_early=True, release_late=True)),
     (8, ConsumerTactic(128, 4, mix_weights_early=True)),
     (1 << 30, ConsumerTactic(256, 4)),
 )
@@ -141,9 +146,14 @@ MIXES_TACTICS = (
 # second norm round trip) prefers 128 x 4 at M = 16 too, in every sweep that timed it:
 # 16.41 vs 17.12 us at 256 x 4 (consumer_mixes-ff01822), 20.5-21.7 vs 21.9-23.6
 # (-50d727a), 23.6 vs 24.2 (-5ad65b0); beyond 16 tokens not swept: V4.1's table.
+# In the chain (chain_sweep --consumer-only, 13e3c42, three alternating rounds against
+# the table): at one token 256 x 8 with hc_fn held, 17.76-17.80 vs 18.05-18.15 us per
+# step; at 16 the next GEMM released after each program's share, 29.37-29.44 vs
+# 29.64-29.77 (NOTES "V4-family mixes" item 21).
 SAME_PRE_MIXES_TACTICS = (
+    (1, ConsumerTactic(256, 8, mix_weights_early=True)),
     (8, ConsumerTactic(128, 4, mix_weights_early=True)),
-    (16, ConsumerTactic(128, 4)),
+    (16, ConsumerTactic(128, 4, release_late=True)),
     (1 << 30, ConsumerTactic(256, 4)),
 )
 # Beyond this many tokens V4.1's next mixes come from the mixes kernel after the

@@ -416,9 +416,11 @@ def consumer_kernel(
             # behind the next GEMM's weight stream after the wait (consumer.py's tables).
             fn = _load_mix_weights(hc_fn_ptr, cols, cmask, HC, HIDDEN, SLOTS)
     if USE_PDL:
-        # Released here, not earlier or later: the dependent GEMM's weight stream then
-        # overlaps this kernel's body; released before the wait or after the norm
-        # hand-off, the same bytes only moved the contention (benchmarks/NOTES.md).
+        # Released here: the dependent GEMM's weight stream then overlaps this kernel's
+        # body; released before the wait or after the norm hand-off, the same bytes only
+        # moved the contention (benchmarks/NOTES.md). With RELEASE_LATE (the fused mixes'
+        # tactic at some M) after this program's share instead: the stream then does not
+        # contend with the share's work (NOTES "V4-family mixes" item 21).
         tl.extra.cuda.gdc_wait()
         if not RELEASE_LATE:
             tl.extra.cuda.gdc_launch_dependents()

@@ -58,12 +58,15 @@ RETIME_ROUNDS = 3
 def sweep_consumer(ab: AttentionBoundary, steps: list, rows: int, device: torch.device,
                    trials: list) -> dict:
     """The consumer's tactic for this M inside the chain (pinned on the
-    all-reduce, then unpinned): the table's first, then ``CONSUMER_SWEEP``."""
+    all-reduce, then unpinned): the table's first, then (with the mixes fused)
+    the same with the other PDL release point (``release_late``), then
+    ``CONSUMER_SWEEP``."""
     c = ab.config
     fused = fuses_mixes(rows, c.hc_mult, c.collapse_pre)
     base = consumer_tactic(rows, c.hidden, c.collapse_pre if fused else None)
     timed = []
-    late = [base._replace(release_late=True)] if fused else []  # the release after the share
+    # the table's tactic with the other release point (after the share, or at the wait)
+    late = [base._replace(release_late=not base.release_late)] if fused else []
     for tactic in [base, *late, *(t for t in CONSUMER_SWEEP if t != base)]:
         if not fused and tactic.mix_weights_early:
             continue  # no mixes in the consumer: the flag changes nothing

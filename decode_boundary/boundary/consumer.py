@@ -101,8 +101,10 @@ class ConsumerTactic(NamedTuple):
     program loads its hc_fn columns before its grid wait and holds them, as the
     GEMMs hold their weights; else after its slots are in. ``release_late``
     (fused mixes, cooperative): the kernel after it is released only once this
-    program has loaded its hc_fn columns and stored its share, not right after
-    the grid wait, so that its weight stream does not queue in front of them."""
+    program has stored its share, not right after the grid wait (at one token
+    that kept the next GEMM's programs and weight stream out of the share and
+    norm hand-off's round trips; at 4-16 tokens the stream then started too
+    late: benchmarks/NOTES.md "V4-family mixes" item 21)."""
 
     block_h: int
     warps: int

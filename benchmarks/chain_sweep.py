@@ -66,8 +66,10 @@ def sweep_consumer(ab: AttentionBoundary, steps: list, rows: int, device: torch.
     base = consumer_tactic(rows, c.hidden, c.collapse_pre if fused else None)
     timed = []
     # the table's tactic with the other release point (after the share, or at the wait)
-    late = [base._replace(release_late=not base.release_late)] if fused else []
-    for tactic in [base, *late, *(t for t in CONSUMER_SWEEP if t != base)]:
+    other_release = [base._replace(release_late=not base.release_late)] if fused else []
+    candidates = [base, *other_release]
+    candidates += [t for t in CONSUMER_SWEEP if t not in candidates]  # each timed once
+    for tactic in candidates:
         if not fused and tactic.mix_weights_early:
             continue  # no mixes in the consumer: the flag changes nothing
         ab.all_reduce.tactic = tactic

@@ -28,20 +28,72 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize(
-    ("argv", "message"),
+    ("argv", "argument", "message"),
     [
-        (["frobnicate"], "invalid choice"),
-        ([], "required"),
-        (["verify", "--model", "v5"], "invalid choice"),
-        (["bench", "--rows", "0"], "must be >= 1"),
-        (["verify", "--rows", "two"], "invalid"),
-        (["gemm", "--shapes", "5120x100"], "K % 32"),
-        (["gemm", "--shapes", "5120by2048"], "not NxK"),
+        (["frobnicate"], "command", "invalid choice"),
+        ([], "command", "required"),
+        (["verify", "--model", "v5"], "--model", "invalid choice"),
+        (["bench", "--rows", "0"], "--rows", "got 0"),
+        (["verify", "--rows", "two"], "--rows", "must be an integer in [1, 64]"),
+        (["verify", "--rows", "abc"], "--rows", "got 'abc'"),
+        (["verify", "--rows", "65"], "--rows", "capacity"),
+        (["bench", "--rows", "100000"], "--rows", "got 100000"),
+        (["gemm", "--rows", "1", "65"], "--rows", "got 65"),
+        (["verify", "--hc", "3"], "--hc", "power of two"),
+        (["verify", "--hc", "0"], "--hc", "got 0"),
+        (["verify", "--hidden", "x"], "--hidden", "positive integer"),
+        (["verify", "--tp", "-2"], "--tp", "must be >= 1"),
+        (["verify", "--weights", "/nonexistent"], "--weights", "is not a folder"),
+        (["verify", "--timeout", "0"], "--timeout", "seconds > 0"),
+        (["verify", "--timeout", "nan"], "--timeout", "seconds > 0"),
+        (["gemm", "--shapes", "5120x100"], "--shapes", "K % 32"),
+        (["gemm", "--shapes", "5120by2048"], "--shapes", "not NxK"),
     ],
 )
-def test_argument_errors_exit_2(capsys, argv, message):
+def test_argument_errors_exit_2_with_one_line(capsys, argv, argument, message):
+    """Bad input is refused before any work: exit 2 and ONE line on stderr
+    naming the argument (no usage block, no traceback, no internal names)."""
     assert cli.main(argv) == 2
-    assert message in capsys.readouterr().err
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("decode-boundary") and "error:" in lines[0]
+    assert argument in lines[0] and message in lines[0]
+    assert "_" + "rows" not in lines[0] and "Traceback" not in captured.err
+    assert captured.out == ""
+
+
+def test_weights_folder_without_a_checkpoint_is_refused(capsys, tmp_path):
+    assert cli.main(["verify", "--weights", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "--weights" in err[0] and "safetensors" in err[0]
+
+
+def test_weights_without_gpu_is_refused_not_ignored(capsys, monkeypatch, tmp_path):
+    """Without a GPU verify runs the tiny model on synthetic weights: a
+    checkpoint given is refused, not silently dropped."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    (tmp_path / "model-00001.safetensors").write_bytes(b"")
+    assert cli.main(["verify", "--weights", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "--weights needs a GPU" in err[0]
+
+
+def test_row_capacity_is_the_fused_chains():
+    """The CLI's bound on --rows is the capacity the fused chain is built for
+    (the CLI cannot import it: that would import Triton too early)."""
+    from decode_boundary.publishing_linear import PUBLISH_EPILOGUE_MAX_ROWS
+
+    assert cli.MAX_ROWS == PUBLISH_EPILOGUE_MAX_ROWS
+    assert max(cli.DEFAULT_ROWS) <= cli.MAX_ROWS
+
+
+@pytest.mark.parametrize("command", ["bench", "verify", "gemm"])
+def test_every_command_has_a_description(capsys, command):
+    assert cli.main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    description = out.split("\n\n")[1]  # argparse: usage, blank line, description
+    assert not description.lstrip().startswith(("options:", "-")) and len(description) > 60
 
 
 def test_help_exits_0(capsys):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib
 import importlib.metadata
 import io
 import json
@@ -36,15 +37,12 @@ import re
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import matplotlib
 import torch
-from rich.console import Console
-from rich.progress import Progress
-from rich.table import Table
 
-matplotlib.use("Agg")  # files only: no display on GPU hosts or CI
-import matplotlib.pyplot as plt  # noqa: E402
+if TYPE_CHECKING:
+    from rich.table import Table
 
 SCHEMA = 1
 # The baseline paths of bench.paths.PATHS (what fused is compared with); report needs
@@ -55,6 +53,29 @@ SPEEDUPS = (("compiled_step", "fused"), ("strong_baseline", "fused"), ("baseline
 # table headers (JSON keeps the names)
 SHORT = {"compiled_step": "compiled", "strong_baseline": "strong", "baseline": "eager"}
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+
+
+BENCH_EXTRA = "pip install 'decode-boundary[bench]'"
+
+
+class MissingBenchExtra(ModuleNotFoundError):
+    """A module of the ``[bench]`` extra is not installed (the message says how)."""
+
+
+def bench_extra(module: str):
+    """``module`` of the ``[bench]`` extra (rich, matplotlib), imported on first
+    use so that the package, its GEMMs and its all-reduce need neither;
+    :class:`MissingBenchExtra` naming the extra when it is not installed."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        raise MissingBenchExtra(
+            f"{exc.name} is not installed: the tables and plots need the [bench] extra "
+            f"({BENCH_EXTRA})", name=exc.name) from None
+
+
+def _table(title: str):
+    return bench_extra("rich.table").Table(title=title)
 
 
 def _git(*args: str) -> str | None:
@@ -123,13 +144,14 @@ def progress(show: bool, total: int) -> Iterator[Callable[[str], None]]:
     if not show:
         yield lambda label: None
         return
-    with Progress(console=Console(stderr=True), transient=True) as bar:
+    console = bench_extra("rich.console").Console(stderr=True)
+    with bench_extra("rich.progress").Progress(console=console, transient=True) as bar:
         task = bar.add_task("verifying", total=total)
         yield lambda label: bar.update(task, advance=1, description=label)
 
 
 def verify_table(result: dict) -> Table:
-    table = Table(title=_title(result, "correctness"))
+    table = _table(_title(result, "correctness"))
     for col in ("M", "fused = unfused, vs reference", "ranks identical", "result"):
         table.add_column(col)
     for check in result["verify"]:
@@ -143,7 +165,7 @@ def verify_table(result: dict) -> Table:
 
 
 def bench_table(result: dict) -> Table:
-    table = Table(title=_title(result, "µs per boundary (median, cold L2)"))
+    table = _table(_title(result, "µs per boundary (median, cold L2)"))
     paths = list(result["timings"][0]["us"]) if result["timings"] else []
     table.add_column("M", justify="right")
     for path in paths:
@@ -176,7 +198,7 @@ def bench_table(result: dict) -> Table:
 def mixes_table(result: dict) -> Table:
     """The next sublayer's mixes both ways (``result["mixes"]``, bench.mixes)."""
     mixes = result["mixes"]
-    table = Table(title=_title(result, f"next mixes, collapse with the {mixes['collapse']} "
+    table = _table(_title(result, f"next mixes, collapse with the {mixes['collapse']} "
                                        "pre: µs (median, cold L2)"))
     kernel = all("mixes_kernel" in row["us"] for row in mixes["rows"])
     gemm = all("fused_with_gemm" in row["us"] for row in mixes["rows"])
@@ -210,7 +232,7 @@ def mixes_table(result: dict) -> Table:
 
 
 def gemm_table(result: dict) -> Table:
-    table = Table(title=_title(result, "GEMM µs (median, cold L2)"))
+    table = _table(_title(result, "GEMM µs (median, cold L2)"))
     for col in ("GEMM", "N x K", "M", "ours", "cuBLAS BF16", "cuBLAS FP8 row-wise", "floor",
                 "ours / floor", "FP8 / ours"):
         table.add_column(col, justify="right")
@@ -239,7 +261,8 @@ def _title(result: dict, what: str) -> str:
 
 def render(table: Table, width: int = 140) -> str:
     """The table as plain text (what the terminal shows, without colour codes)."""
-    console = Console(file=io.StringIO(), width=width, color_system=None)
+    console = bench_extra("rich.console").Console(file=io.StringIO(), width=width,
+                                                  color_system=None)
     console.print(table)
     return console.file.getvalue()
 
@@ -254,6 +277,9 @@ def plot_latency(result: dict, path: Path) -> Path:
     """PNG: µs per boundary vs M, one line per path, the floor dashed; beside
     it, where the run timed one, the per-kernel breakdown of fused vs the
     strong baseline at one M (stacked bars of each stage timed alone)."""
+    matplotlib = bench_extra("matplotlib")
+    matplotlib.use("Agg")  # files only: no display on GPU hosts or CI
+    plt = bench_extra("matplotlib.pyplot")
     timings = result["timings"]
     rows = [t["rows"] for t in timings]
     breakdown = result.get("breakdown")

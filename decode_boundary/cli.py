@@ -1,7 +1,8 @@
 """The ``decode-boundary`` command.
 
-* ``bench``: verify, then time every path of ``bench.paths.PATHS``
-  (compiled_step / strong_baseline / baseline / unfused / fused) on every
+* ``bench``: verify, then time every path of ``bench.paths.PATHS`` (fused,
+  unfused and the baselines; the headline compares fused with the fastest
+  baseline at each M, by name) on every
   local GPU (one process per GPU, started here; ``torchrun`` works too), or
   with ``--tp-shapes N`` one rank's share of a TP-N deployment on one GPU; a
   table, JSON and a PNG (latency vs M, and a per-kernel breakdown) in an output

@@ -16,7 +16,7 @@ import torch
 from decode_boundary.bench.baselines import BASELINE_RTOL, check_baseline, collapse_rmsnorm
 from decode_boundary.bench.paths import applies, build, join_all
 from decode_boundary.bench.user_mixes_kernel import BLOCK_M, launch_user_mixes
-from decode_boundary.bench.user_step import UserStep, user_mixes
+from decode_boundary.bench.user_step import UserStep, fp32_matmul, user_mixes
 from decode_boundary.boundary.reference import mhc_mixes_ref
 from decode_boundary.model.chain import MIX_NAMES, MIXES_ATOL, AttentionBoundary
 from decode_boundary.model.config import MODELS
@@ -181,7 +181,7 @@ def test_gpu_kernel_matches_the_spec_at_flash_shapes(rows):
                          c.hc_eps, c.hc_sinkhorn_iters)
     s = streams.float().reshape(rows, -1)
     out = tuple(torch.full_like(w, float("nan"), device="cuda") for w in want)
-    with torch.backends.cuda.matmul.flags(allow_tf32=False):
+    with fp32_matmul():
         projected = s @ hc_fn.t()
     got = launch_user_mixes(projected, torch.rsqrt(s.square().mean(dim=-1) + c.eps),
                             hc_scale, hc_base, c.hc_eps, c.hc_sinkhorn_iters, out=out)

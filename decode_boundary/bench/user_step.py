@@ -56,13 +56,13 @@ def user_mixes(streams: torch.Tensor, hc_fn: torch.Tensor, hc_scale: torch.Tenso
     m, hc, h = streams.shape
     s = streams.float().reshape(m, hc * h)
     rstd = torch.rsqrt(s.square().mean(dim=-1) + rms_eps)
-    with _fp32_matmul():
+    with fp32_matmul():
         projected = s @ hc_fn.t()
     return launch_user_mixes(projected, rstd, hc_scale, hc_base, hc_eps, sinkhorn_iters)
 
 
 @contextlib.contextmanager
-def _fp32_matmul():
+def fp32_matmul():
     """CUDA FP32 matmuls in FP32 (not TF32) inside."""
     saved = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -116,11 +116,16 @@ def _seconds(text: str) -> float:
 
 
 def _weights_dir(text: str) -> Path:
-    """A folder holding a DSV4.1-format checkpoint (``*.safetensors``)."""
+    """A DSV4.1-format checkpoint: a ``.safetensors`` file, or a folder holding
+    some (or their ``*.safetensors.index.json``), as ``gemm.load_linear`` reads it."""
     path = Path(text)
+    if path.is_file() and path.name.endswith(".safetensors"):
+        return path
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text!r} does not exist")
     if not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} is not a folder")
-    if not any(path.glob("*.safetensors")):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a folder nor a .safetensors file")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.safetensors.index.json")):
         raise argparse.ArgumentTypeError(f"{text!r} holds no *.safetensors file")
     return path
 

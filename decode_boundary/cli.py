@@ -1,7 +1,8 @@
 """The ``decode-boundary`` command.
 
-* ``bench``: verify, then time every path of ``bench.paths.PATHS``
-  (compiled_step / strong_baseline / baseline / unfused / fused) on every
+* ``bench``: verify, then time every path of ``bench.paths.PATHS`` (fused,
+  unfused and the baselines; the headline compares fused with the fastest
+  baseline at each M, by name) on every
   local GPU (one process per GPU, started here; ``torchrun`` works too), or
   with ``--tp-shapes N`` one rank's share of a TP-N deployment on one GPU; a
   table, JSON and a PNG (latency vs M, and a per-kernel breakdown) in an output
@@ -10,8 +11,10 @@
   interpreter on CPU at the ``tiny`` size with tp = 2 simulated in one process, and says so.
 * ``gemm``: our MXFP8 GEMM vs cuBLAS BF16 / FP8 row-wise vs the HBM floor.
 
-Exit codes: 0 success, 1 a check failed or a rank failed, 2 bad arguments or
-no GPU for a command that needs one.
+Exit codes: 0 success, 1 a check failed or a rank failed, 2 bad arguments
+(one line on stderr naming the argument) or no GPU for a command that needs one.
+The tables and plots need the ``[bench]`` extra (rich, matplotlib); without it
+a command says so in one line (exit 2).
 
 Triton is imported inside the commands, never at the top (here or in what this
 module imports): ``triton.jit`` reads ``TRITON_INTERPRET`` when a function is
@@ -29,13 +32,16 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from rich.console import Console
 
 from decode_boundary.bench import report
 from decode_boundary.launch import RankError, in_torchrun, launch
 from decode_boundary.model.config import MODELS, BoundaryConfig
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 DEFAULT_MODEL = "v4.1-flash"
 DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 48)
@@ -49,11 +55,79 @@ NO_GPU = (
 )
 
 
+# The decode step's capacity: the most tokens per step the boundary is built and
+# tuned for (the fused chain's four launches, the mailbox slots a bench allocates).
+# publishing_linear.PUBLISH_EPILOGUE_MAX_ROWS (tests/test_cli.py holds them equal;
+# importing it here would import Triton before TRITON_INTERPRET is decided).
+MAX_ROWS = 64
+MAX_HC = 16  # hc streams: a power of two (the mixes' Sinkhorn layout), a few at most
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a refusal is one line on stderr (``prog: error: message``,
+    exit 2), not the usage block too: the line names the argument."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _integer(text: str, what: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+
+
 def _positive(text: str) -> int:
-    value = int(text)
+    """An int >= 1 (``--tp``, ``--tp-shapes``, ``--hidden``)."""
+    value = _integer(text, "a positive integer")
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _rows(text: str) -> int:
+    """A token count per step in [1, MAX_ROWS]."""
+    what = f"an integer in [1, {MAX_ROWS}] (the decode step's capacity)"
+    value = _integer(text, what)
+    if not 1 <= value <= MAX_ROWS:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
+    return value
+
+
+def _hc(text: str) -> int:
+    """The number of hc streams: a power of two up to MAX_HC (the next mixes'
+    Sinkhorn layout needs a power of two)."""
+    what = f"a power of two in [1, {MAX_HC}] (the mixes' Sinkhorn layout)"
+    value = _integer(text, what)
+    if not 1 <= value <= MAX_HC or value & (value - 1):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
+    return value
+
+
+def _weights_dir(text: str) -> Path:
+    """A DSV4.1-format checkpoint: a ``.safetensors`` file, or a folder holding
+    some (or their ``*.safetensors.index.json``), as ``gemm.load_linear`` reads it."""
+    path = Path(text)
+    if path.is_file() and path.name.endswith(".safetensors"):
+        return path
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text!r} does not exist")
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a folder nor a .safetensors file")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.safetensors.index.json")):
+        raise argparse.ArgumentTypeError(f"{text!r} holds no *.safetensors file")
+    return path
 
 
 def _shapes(text: str) -> list[tuple[str, int, int]]:
@@ -70,39 +144,51 @@ def _shapes(text: str) -> list[tuple[str, int, int]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument("--model", choices=list(MODELS), help=f"default {DEFAULT_MODEL}")
     common.add_argument("--hidden", type=_positive, help="override the model's hidden size")
-    common.add_argument("--hc", type=_positive, help="override the model's hc_mult")
+    common.add_argument("--hc", type=_hc,
+                        help=f"override the model's hc_mult (a power of two <= {MAX_HC})")
     common.add_argument("--tp", type=_positive,
                         help="tensor-parallel size (bench/verify: default one rank per visible "
                              f"GPU; gemm: per-rank shapes at this TP, default {GEMM_TP})")
-    common.add_argument("--rows", type=_positive, nargs="+", help="token counts M per step")
+    common.add_argument("--rows", type=_rows, nargs="+",
+                        help=f"token counts M per step, each in [1, {MAX_ROWS}]")
     common.add_argument("--out", type=Path, help="folder for the JSON (and PNG)")
     common.add_argument("--json", action="store_true", help="also print the JSON to stdout")
-    boundary = argparse.ArgumentParser(add_help=False)
-    boundary.add_argument("--weights", type=Path,
+    boundary = _Parser(add_help=False)
+    boundary.add_argument("--weights", type=_weights_dir,
                           help="DSV4.1-format safetensors folder (default: synthetic weights)")
     boundary.add_argument("--seed", type=int, default=0)
     boundary.add_argument("--tp-shapes", type=_positive, dest="tp_shapes",
                           help="run one rank's share of a TP-N deployment on one GPU (the "
                                "per-rank shapes of TP N, the all-reduce over a group of one)")
-    boundary.add_argument("--timeout", type=float, default=600.0,
+    boundary.add_argument("--timeout", type=_seconds, default=600.0,
                           help="seconds before a run with a silent rank is ended (default 600)")
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="decode-boundary",
         description="Run, verify and benchmark a DeepSeek V4.1 attention boundary.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("bench", parents=[common, boundary],
-                   help="verify, then time compiled_step / strong_baseline / baseline / "
-                        "unfused / fused on all local GPUs (or one rank of TP N on one GPU: "
-                        "--tp-shapes N)")
+                   help="verify, then time the fused boundary against the baselines",
+                   description="Verify the boundary, then time every path (fused, unfused "
+                               "and the baselines a user could build: the strongest is named "
+                               "at each M) on all local GPUs, one process per GPU, or one "
+                               "rank's share of a TP-N deployment on one GPU (--tp-shapes N). "
+                               "Writes a table, JSON and a latency plot. Needs a CUDA GPU.")
     sub.add_parser("verify", parents=[common, boundary],
-                   help="correctness only (Triton interpreter when there is no GPU)")
+                   help="correctness only (Triton interpreter when there is no GPU)",
+                   description="Check the boundary's outputs: fused and unfused bit-identical, "
+                               "both within tolerance of the reference, every rank holding "
+                               "the same bits. Without a GPU it runs the kernels in the Triton "
+                               "interpreter on CPU (tiny model, tp = 2 simulated).")
     gemm = sub.add_parser("gemm", parents=[common],
-                          help="our MXFP8 GEMM vs cuBLAS BF16 / FP8 row-wise vs the floor")
+                          help="our MXFP8 GEMM vs cuBLAS BF16 / FP8 row-wise vs the floor",
+                          description="Time our MXFP8 GEMM on the model's per-rank projections "
+                                      "(or --shapes) against cuBLAS BF16 and FP8 row-wise and "
+                                      "the HBM floor, cold L2. Needs a CUDA GPU.")
     gemm.add_argument("--shapes", type=_shapes, help="NxK,... instead of the model's projections")
     return parser
 
@@ -113,9 +199,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
         args.command_line = shlex.join(["decode-boundary", *argv])
+        # Before any work: the tables (and bench's plot) need the [bench] extra.
+        for module in ("rich.console", *(("matplotlib",) if args.command == "bench" else ())):
+            report.bench_extra(module)
         return _gemm(parser, args) if args.command == "gemm" else _boundary(parser, args)
     except SystemExit as exc:  # --help and parser.error(): return argparse's code
         return int(exc.code or 0)
+    except report.MissingBenchExtra as exc:
+        print(f"decode-boundary: {exc}", file=sys.stderr)
+        return 2
 
 
 def _config(parser: argparse.ArgumentParser, args, default_model: str, tp: int) -> BoundaryConfig:
@@ -143,6 +235,9 @@ def _boundary(parser: argparse.ArgumentParser, args) -> int:
             return 2
         if args.tp_shapes:
             parser.error("--tp-shapes needs a GPU (it times one rank's share)")
+        if args.weights:
+            parser.error("--weights needs a GPU (without one, verify runs the tiny model "
+                         "on synthetic weights)")
         os.environ["TRITON_INTERPRET"] = "1"
         tp = args.tp or INTERPRETER_TP
     elif args.tp_shapes:
@@ -235,7 +330,7 @@ def _gemm(parser: argparse.ArgumentParser, args) -> int:
 def _console(to_stderr: bool) -> Console:
     """Tables go to stderr when stdout carries JSON; off a terminal (logs, CI)
     rich would assume 80 columns and fold the wide tables, so give it more."""
-    console = Console(stderr=to_stderr)
+    console = report.bench_extra("rich.console").Console(stderr=to_stderr)
     if not console.is_terminal:
         console.width = 160
     return console

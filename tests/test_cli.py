@@ -28,20 +28,73 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize(
-    ("argv", "message"),
+    ("argv", "argument", "message"),
     [
-        (["frobnicate"], "invalid choice"),
-        ([], "required"),
-        (["verify", "--model", "v5"], "invalid choice"),
-        (["bench", "--rows", "0"], "must be >= 1"),
-        (["verify", "--rows", "two"], "invalid"),
-        (["gemm", "--shapes", "5120x100"], "K % 32"),
-        (["gemm", "--shapes", "5120by2048"], "not NxK"),
+        (["frobnicate"], "command", "invalid choice"),
+        ([], "command", "required"),
+        (["verify", "--model", "v5"], "--model", "invalid choice"),
+        (["bench", "--rows", "0"], "--rows", "got 0"),
+        (["verify", "--rows", "two"], "--rows", "must be an integer in [1, 64]"),
+        (["verify", "--rows", "abc"], "--rows", "got 'abc'"),
+        (["verify", "--rows", "65"], "--rows", "capacity"),
+        (["bench", "--rows", "100000"], "--rows", "got 100000"),
+        (["gemm", "--rows", "1", "65"], "--rows", "got 65"),
+        (["verify", "--hc", "3"], "--hc", "power of two"),
+        (["verify", "--hc", "0"], "--hc", "got 0"),
+        (["verify", "--hidden", "x"], "--hidden", "positive integer"),
+        (["verify", "--tp", "-2"], "--tp", "must be >= 1"),
+        (["verify", "--weights", "/nonexistent"], "--weights", "does not exist"),
+        (["verify", "--weights", __file__], "--weights", "neither a folder nor"),
+        (["verify", "--timeout", "0"], "--timeout", "seconds > 0"),
+        (["verify", "--timeout", "nan"], "--timeout", "seconds > 0"),
+        (["gemm", "--shapes", "5120x100"], "--shapes", "K % 32"),
+        (["gemm", "--shapes", "5120by2048"], "--shapes", "not NxK"),
     ],
 )
-def test_argument_errors_exit_2(capsys, argv, message):
+def test_argument_errors_exit_2_with_one_line(capsys, argv, argument, message):
+    """Bad input is refused before any work: exit 2 and ONE line on stderr
+    naming the argument (no usage block, no traceback, no internal names)."""
     assert cli.main(argv) == 2
-    assert message in capsys.readouterr().err
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("decode-boundary") and "error:" in lines[0]
+    assert argument in lines[0] and message in lines[0]
+    assert "_" + "rows" not in lines[0] and "Traceback" not in captured.err
+    assert captured.out == ""
+
+
+def test_weights_folder_without_a_checkpoint_is_refused(capsys, tmp_path):
+    assert cli.main(["verify", "--weights", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "--weights" in err[0] and "safetensors" in err[0]
+
+
+def test_weights_without_gpu_is_refused_not_ignored(capsys, monkeypatch, tmp_path):
+    """Without a GPU verify runs the tiny model on synthetic weights: a
+    checkpoint given is refused, not silently dropped."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    (tmp_path / "model-00001.safetensors").write_bytes(b"")
+    assert cli.main(["verify", "--weights", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "--weights needs a GPU" in err[0]
+
+
+def test_row_capacity_is_the_fused_chains():
+    """The CLI's bound on --rows is the capacity the fused chain is built for
+    (the CLI cannot import it: that would import Triton too early)."""
+    from decode_boundary.publishing_linear import PUBLISH_EPILOGUE_MAX_ROWS
+
+    assert cli.MAX_ROWS == PUBLISH_EPILOGUE_MAX_ROWS
+    assert max(cli.DEFAULT_ROWS) <= cli.MAX_ROWS
+
+
+@pytest.mark.parametrize("command", ["bench", "verify", "gemm"])
+def test_every_command_has_a_description(capsys, command):
+    assert cli.main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    description = out.split("\n\n")[1]  # argparse: usage, blank line, description
+    assert not description.lstrip().startswith(("options:", "-")) and len(description) > 60
 
 
 def test_help_exits_0(capsys):
@@ -150,23 +203,32 @@ def _synthetic_bench() -> dict:
                         for m in (1, 8)]
     result.update(copy_rate_gbps=4200.0, floor_us=2.5, weight_copies=3)
     result["timings"] = report.add_speedups([
-        {"rows": 1, "us": {"strong_baseline": 20.0, "baseline": 30.0, "unfused": 12.0,
-                           "fused": 8.0}},
-        {"rows": 8, "us": {"strong_baseline": 22.0, "baseline": 33.0, "unfused": 14.0,
-                           "fused": 11.0}},
+        # The fastest baseline: the aside user step at M = 1, the strong one at 8.
+        {"rows": 1, "us": {"user_step": 19.0, "user_step_aside": 17.6, "strong_baseline": 20.0,
+                           "baseline": 30.0, "unfused": 12.0, "fused": 8.0}},
+        {"rows": 8, "us": {"user_step": 25.0, "user_step_aside": 24.0, "strong_baseline": 22.0,
+                           "baseline": 33.0, "unfused": 14.0, "fused": 11.0}},
     ])
     result["breakdown"] = {"rows": 1, "fused": {"wo_a": 3.0, "wo_b": 2.5, "consumer": 2.0},
                            "strong_baseline": {"wo_a (bmm)": 8.0, "mHC": 9.0}}
     return result
 
 
-def test_bench_table_shows_times_floor_and_speedups():
-    text = report.render(report.bench_table(_synthetic_bench()))
-    row_1 = next(line for line in text.splitlines() if line.strip("│ ").startswith("1 "))
-    for cell in ("20.0", "30.0", "12.0", "8.0", "2.5", "2.50x", "3.75x", "1.50x", "3.20x"):
-        assert cell in row_1
-    assert "strong/fused" in text and "eager/fused" in text and "4200 GB/s" in text
-    assert "every MXFP8 weight byte" in text
+def test_bench_table_leads_with_fused_against_the_fastest_baseline():
+    table = report.bench_table(_synthetic_bench())
+    headers = [column.header for column in table.columns]
+    assert headers[:7] == ["M", "fused µs", "fastest baseline", "its µs", "gain", "fused/floor",
+                           "floor µs"]
+    # Today's baselines and ours unfused stay, as secondary columns.
+    assert headers[7:] == ["user µs", "user aside µs", "strong µs", "eager µs", "unfused µs"]
+    text = report.render(table, width=200)
+    rows = {line.strip("│ ").split()[0]: [c.strip() for c in line.strip("│").split("│")]
+            for line in text.splitlines() if line.strip("│ ")[:2] in ("1 ", "8 ")}
+    assert rows["1"][:7] == ["1", "8.0", "user aside", "17.6", "2.20x", "3.20x", "2.5"]
+    assert rows["1"][7:] == ["19.0", "17.6", "20.0", "30.0", "12.0"]
+    assert rows["8"][:7] == ["8", "11.0", "strong", "22.0", "2.00x", "4.40x", "2.5"]
+    assert "4200 GB/s" in text and "every MXFP8 weight byte" in text
+    assert "cuBLAS FP32 + one Triton kernel" in " ".join(text.split())  # the caption, wrapped
 
 
 def test_verify_table_shows_failures():
@@ -189,16 +251,20 @@ def test_json_schema(tmp_path):
     assert env["unreachable_pairs"] == [[0, 1]]
     assert env["git_commit"] is None or len(env["git_commit"]) == 40
     assert isinstance(data["created"], str) and isinstance(data["command"], str)
-    # Speedups worked out by hand from the synthetic times (path µs / fused µs),
-    # the fastest baseline being the strong one at both M.
-    want = {1: {"strong_baseline/fused": 2.5, "baseline/fused": 3.75, "unfused/fused": 1.5,
-                "fastest_baseline/fused": 2.5},
-            8: {"strong_baseline/fused": 2.0, "baseline/fused": 3.0, "unfused/fused": 1.2727,
+    # Speedups worked out by hand from the synthetic times (path µs / fused µs); the
+    # fastest baseline named per M.
+    want = {1: {"user_step/fused": 2.375, "user_step_aside/fused": 2.2,
+                "strong_baseline/fused": 2.5, "baseline/fused": 3.75, "unfused/fused": 1.5,
+                "fastest_baseline/fused": 2.2},
+            8: {"user_step/fused": 2.2727, "user_step_aside/fused": 2.1818,
+                "strong_baseline/fused": 2.0, "baseline/fused": 3.0, "unfused/fused": 1.2727,
                 "fastest_baseline/fused": 2.0}}
+    fastest = {1: "user_step_aside", 8: "strong_baseline"}
     for row in data["timings"]:
-        assert set(row["us"]) == {"strong_baseline", "baseline", "unfused", "fused"}
+        assert set(row["us"]) == {"user_step", "user_step_aside", "strong_baseline",
+                                  "baseline", "unfused", "fused"}
         assert row["speedup"] == pytest.approx(want[row["rows"]], abs=1e-4)
-        assert row["fastest_baseline"] == "strong_baseline"
+        assert row["fastest_baseline"] == fastest[row["rows"]]
 
 
 def test_plot_is_a_valid_png(tmp_path):

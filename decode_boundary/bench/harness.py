@@ -40,10 +40,10 @@ from decode_boundary.model.chain import (
 )
 from decode_boundary.model.config import MODELS, BoundaryConfig
 
-from .baselines import baseline_rtol, check_baseline
+from .baselines import baseline_mixes_atol, baseline_rtol, check_baseline
 from .gemm import mxfp8_weight_bytes
 from .mixes import time_mixes
-from .paths import BASELINES, PATHS, STAGE_STEPS, STAGES, Step, build
+from .paths import STAGE_STEPS, STAGES, Step, baselines_for, build, join_all, paths_for
 from .report import environment, git_commit, new_result, progress, write_json
 
 MIXES_MAX_ROWS = 16  # the mixes' targets are at M <= 16 (bench.mixes)
@@ -206,9 +206,13 @@ def verify_rows(ab: AttentionBoundary, rows: int, group: dist.ProcessGroup | Non
     ab.join_mixes()  # before anything reads them
     ref = ab.reference(inputs)
     if baselines is None:
-        baselines = {name: build(name, ab) for name in BASELINES}
-    baseline_failures = [f"{name} {f}" for name, step in baselines.items()
-                         for f in check_baseline(step(inputs), ref, ab, baseline_rtol(name))]
+        baselines = {name: build(name, ab) for name in baselines_for(ab)}
+    baseline_failures = []
+    for name, step in baselines.items():
+        out = step(inputs)
+        join_all(ab, [step])()  # an aside user step's mixes, before they are read
+        baseline_failures += [f"{name} {f}" for f in check_baseline(
+            out, ref, ab, baseline_rtol(name), baseline_mixes_atol(name))]
     identical = True
     if group is not None:
         digests = [None] * dist.get_world_size(group)
@@ -250,10 +254,10 @@ def run_rank(ctx: RankContext, spec: BenchSpec) -> dict:
                            ctx.device, max(spec.rows), seed=spec.seed,
                            weights_dir=spec.weights_dir)
     ab.precompile(spec.rows)
-    total = len(spec.rows) * (1 + (len(PATHS) if spec.time else 0))
+    total = len(spec.rows) * (1 + (len(paths_for(ab)) if spec.time else 0))
     try:
         with progress(ctx.rank == 0, total) as advance:
-            baselines = {name: build(name, ab) for name in BASELINES}
+            baselines = {name: build(name, ab) for name in baselines_for(ab)}
             checks = []
             for rows in spec.rows:
                 checks.append(verify_rows(ab, rows, ctx.group, baselines))
@@ -275,7 +279,7 @@ def _time_paths(ab: AttentionBoundary, spec: BenchSpec, ctx: RankContext,
     views = parts[:copies_for_cold_l2(per_copy, ab.device)]
     # Every path built once per weight copy (``first``: steps already built for ``ab``).
     steps = {path: [first.get(path) or build(path, views[0]),
-                    *(build(path, v) for v in views[1:])] for path in PATHS}
+                    *(build(path, v) for v in views[1:])] for path in paths_for(ab)}
     rate = copy_rate(ctx.device)
     timings = []
     for rows in spec.rows:
@@ -283,7 +287,7 @@ def _time_paths(ab: AttentionBoundary, spec: BenchSpec, ctx: RankContext,
         us = {}
         for path, per_view in steps.items():
             us[path] = graph_time_us([functools.partial(s, inputs) for s in per_view],
-                                     ctx.device, ctx.group, join=ab.join_mixes)
+                                     ctx.device, ctx.group, join=join_all(ab, per_view))
             advance(f"timed {path} M={rows}")
         timings.append({"rows": rows, "us": us})
     breakdown_rows = spec.breakdown_rows or spec.rows[0]

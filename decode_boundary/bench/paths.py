@@ -19,7 +19,8 @@ from decode_boundary.gemm import mxfp8_mm
 from decode_boundary.model.chain import AttentionBoundary, BoundaryInputs, BoundaryOutputs
 
 from .baselines import CompiledStep, EagerBaseline, StrongBaseline, all_reduce_then_mhc
-from .report import BASELINES  # noqa: F401  (what fused is compared with, in order)
+from .report import BASELINES  # (what fused is compared with, in order)
+from .user_step import UserStep
 
 Step = Callable[[BoundaryInputs], BoundaryOutputs]
 
@@ -31,6 +32,11 @@ def _ours(fused: bool) -> Callable[[AttentionBoundary], Step]:
 
 
 PATHS: dict[str, Callable[[AttentionBoundary], Step]] = {
+    # The strongest user-built steps (the headline baselines): the step without the
+    # mixes by torch.compile max-autotune, the mixes by cuBLAS + one Triton kernel,
+    # inline or (V4.1) on a side stream.
+    "user_step": UserStep,
+    "user_step_aside": functools.partial(UserStep, aside=True),
     "compiled_step": CompiledStep,  # the whole step by torch.compile max-autotune
     "strong_baseline": StrongBaseline,  # cuBLAS BF16 + torch.compile'd mHC / RMSNorm
     "baseline": EagerBaseline,  # cuBLAS FP8 row-wise + eager torch
@@ -39,11 +45,43 @@ PATHS: dict[str, Callable[[AttentionBoundary], Step]] = {
 }
 
 
+def applies(name: str, ab: AttentionBoundary) -> bool:
+    """Whether path ``name`` runs for ``ab``'s model: V4 (``collapse_pre="same"``)
+    needs the next mixes for its own layer input, so it has no aside user step."""
+    return not (name == "user_step_aside" and ab.config.collapse_pre == "same")
+
+
+def paths_for(ab: AttentionBoundary) -> list[str]:
+    """The paths of ``PATHS`` that run for ``ab``, in order."""
+    return [name for name in PATHS if applies(name, ab)]
+
+
+def baselines_for(ab: AttentionBoundary) -> list[str]:
+    """The baselines of ``BASELINES`` that run for ``ab``, in order."""
+    return [name for name in BASELINES if applies(name, ab)]
+
+
 def build(name: str, ab: AttentionBoundary) -> Step:
-    """The step of path ``name`` for ``ab`` (``ValueError`` for an unknown name)."""
+    """The step of path ``name`` for ``ab`` (``ValueError`` for an unknown name
+    or one that does not apply to its model)."""
     if name not in PATHS:
         raise ValueError(f"path must be one of {tuple(PATHS)}, got {name!r}")
+    if not applies(name, ab):
+        raise ValueError(f"path {name!r} does not apply to {ab.config.name} "
+                         f"(collapse_pre={ab.config.collapse_pre!r})")
     return PATHS[name](ab)
+
+
+def join_all(ab: AttentionBoundary, steps: list[Step]) -> Callable[[], None]:
+    """What joins the work ``steps`` leave on side streams (a capture must end
+    joined; outputs are read after it): ``ab``'s aside mixes and those of any
+    aside user step."""
+    def join() -> None:
+        ab.join_mixes()
+        for step in steps:
+            if isinstance(step, UserStep):
+                step.join()
+    return join
 
 
 def _fused_stages(ab: AttentionBoundary, step: Step, inputs: BoundaryInputs) -> dict:

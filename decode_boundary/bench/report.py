@@ -14,7 +14,10 @@ The result dict (schema ``SCHEMA``) is what ``decode-boundary`` writes:
   bench adds ``copy_rate_gbps``, ``floor_us`` (every MXFP8 weight byte of the
   boundary — wo_a, wo_b, fused_wqa_wkv — at the copy rate, plus ``hop_us``, one
   measured hop where there are peers), ``weight_copies``, ``timings``
-  [{``rows``, ``us`` {path: µs}, ``speedup`` {"<path>/fused": ratio}}] and
+  [{``rows``, ``us`` {path: µs}, ``speedup`` {"<path>/fused": ratio,
+  "fastest_baseline/fused": the headline}, ``fastest_baseline`` (the quickest
+  of ``BASELINES`` at this M, by name: user_step, user_step_aside,
+  compiled_step, strong_baseline or baseline)}] and
   ``breakdown`` {``rows``, path: {stage: µs}} (each stage timed alone);
   ``mixes`` {``collapse``, ``rows``: [{``rows``, ``us``: {fused, consumer,
   separate, consumer_then_separate[, mixes_kernel], fused_with_gemm,
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib
 import importlib.metadata
 import io
 import json
@@ -36,25 +40,47 @@ import re
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import matplotlib
 import torch
-from rich.console import Console
-from rich.progress import Progress
-from rich.table import Table
 
-matplotlib.use("Agg")  # files only: no display on GPU hosts or CI
-import matplotlib.pyplot as plt  # noqa: E402
+if TYPE_CHECKING:
+    from rich.table import Table
 
 SCHEMA = 1
 # The baseline paths of bench.paths.PATHS (what fused is compared with); report needs
 # no kernels, so the list lives here.
-BASELINES = ("compiled_step", "strong_baseline", "baseline")
-SPEEDUPS = (("compiled_step", "fused"), ("strong_baseline", "fused"), ("baseline", "fused"),
-            ("unfused", "fused"))
+# The user-built steps first: the strongest, the headline (bench.user_step); V4 runs no
+# user_step_aside (its layer input needs the mixes).
+BASELINES = ("user_step", "user_step_aside", "compiled_step", "strong_baseline", "baseline")
+SPEEDUPS = (*((b, "fused") for b in BASELINES), ("unfused", "fused"))
 # table headers (JSON keeps the names)
-SHORT = {"compiled_step": "compiled", "strong_baseline": "strong", "baseline": "eager"}
+SHORT = {"user_step": "user", "user_step_aside": "user aside", "compiled_step": "compiled",
+         "strong_baseline": "strong", "baseline": "eager"}
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+
+
+BENCH_EXTRA = "pip install 'decode-boundary[bench]'"
+
+
+class MissingBenchExtra(ModuleNotFoundError):
+    """A module of the ``[bench]`` extra is not installed (the message says how)."""
+
+
+def bench_extra(module: str):
+    """``module`` of the ``[bench]`` extra (rich, matplotlib), imported on first
+    use so that the package, its GEMMs and its all-reduce need neither;
+    :class:`MissingBenchExtra` naming the extra when it is not installed."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        raise MissingBenchExtra(
+            f"{exc.name} is not installed: the tables and plots need the [bench] extra "
+            f"({BENCH_EXTRA})", name=exc.name) from None
+
+
+def _table(title: str):
+    return bench_extra("rich.table").Table(title=title)
 
 
 def _git(*args: str) -> str | None:
@@ -123,13 +149,14 @@ def progress(show: bool, total: int) -> Iterator[Callable[[str], None]]:
     if not show:
         yield lambda label: None
         return
-    with Progress(console=Console(stderr=True), transient=True) as bar:
+    console = bench_extra("rich.console").Console(stderr=True)
+    with bench_extra("rich.progress").Progress(console=console, transient=True) as bar:
         task = bar.add_task("verifying", total=total)
         yield lambda label: bar.update(task, advance=1, description=label)
 
 
 def verify_table(result: dict) -> Table:
-    table = Table(title=_title(result, "correctness"))
+    table = _table(_title(result, "correctness"))
     for col in ("M", "fused = unfused, vs reference", "ranks identical", "result"):
         table.add_column(col)
     for check in result["verify"]:
@@ -143,40 +170,43 @@ def verify_table(result: dict) -> Table:
 
 
 def bench_table(result: dict) -> Table:
-    table = Table(title=_title(result, "µs per boundary (median, cold L2)"))
+    """The headline first — per M, fused against the fastest baseline at that M,
+    named, with the gain and fused / floor —, then every other path's µs as
+    secondary columns (their ratios to fused are in the JSON's ``speedup``)."""
+    table = _table(_title(result, "µs per boundary (median, cold L2)"))
     paths = list(result["timings"][0]["us"]) if result["timings"] else []
-    table.add_column("M", justify="right")
-    for path in paths:
-        table.add_column(f"{SHORT.get(path, path)} µs", justify="right")
-    table.add_column("floor µs", justify="right")
-    ratios = [f"{a}/{b}" for a, b in SPEEDUPS if a in paths and b in paths]
-    for ratio in ratios:  # short headers: the wide table must fit a terminal
-        a, b = ratio.split("/")
-        table.add_column(f"{SHORT.get(a, a)}/{SHORT.get(b, b)}", justify="right")
-    table.add_column("fused/floor", justify="right")
-    table.add_column("fastest baseline / fused", justify="right")
+    others = [p for p in paths if p != "fused"]
+    for name in ("M", "fused µs", "fastest baseline", "its µs", "gain", "fused/floor",
+                 "floor µs", *(f"{SHORT.get(p, p)} µs" for p in others)):
+        table.add_column(name, justify="left" if name == "fastest baseline" else "right")
     for row in result["timings"]:
-        fastest = row.get("fastest_baseline")
+        us, fastest = row["us"], row.get("fastest_baseline")
+        fused = us.get("fused")
         table.add_row(
             str(row["rows"]),
-            *(f"{row['us'][p]:.1f}" for p in paths),
+            f"{fused:.1f}" if fused is not None else "",
+            SHORT.get(fastest, fastest) if fastest else "",
+            f"{us[fastest]:.1f}" if fastest else "",
+            f"{row['speedup']['fastest_baseline/fused']:.2f}x" if fastest else "",
+            f"{fused / result['floor_us']:.2f}x" if fused is not None else "",
             f"{result['floor_us']:.1f}",
-            *(f"{row['speedup'][r]:.2f}x" for r in ratios),
-            f"{row['us']['fused'] / result['floor_us']:.2f}x" if "fused" in row["us"] else "",
-            f"{row['speedup']['fastest_baseline/fused']:.2f}x "
-            f"({SHORT.get(fastest, fastest)})" if fastest else "",
+            *(f"{us[p]:.1f}" for p in others),
         )
-    table.caption = (f"floor = every MXFP8 weight byte of the boundary (wo_a, wo_b, "
-                     f"fused_wqa_wkv) / copy rate ({result['copy_rate_gbps']:.0f} GB/s, "
-                     f"read + write); compiled = the whole step by torch.compile max-autotune, "
-                     f"strong = cuBLAS BF16 + compiled mHC, eager = cuBLAS FP8 + torch ops")
+    table.caption = (f"gain = the fastest baseline at this M / fused; floor = every MXFP8 "
+                     f"weight byte of the boundary (wo_a, wo_b, fused_wqa_wkv) / copy rate "
+                     f"({result['copy_rate_gbps']:.0f} GB/s, read + write). Baselines: user = "
+                     f"the step without the next mixes by torch.compile max-autotune, then "
+                     f"the mixes by cuBLAS FP32 + one Triton kernel; user aside = the same "
+                     f"with the mixes on a side stream (V4.1); compiled = the whole step, "
+                     f"mixes included, by torch.compile max-autotune; strong = cuBLAS BF16 + "
+                     f"compiled mHC; eager = cuBLAS FP8 + torch ops")
     return table
 
 
 def mixes_table(result: dict) -> Table:
     """The next sublayer's mixes both ways (``result["mixes"]``, bench.mixes)."""
     mixes = result["mixes"]
-    table = Table(title=_title(result, f"next mixes, collapse with the {mixes['collapse']} "
+    table = _table(_title(result, f"next mixes, collapse with the {mixes['collapse']} "
                                        "pre: µs (median, cold L2)"))
     kernel = all("mixes_kernel" in row["us"] for row in mixes["rows"])
     gemm = all("fused_with_gemm" in row["us"] for row in mixes["rows"])
@@ -210,7 +240,7 @@ def mixes_table(result: dict) -> Table:
 
 
 def gemm_table(result: dict) -> Table:
-    table = Table(title=_title(result, "GEMM µs (median, cold L2)"))
+    table = _table(_title(result, "GEMM µs (median, cold L2)"))
     for col in ("GEMM", "N x K", "M", "ours", "cuBLAS BF16", "cuBLAS FP8 row-wise", "floor",
                 "ours / floor", "FP8 / ours"):
         table.add_column(col, justify="right")
@@ -239,7 +269,8 @@ def _title(result: dict, what: str) -> str:
 
 def render(table: Table, width: int = 140) -> str:
     """The table as plain text (what the terminal shows, without colour codes)."""
-    console = Console(file=io.StringIO(), width=width, color_system=None)
+    console = bench_extra("rich.console").Console(file=io.StringIO(), width=width,
+                                                  color_system=None)
     console.print(table)
     return console.file.getvalue()
 
@@ -254,14 +285,19 @@ def plot_latency(result: dict, path: Path) -> Path:
     """PNG: µs per boundary vs M, one line per path, the floor dashed; beside
     it, where the run timed one, the per-kernel breakdown of fused vs the
     strong baseline at one M (stacked bars of each stage timed alone)."""
+    matplotlib = bench_extra("matplotlib")
+    matplotlib.use("Agg")  # files only: no display on GPU hosts or CI
+    plt = bench_extra("matplotlib.pyplot")
     timings = result["timings"]
     rows = [t["rows"] for t in timings]
     breakdown = result.get("breakdown")
     fig, axes = plt.subplots(1, 2 if breakdown else 1, figsize=(13 if breakdown else 7, 4.8),
                              squeeze=False)
     ax = axes[0][0]
-    for p in timings[0]["us"]:
-        ax.plot(rows, [t["us"][p] for t in timings], marker="o", label=p)
+    for p in timings[0]["us"]:  # the headline pair bold, the secondary baselines faint
+        main = p == "fused" or p.startswith("user_step")
+        ax.plot(rows, [t["us"][p] for t in timings], marker="o", label=p,
+                linewidth=2.0 if main else 1.0, alpha=1.0 if main else 0.45)
     ax.axhline(result["floor_us"], linestyle="--", color="grey", label="floor (all weights)")
     for t in timings:  # the headline: fused against the fastest baseline at this M
         if "fastest_baseline" in t:

@@ -210,14 +210,8 @@ def _gemm(parser: argparse.ArgumentParser, args) -> int:
     config = _config(parser, args, DEFAULT_MODEL, tp)
     from decode_boundary.bench.gemm import gemm_table  # kernels: import only once needed
 
-    shapes = args.shapes or [
-        ("wo_b", *config.wo_b_shape(tp)),
-        ("wq_b", *config.wq_b_shape(tp)),
-        ("fused_wqa_wkv", *config.fused_wqa_wkv_shape()),
-        # A rank's wo_a groups, one grouped launch (as the chain runs it).
-        ("wo_a", config.wo_a_shape()[0] * (config.o_groups // tp), config.wo_a_shape()[1],
-         config.o_groups // tp),
-    ]
+    shapes = args.shapes or [(name, *shape)
+                             for name, shape in config.projection_shapes(tp).items()]
     rows = list(args.rows or DEFAULT_ROWS)
     result = report.new_result(
         "gemm", args.command_line, report.environment(False, []),

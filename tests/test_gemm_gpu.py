@@ -1,5 +1,5 @@
 """MXFP8 GEMM on an H200 (scripts/gpu_tests.sh -k gemm): the numerics bar for
-every tactic the table and the autotuner can pick, repeatable bits, BF16
+every tactic the table holds or ``decode-boundary tune`` first offers, repeatable bits, BF16
 prologue quantization bit-identical to quantize-then-GEMM (the GPU's own e4m3
 cvt), ``mxfp8_mm`` of a BF16 input bit-identical to that of its quantization
 (one tactic for both kinds), grouped wo_a, PDL on/off, CUDA-graph capture after precompile without
@@ -44,7 +44,7 @@ from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
-TUNED_ROWS = (1, 2, 4)  # buckets the autotuner still tunes under pinned_tactics()
+TUNED_ROWS = (1, 2, 4)  # buckets whose tune candidates (sweep_tactics) are checked too
 
 
 def _layer_like(n, k, groups):
@@ -69,7 +69,7 @@ def compile_in_parallel(jobs, workers=14):
 
 def pickable():
     """(N, K, groups, rows, tactic, bf16) of every tactic the table pins and the
-    autotuner's candidates for the buckets it tunes, on the tabled shapes: on
+    tuner's first candidates (sweep_tactics) at TUNED_ROWS, on the tabled shapes: on
     MXFP8 input, and on BF16 input where mxfp8_mm quantizes in the prologue
     (<= PROLOGUE_MAX_ROWS rows; one tactic serves both kinds)."""
     out = set()
@@ -286,36 +286,6 @@ def test_publish_stores_are_16_byte_vectors(rows, bf16):
     weight_vectors = tactic.block_n * tactic.chunk_k * pieces // (tactic.num_warps * 32 * 16)
     assert before_wait.count("ld.global.v4") >= weight_vectors
     assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-
-
-def test_autotuner_times_on_gpu():
-    """The tuner times every candidate it offers with the real GPU timer and
-    keeps the fastest (the earliest on a tie), checked against the times it
-    recorded, in buckets offering several candidates; one entry per bucket
-    serves both input kinds. (Under pinned_tactics a pinned bucket is offered
-    its pinned tactic only: test_gemm_tactics.py.)"""
-    from decode_boundary.gemm import Autotuner
-    from decode_boundary.gemm.autotune import default_timer
-
-    n, k = 1792, 5120
-    layer = make_layer(n, k, DEV)
-    tuner = Autotuner()
-    for rows, bf16 in ((2, False), (2, True), (8, False)):
-        timed = []
-
-        def timer(lay, bucket, tactic, bf16_input, timed=timed):
-            us = default_timer(lay, bucket, tactic, bf16_input)
-            timed.append((us, tactic))
-            return us
-
-        best = tuner.tune(layer, rows, timer=timer, bf16_input=bf16)
-        offered = tuner.candidates(n, k, rows)
-        assert len(offered) > 1 and [t for _, t in timed] == offered
-        assert all(0 < us < 1e6 for us, _ in timed)
-        fastest = min(range(len(timed)), key=lambda i: (timed[i][0], i))
-        assert best == timed[fastest][1], timed
-        assert tuner.lookup(n, k, rows) == best
-    assert sorted(tuner.cache) == [(n, k, 1, 2), (n, k, 1, 8)]
 
 
 EXACT_GPU_SHAPES = [(5120, 2048, 1), (2048, 4096, 2), (8192, 1280, 1)]

@@ -203,6 +203,30 @@ def test_table_lines_of_a_tune_put_the_winners_in():
         "# 64 columns x 2 warps, hc_fn held"]
 
 
+def test_run_writes_the_json_and_returns_the_lines(monkeypatch, tmp_path):
+    """``run`` (the command's body) with fake runs: one JSON under a stable name
+    (a second run replaces it) holding the runs, the lines and the provenance;
+    no lines where a winner failed its check."""
+    shape = (5120, 2048, 1)
+    winner = {"wo_b": TABLE[shape][1], "consumer": CONSUMER_MODULE.MIXES_TACTICS[0][1]}
+    runs = [{"rows": 1, "shapes": {"wo_b": shape}, "consumer_table": "MIXES_TACTICS",
+             "trials": [], "alternating": None, "winner": winner, "failures": []}]
+    monkeypatch.setattr(tune, "tune", lambda *args, **kwargs: runs)
+    path, lines, failures = tune.run("v4.1-flash", 4, [1], 3, tmp_path, "decode-boundary tune")
+    assert path == tmp_path / "tune-v4.1-flash-tp4.json" and failures == []
+    assert lines == tune.table_lines(runs, " of v4.1-flash at TP 4")
+    result = json.loads(path.read_text())
+    assert result["kind"] == "tune" and result["command"] == "decode-boundary tune"
+    assert {"git_commit", "gpu", "torch", "triton"} <= set(result["environment"])
+    assert result["table_lines"] == lines and result["config"]["rows"] == [1]
+    assert result["runs"][0]["winner"]["wo_b"] == TABLE[shape][1]._asdict()
+    runs[0]["failures"] = ["fused != unfused"]
+    path, lines, failures = tune.run("v4.1-flash", 4, [1], 3, tmp_path, "decode-boundary tune")
+    assert lines == [] and failures == ["M=1: fused != unfused"]
+    assert json.loads(path.read_text())["failures"] == failures
+    assert [p.name for p in tmp_path.iterdir()] == ["tune-v4.1-flash-tp4.json"]
+
+
 HISTORY = {
     "a time": re.compile(r"\d\s*(µs|us|ms)\b"),
     "a commit": re.compile(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b"),
@@ -245,9 +269,52 @@ def test_pins_put_the_choice_in_the_tables_and_take_it_out():
         assert selected_tactic((5120, 2048, 1), 4) == choice["wo_b"]
         assert selected_tactic((5120, 2048, 1), 8) == saved[(5120, 2048, 1)][8]
         assert selected_tactic((96, 64, 1), 3) == choice["x"]
-        assert fake.all_reduce.tactic == ConsumerTactic(256, 4)  # clamped to the row
+        # what the consumer runs: clamped to the row, serial in the interpreter
+        assert fake.all_reduce.tactic == ConsumerTactic(256, 4, cooperative=False)
         raise RuntimeError("inside")
     assert saved == TABLE and fake.all_reduce.tactic is None
+
+
+def test_tune_one_on_the_chain_in_the_interpreter(monkeypatch):
+    """``tune_one`` on the tiny model's chain (wo_b and fused_wqa_wkv share a
+    shape there: one slot), its timer replaced by one that reads what the chain
+    would run (the tables, the all-reduce's tactic): it finds each slot's
+    fastest candidate, re-times it against the tables, runs the winner's
+    check for real (fused = unfused, the reference, the mixes) and leaves the
+    tables as they were."""
+    from decode_boundary.model.chain import AttentionBoundary
+
+    rows, config = 2, MODELS["tiny"]
+    ab = AttentionBoundary(config, 2, 0, None, torch.device("cpu"), rows, seed=5)
+    shapes = tune.gemm_slots(ab)
+    assert set(shapes) == {"wo_a", "wo_b+fused_wqa_wkv"}
+    rng = random.Random()
+    target = {slot: rng.choice(tune.gemm_candidates(*shape, rows)[1:])
+              for slot, shape in shapes.items()}
+    table = tune.table_entry(CONSUMER_MODULE.MIXES_TACTICS, rows)
+    target["consumer"] = tune.consumer_candidates(table, True, config.hidden)[-1]
+    saved = {s: dict(e) for s, e in TABLE.items()}
+    timed = []
+
+    def fake_graph_time_us(steps, device, join=None):
+        assert len(steps) == 1 and join == ab.join_mixes
+        misses = sum(selected_tactic(shape, rows) != target[slot]
+                     for slot, shape in shapes.items())
+        misses += ab.all_reduce.tactic != tune.as_run(target["consumer"], config.hidden)
+        timed.append(misses)
+        return 10.0 + misses + rng.uniform(0, 0.1)
+
+    monkeypatch.setattr(tune, "graph_time_us", fake_graph_time_us)
+    run = tune.tune_one(ab, [ab], rows, 2, log=lambda line: None)
+    ab.close()
+    assert run["winner"] == target and run["failures"] == []
+    assert run["consumer_table"] == "MIXES_TACTICS" and run["shapes"] == shapes
+    assert len(run["alternating"]["tables"]) == len(run["alternating"]["tuned"]) == 2
+    assert len(run["trials"]) == sum(len(tune.gemm_candidates(*shape, rows))
+                                     for shape in shapes.values()) + \
+        len(tune.consumer_candidates(table, True, config.hidden))
+    assert timed[-4:] == [3, 0, 3, 0]  # tables, tuned, tables, tuned
+    assert saved == TABLE and ab.all_reduce.tactic is None
 
 
 def test_gemm_slots_share_a_shape():

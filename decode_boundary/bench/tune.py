@@ -41,6 +41,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
+from decode_boundary import env
 from decode_boundary.boundary.consumer import (
     MIXES_ASIDE_MIN_ROWS,
     ConsumerTactic,
@@ -75,6 +76,13 @@ def consumer_tables():
 def _row_width(hidden: int) -> int:
     """The widest program a row of ``hidden`` columns takes (``consumer_tactic``'s clamp)."""
     return 1 << (hidden - 1).bit_length()
+
+
+def as_run(t: ConsumerTactic, hidden: int) -> ConsumerTactic:
+    """What the consumer runs for table entry ``t`` (``consumer_tactic``): no
+    wider than the row, serial in the interpreter (its programs run one by one)."""
+    t = t._replace(block_h=min(t.block_h, _row_width(hidden)))
+    return t._replace(cooperative=False) if env.interpret_mode() else t
 
 
 def tune_rows(rows: Sequence[int]) -> list[int]:
@@ -300,8 +308,7 @@ def pinned(ab, shapes: dict[str, tuple], rows: int, choice: dict) -> Iterator[No
     saved = {shape: tactics.TABLE.get(shape) for shape in shapes.values()}
     for slot, shape in shapes.items():
         tactics.TABLE[shape] = {**(saved[shape] or {}), row_bucket(rows): choice[slot]}
-    t = choice["consumer"]
-    ab.all_reduce.tactic = t._replace(block_h=min(t.block_h, _row_width(ab.config.hidden)))
+    ab.all_reduce.tactic = as_run(choice["consumer"], ab.config.hidden)
     try:
         yield
     finally:

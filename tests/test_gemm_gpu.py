@@ -35,6 +35,7 @@ from decode_boundary.gemm.tactics import (
     k_pieces,
     sweep_tactics,
 )
+from decode_boundary.model.config import MODELS
 from decode_boundary.mxfp8.format import (
     QuantizedActivation,
     mxfp8_scale_bytes,
@@ -147,10 +148,11 @@ def test_bf16_prologue_equals_quantize_then_gemm_bits(n, k, groups):
         check_mxfp8_mm(fused, qx, layer.weight, layer.weight_scale, groups)
 
 
-# The tabled shapes whose tactics once followed the input kind (wo_b-type, V4-Pro
-# wo_b, grouped wo_a), and two shapes no other test runs (heuristic tactics).
-EQUAL_BITS_SHAPES = [(7168, 4096, 1), (5120, 2048, 1), (2048, 4096, 2), (4096, 2048, 1),
-                     (3072, 1536, 1)]
+# TP-4 projections fed BF16 in the chain (V4.1-Flash's wo_b and grouped wo_a, V4-Pro's
+# wo_b: tabled; V4-Flash's wo_b: heuristic), and a shape no model has (heuristic).
+TP4 = {name: config.projection_shapes(4) for name, config in MODELS.items()}
+EQUAL_BITS_SHAPES = [TP4["v4-pro"]["wo_b"], TP4["v4.1-flash"]["wo_b"], TP4["v4.1-flash"]["wo_a"],
+                     TP4["v4-flash"]["wo_b"], (3072, 1536, 1)]
 
 
 @pytest.mark.parametrize("n,k,groups", EQUAL_BITS_SHAPES)
@@ -288,7 +290,7 @@ def test_publish_stores_are_16_byte_vectors(rows, bf16):
     assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 
-EXACT_GPU_SHAPES = [(5120, 2048, 1), (2048, 4096, 2), (8192, 1280, 1)]
+EXACT_GPU_SHAPES = [TP4["v4.1-flash"][name] for name in ("wo_b", "wo_a", "wq_b")]
 
 
 @pytest.mark.parametrize("n,k,groups", EXACT_GPU_SHAPES)

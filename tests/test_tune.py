@@ -317,6 +317,30 @@ def test_tune_one_on_the_chain_in_the_interpreter(monkeypatch):
     assert saved == TABLE and ab.all_reduce.tactic is None
 
 
+def test_tune_alone_tunes_a_projection_outside_the_chain(monkeypatch):
+    """``tune_alone`` (wq_b's way) in the interpreter, its timer reading the
+    table as mxfp8_mm would: the fastest candidate wins over the table's in
+    the rounds, the winner's output meets the FP64 bar for real, the tables
+    stay as they were, and its lines carry no consumer table."""
+    shape, rows = (96, 128, 1), 2  # a shape no table holds: the heuristic's first
+    target = random.Random().choice(tune.gemm_candidates(*shape, rows)[1:])
+    saved = {s: dict(e) for s, e in TABLE.items()}
+
+    def fake_graph_time_us(steps, device="cuda", join=None):
+        return 5.0 - (selected_tactic(shape, rows) == target)
+
+    monkeypatch.setattr(tune, "graph_time_us", fake_graph_time_us)
+    monkeypatch.setattr(tune, "rotated_copies", lambda layer: [layer])
+    run = tune.tune_alone("wq_b", shape, rows, 3, torch.device("cpu"), log=lambda line: None)
+    assert run["winner"] == {"wq_b": target} and run["failures"] == []
+    assert run["alternating"] == {"tables": [5.0] * 3, "tuned": [4.0] * 3}
+    assert len(run["trials"]) == len(tune.gemm_candidates(*shape, rows))
+    assert saved == TABLE
+    lines = tune.table_lines([run], " of a test")
+    assert lines[0] == "    (96, 128, 1): {  # wq_b of a test" and lines[-1] == "    },"
+    assert eval("{" + "\n".join(lines) + "}", {"_t": tactics._t}) == {shape: {rows: target}}
+
+
 def test_gemm_slots_share_a_shape():
     def layer(n, k, groups=1):
         return SimpleNamespace(weight=torch.empty(k, n), groups=groups)
@@ -344,16 +368,21 @@ def test_tune_without_gpu_points_to_verify(capsys, monkeypatch):
 
 @pytest.mark.gpu
 def test_tune_on_gpu(tmp_path, capsys):
-    """The command end to end at one row count: every candidate timed once per
-    slot, the winner checked and valid, the JSON and the lines consistent."""
+    """The command end to end at one row count: the chain's run and wq_b's,
+    every candidate timed once per slot, the winners checked and among them,
+    the JSON and the printed lines consistent."""
     assert cli.main(["tune", "--model", "v4.1-flash", "--rows", "1", "--rounds", "2",
                      "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "tune-v4.1-flash-tp4.json").read_text())
-    (run,) = result["runs"]
-    assert result["kind"] == "tune" and run["failures"] == [] and result["failures"] == []
-    for slot, shape in run["shapes"].items():
-        timed = [Tactic(**t["tactic"]) for t in run["trials"] if t["slot"] == slot]
-        assert timed == tune.gemm_candidates(*shape, 1)
-        assert Tactic(**run["winner"][slot]) in timed
-        assert all(0 < t["us"] < 1e5 for t in run["trials"])
+    assert result["kind"] == "tune" and result["failures"] == []
+    chain, alone = result["runs"]
+    assert chain["consumer_table"] == "MIXES_TACTICS" and list(alone["shapes"]) == ["wq_b"]
+    for run in (chain, alone):
+        assert run["failures"] == [] and all(0 < t["us"] < 1e5 for t in run["trials"])
+        for slot, shape in run["shapes"].items():
+            timed = [Tactic(**t["tactic"]) for t in run["trials"] if t["slot"] == slot]
+            assert timed == tune.gemm_candidates(*shape, 1)
+            assert Tactic(**run["winner"][slot]) in timed
+    consumer = [ConsumerTactic(**t["tactic"]) for t in chain["trials"] if t["slot"] == "consumer"]
+    assert ConsumerTactic(**chain["winner"]["consumer"]) in consumer
     assert result["table_lines"] and "\n".join(result["table_lines"]) in capsys.readouterr().out

@@ -21,6 +21,10 @@ Per row count M (each a bucket of ``gemm.tactics.TABLE``; at most 64):
 3. the winner is checked: fused = unfused bit for bit, both within the
    reference, the next mixes too.
 
+A projection of the model the boundary chain does not run (``wq_b``) is tuned
+the same way on its own, on MXFP8 input, its winner checked against the FP64
+bar (``gemm.reference.check_mxfp8_mm``).
+
 The result JSON (``tune-<model>-tp<N>.json``: every timing, the winners) and
 the table lines printed at the end, to paste into ``gemm/tactics.py``
 (``TABLE``) and ``boundary/consumer.py`` (the consumer tables): an entry the
@@ -41,20 +45,29 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
+import torch
+
 from decode_boundary import env
 from decode_boundary.boundary.consumer import (
     MIXES_ASIDE_MIN_ROWS,
     ConsumerTactic,
     fuses_mixes,
 )
-from decode_boundary.common.timing import graph_time_us
-from decode_boundary.gemm import tactics
+from decode_boundary.common.timing import graph_time_us, rotated_copies
+from decode_boundary.gemm import mxfp8_mm, tactics
+from decode_boundary.gemm.reference import check_mxfp8_mm
 from decode_boundary.gemm.tactics import Tactic, default_tactic, is_valid, k_pieces, row_bucket
+from decode_boundary.model.chain import check_mixes, check_outputs, outputs_identical
+from decode_boundary.model.config import MODELS
+from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
+from .gemm import random_layer
+from .harness import one_gpu_boundary
+from .paths import build
 from .report import environment, new_result, write_json
 
 LAYERS = ("wo_a", "wo_b", "fused_wqa_wkv")  # the chain's GEMMs, in chain order
-TABLE_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64)  # TABLE's rows; above 64 the 64 entry serves
+TABLE_BUCKETS = (*tactics.SMALL_BUCKETS, 64)  # TABLE's rows; above 64 the 64 entry serves
 ROUNDS = 3  # alternating rounds of the tables against the descent's choice
 UNBOUNDED = 1 << 30  # the consumer tables' last "largest M"
 CONSUMER_TABLES = ("CONSUMER_TACTICS", "MIXES_TACTICS", "SAME_PRE_MIXES_TACTICS")
@@ -278,8 +291,9 @@ def table_lines(runs: list[dict], label: str = "") -> list[str]:
             gemm.setdefault(shape, dict(tactics.TABLE.get(shape, {})))[run["rows"]] = \
                 run["winner"][slot]
             names[shape] = f"{slot}{label}"
-        tuned_consumer.setdefault(run["consumer_table"], {})[run["rows"]] = \
-            run["winner"]["consumer"]
+        if "consumer" in run["winner"]:
+            tuned_consumer.setdefault(run["consumer_table"], {})[run["rows"]] = \
+                run["winner"]["consumer"]
     lines = gemm_table_lines(gemm, tactics.TABLE, comments, names)
     for name, tuned in tuned_consumer.items():
         current = getattr(consumer_tables(), name)
@@ -304,11 +318,13 @@ def gemm_slots(ab) -> dict[str, tuple[int, int, int]]:
 def pinned(ab, shapes: dict[str, tuple], rows: int, choice: dict) -> Iterator[None]:
     """Within the block the chain runs ``choice``: each GEMM slot's tactic in
     ``tactics.TABLE`` at ``rows``' bucket (what ``mxfp8_mm`` reads), the
-    consumer's pinned on the all-reduce; the tables as they were after it."""
+    consumer's (if it has one) pinned on ``ab``'s all-reduce; the tables as
+    they were after it."""
     saved = {shape: tactics.TABLE.get(shape) for shape in shapes.values()}
     for slot, shape in shapes.items():
         tactics.TABLE[shape] = {**(saved[shape] or {}), row_bucket(rows): choice[slot]}
-    ab.all_reduce.tactic = as_run(choice["consumer"], ab.config.hidden)
+    if "consumer" in choice:
+        ab.all_reduce.tactic = as_run(choice["consumer"], ab.config.hidden)
     try:
         yield
     finally:
@@ -317,14 +333,12 @@ def pinned(ab, shapes: dict[str, tuple], rows: int, choice: dict) -> Iterator[No
                 tactics.TABLE.pop(shape, None)
             else:
                 tactics.TABLE[shape] = entry
-        ab.all_reduce.tactic = None
+        if "consumer" in choice:
+            ab.all_reduce.tactic = None
 
 
 def tune_one(ab, views: list, rows: int, rounds: int, log: Callable[[str], None]) -> dict:
     """Steps 1-3 of the module docstring at ``rows`` tokens."""
-    from decode_boundary.bench.paths import build
-    from decode_boundary.model.chain import check_mixes, check_outputs, outputs_identical
-
     c = ab.config
     inputs = ab.make_inputs(rows, seed=rows)
     steps = [functools.partial(build("fused", v), inputs) for v in views]
@@ -364,16 +378,57 @@ def tune_one(ab, views: list, rows: int, rounds: int, log: Callable[[str], None]
             "alternating": samples, "winner": winner, "failures": failures}
 
 
+def tune_alone(name: str, shape: tuple[int, int, int], rows: int, rounds: int,
+               device: torch.device, log: Callable[[str], None]) -> dict:
+    """A projection outside the boundary chain (module docstring), as
+    :func:`tune_one` returns it, without a consumer."""
+    n, k, groups = shape
+    layer = random_layer(n, k, groups, device)
+    copies = rotated_copies(layer)
+    x = quantize_mxfp8(torch.randn(rows, groups * k, device=device).bfloat16())
+    slots = {name: shape}
+
+    def time_with(choice: dict) -> float:
+        with pinned(None, slots, rows, choice):
+            us = graph_time_us([functools.partial(mxfp8_mm, c, x) for c in copies], device)
+        log(f"M={rows} {name} {tuple(choice[name])}: {us:.2f} µs")
+        return us
+
+    trials: list[dict] = []
+    candidates = {name: gemm_candidates(n, k, groups, rows)}
+    tables = {name: candidates[name][0]}
+    chosen = descend(candidates, time_with, trials)
+    samples = alternate({"tables": tables, "tuned": chosen}, time_with, rounds) \
+        if chosen != tables else None
+    winner = chosen if samples and fastest(samples) == "tuned" else tables
+    with pinned(None, slots, rows, winner):
+        out = mxfp8_mm(layer, x)
+    try:
+        check_mxfp8_mm(out, x, layer.weight, layer.weight_scale, groups)
+        failures = []
+    except AssertionError as exc:
+        failures = [f"{name}: {exc}"]
+    return {"rows": rows, "shapes": slots, "trials": trials, "alternating": samples,
+            "winner": winner, "failures": failures}
+
+
 def tune(model: str, tp_shapes: int, rows: Sequence[int], rounds: int = ROUNDS,
          log: Callable[[str], None] = print) -> list[dict]:
-    """One run per row count of :func:`tune_rows` on this GPU (:func:`tune_one`)."""
-    from decode_boundary.bench.harness import one_gpu_boundary
-
+    """Per row count of :func:`tune_rows` on this GPU: the chain
+    (:func:`tune_one`), then each projection outside it (:func:`tune_alone`)."""
     counts = tune_rows(rows)
     ab, views = one_gpu_boundary(SimpleNamespace(model=model, tp_shapes=tp_shapes,
                                                  rows=counts), seed=5)
+    chain = set(gemm_slots(ab).values())
+    alone = {name: shape for name, shape in MODELS[model].projection_shapes(tp_shapes).items()
+             if shape not in chain}
     try:
-        return [tune_one(ab, views, m, rounds, log) for m in counts]
+        runs = []
+        for m in counts:
+            runs.append(tune_one(ab, views, m, rounds, log))
+            runs += [tune_alone(name, shape, m, rounds, ab.device, log)
+                     for name, shape in alone.items()]
+        return runs
     finally:
         ab.close()
 

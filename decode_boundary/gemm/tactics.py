@@ -142,9 +142,9 @@ def _t(block_n, rows_tile, split_k=1, num_warps=4, chunk_k=256) -> Tactic:
 # fastest tactic inside the decode chain (``decode-boundary tune``), one for both input
 # kinds: the FP32 summation order follows the whole tactic, so one tactic per (N, K,
 # groups, rows) keeps mxfp8_mm(layer, x) and mxfp8_mm(layer, quantize_mxfp8(x)) in the
-# same bits. Each shape is tuned on the input kind the chain feeds it: wo_a and wo_b
-# take BF16 (quantized in the prologue up to PROLOGUE_MAX_ROWS rows), wq_b and
-# fused_wqa_wkv MXFP8. Other shapes take heuristic_tactic.
+# same bits. Tuned in the chain, each GEMM runs on the input kind the chain feeds it
+# (a BF16 input up to PROLOGUE_MAX_ROWS rows is quantized in the prologue, which
+# favours fewer, wider programs). Other shapes take heuristic_tactic.
 TABLE: dict[tuple[int, int, int], dict[int, Tactic]] = {
     (5120, 2048, 1): {  # V4.1-Flash wo_b at TP 4
         1: _t(8, 1, 1, 4, 1024),  # 640 narrow programs over the whole K: no split-K sum

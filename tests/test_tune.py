@@ -132,6 +132,30 @@ def test_alternate_times_in_rounds_and_fastest_keeps_the_tables_on_ties():
         assert tune.fastest(samples) == next(n for n in samples if medians[n] == low)
 
 
+def test_choose_keeps_the_tables_unless_the_rounds_say_otherwise():
+    """No rounds where the descent kept the tables; after rounds, the tuned
+    choice only with the lower median."""
+    candidates = {"a": [Tactic(8, 1, 1, 4), Tactic(16, 1, 1, 4)]}
+    costs = {8: 2.0, 16: 1.0}
+    rounds_seen = []
+
+    def once(choice):
+        return costs[choice["a"].block_n]
+
+    def in_rounds(choice, table_us=3.0):
+        rounds_seen.append(choice["a"].block_n)
+        return table_us if choice["a"].block_n == 8 else 3.5  # the rounds disagree
+
+    winner, trials, samples = tune.choose(candidates, once, in_rounds, 2)
+    assert winner == {"a": Tactic(8, 1, 1, 4)} and len(trials) == 2
+    assert rounds_seen == [8, 16, 8, 16] and samples == {"tables": [3.0] * 2, "tuned": [3.5] * 2}
+    winner, _, samples = tune.choose(candidates, once, once, 2)
+    assert winner == {"a": Tactic(16, 1, 1, 4)} and samples["tuned"] == [1.0, 1.0]
+    costs[16] = 2.0  # a tie: the descent keeps the tables, no rounds
+    winner, _, samples = tune.choose(candidates, once, in_rounds, 2)
+    assert winner == {"a": Tactic(8, 1, 1, 4)} and samples is None and len(rounds_seen) == 4
+
+
 def test_merged_consumer_table_serves_each_m_as_tuned():
     rng = random.Random()
     shapes = [ConsumerTactic(c, w) for c, w in tune.CONSUMER_SHAPES]

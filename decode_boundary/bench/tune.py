@@ -25,12 +25,11 @@ A projection of the model the boundary chain does not run (``wq_b``) is tuned
 the same way on its own, on MXFP8 input, its winner checked against the FP64
 bar (``gemm.reference.check_mxfp8_mm``).
 
-The result JSON (``tune-<model>-tp<N>.json``: every timing, the winners) and
-the table lines printed at the end, to paste into ``gemm/tactics.py``
-(``TABLE``) and ``boundary/consumer.py`` (the consumer tables): an entry the
-tune kept keeps its reason, a new one gets its geometry as a first reason.
-The GPU part is :func:`tune`; everything it decides with is a pure function
-below it (tests/test_tune.py).
+Writes ``tune-<model>-tp<N>.json`` (every timing, the winners) and returns the
+tables' source lines to paste into ``gemm/tactics.py`` and the consumer's
+module: a kept entry keeps its reason, a new one gets its geometry as a first
+one. The decisions are pure functions (up to :func:`table_lines`), tested on
+CPU; the GPU part starts at :func:`gemm_slots`.
 """
 
 from __future__ import annotations
@@ -184,6 +183,19 @@ def fastest(samples: dict[str, list[float]]) -> str:
     return min(order, key=lambda name: (statistics.median(samples[name]), order.index(name)))
 
 
+def choose(candidates: dict[str, list], time_once: Callable[[dict], float],
+           time_round: Callable[[dict], float], rounds: int) -> tuple[dict, list, dict | None]:
+    """Steps 1-2 of the module docstring: (the winner, the descent's trials,
+    the alternating rounds' samples or None where the descent kept the tables)."""
+    trials: list[dict] = []
+    tables = {slot: options[0] for slot, options in candidates.items()}
+    chosen = descend(candidates, time_once, trials)
+    if chosen == tables:
+        return tables, trials, None
+    samples = alternate({"tables": tables, "tuned": chosen}, time_round, rounds)
+    return (chosen if fastest(samples) == "tuned" else tables), trials, samples
+
+
 def merged_consumer_table(current: Sequence[tuple[int, ConsumerTactic]],
                           tuned: dict[int, ConsumerTactic]) -> tuple:
     """``current`` with each tuned M's winner serving from the previous entry's
@@ -302,8 +314,6 @@ def table_lines(runs: list[dict], label: str = "") -> list[str]:
     return lines
 
 
-# ---- the GPU part ----------------------------------------------------------------
-
 def gemm_slots(ab) -> dict[str, tuple[int, int, int]]:
     """The chain's GEMM shapes by layer name (``+``-joined where layers share one)."""
     by_shape: dict[tuple, list[str]] = {}
@@ -359,12 +369,7 @@ def tune_one(ab, views: list, rows: int, rounds: int, log: Callable[[str], None]
             + f": {us:.2f} µs")
         return us
 
-    trials: list[dict] = []
-    tables = {slot: options[0] for slot, options in candidates.items()}
-    chosen = descend(candidates, logged, trials)
-    samples = alternate({"tables": tables, "tuned": chosen}, time_with, rounds) \
-        if chosen != tables else None
-    winner = chosen if samples and fastest(samples) == "tuned" else tables
+    winner, trials, samples = choose(candidates, logged, time_with, rounds)
     with pinned(ab, shapes, rows, winner):
         fused, unfused = build("fused", ab)(inputs), build("unfused", ab)(inputs)
         ab.join_mixes()
@@ -394,13 +399,8 @@ def tune_alone(name: str, shape: tuple[int, int, int], rows: int, rounds: int,
         log(f"M={rows} {name} {tuple(choice[name])}: {us:.2f} µs")
         return us
 
-    trials: list[dict] = []
     candidates = {name: gemm_candidates(n, k, groups, rows)}
-    tables = {name: candidates[name][0]}
-    chosen = descend(candidates, time_with, trials)
-    samples = alternate({"tables": tables, "tuned": chosen}, time_with, rounds) \
-        if chosen != tables else None
-    winner = chosen if samples and fastest(samples) == "tuned" else tables
+    winner, trials, samples = choose(candidates, time_with, time_with, rounds)
     with pinned(None, slots, rows, winner):
         out = mxfp8_mm(layer, x)
     try:

@@ -383,6 +383,14 @@ def test_tune_refuses_bad_arguments(capsys):
         assert message in capsys.readouterr().err, extra
 
 
+def test_tune_help_says_what_it_does(capsys):
+    assert cli.main(["tune", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "alternating rounds" in out and "tune-<model>-tp<N>.json" in out
+    for option in ("--model", "--tp-shapes", "--rows", "--rounds", "--out"):
+        assert option in out
+
+
 def test_tune_without_gpu_points_to_verify(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cli.main(["tune", "--rows", "1"]) == 2

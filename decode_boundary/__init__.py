@@ -18,10 +18,9 @@ BoundaryAllReduce, mxfp8_mm``), in three groups:
 
 They load on first use: importing the package imports no Triton, so
 ``TRITON_INTERPRET`` can still be set after it. Expert names stay in their
-modules: ``selected_tactic``, ``run_zeros``,
-``compile_pinned`` and ``shape_representatives`` in ``decode_boundary.gemm``,
-``AUTOTUNER`` and ``pinned_tactics`` in ``decode_boundary.gemm.autotune``,
-``Tactic`` in ``decode_boundary.gemm.tactics``, ``mxfp8_mm_ref`` in
+modules: ``selected_tactic`` and ``shape_representatives`` in
+``decode_boundary.gemm``, ``Tactic`` and ``TABLE`` in
+``decode_boundary.gemm.tactics``, ``mxfp8_mm_ref`` in
 ``decode_boundary.gemm.reference``, ``quantize_mxfp8_ref`` in
 ``decode_boundary.mxfp8.format``.
 

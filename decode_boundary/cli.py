@@ -10,6 +10,8 @@
 * ``verify``: correctness only. Without a GPU it runs the kernels in the Triton
   interpreter on CPU at the ``tiny`` size with tp = 2 simulated in one process, and says so.
 * ``gemm``: our MXFP8 GEMM vs cuBLAS BF16 / FP8 row-wise vs the HBM floor.
+* ``tune``: a model's GEMM and consumer tactics chosen inside the chain on one
+  GPU (``bench.tune``); prints the tables' lines, writes ``tune-<model>-tp<N>.json``.
 
 Exit codes: 0 success, 1 a check failed or a rank failed, 2 bad arguments
 (one line on stderr naming the argument) or no GPU for a command that needs one.
@@ -190,7 +192,30 @@ def build_parser() -> argparse.ArgumentParser:
                                       "(or --shapes) against cuBLAS BF16 and FP8 row-wise and "
                                       "the HBM floor, cold L2. Needs a CUDA GPU.")
     gemm.add_argument("--shapes", type=_shapes, help="NxK,... instead of the model's projections")
+    _add_tune_parser(sub)
     return parser
+
+
+def _add_tune_parser(sub) -> None:
+    tune = sub.add_parser(
+        "tune", help="choose the GEMM and consumer tactics inside the chain (one GPU) and "
+                     "print the tables' lines",
+        description="Time one rank's fused boundary step with each candidate tactic of its "
+                    "GEMMs and consumer (coordinate descent, then the tables against the "
+                    "choice in alternating rounds), check the winner, print the lines of "
+                    "gemm/tactics.py's TABLE and boundary/consumer.py's tables to paste, and "
+                    "write tune-<model>-tp<N>.json.")
+    tune.add_argument("--model", choices=list(MODELS), default=DEFAULT_MODEL,
+                      help=f"default {DEFAULT_MODEL}")
+    tune.add_argument("--tp-shapes", type=_positive, default=GEMM_TP, dest="tp_shapes",
+                      help=f"the per-rank shapes of TP N (default {GEMM_TP})")
+    tune.add_argument("--rows", type=_rows, nargs="+",
+                      help=f"token counts, 1..{MAX_ROWS}, each timed at its table bucket's largest "
+                           "(default: every bucket, 1 2 4 8 16 32 48 64)")
+    tune.add_argument("--rounds", type=_positive, default=3,
+                      help="alternating rounds of the tables against the choice (default 3)")
+    tune.add_argument("--out", type=Path,
+                      help="folder for the JSON (default: benchmarks/results of a checkout)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         # Before any work: the tables (and bench's plot) need the [bench] extra.
         for module in ("rich.console", *(("matplotlib",) if args.command == "bench" else ())):
             report.bench_extra(module)
+        if args.command == "tune":
+            return _tune(parser, args)
         return _gemm(parser, args) if args.command == "gemm" else _boundary(parser, args)
     except SystemExit as exc:  # --help and parser.error(): return argparse's code
         return int(exc.code or 0)
@@ -305,14 +332,8 @@ def _gemm(parser: argparse.ArgumentParser, args) -> int:
     config = _config(parser, args, DEFAULT_MODEL, tp)
     from decode_boundary.bench.gemm import gemm_table  # kernels: import only once needed
 
-    shapes = args.shapes or [
-        ("wo_b", *config.wo_b_shape(tp)),
-        ("wq_b", *config.wq_b_shape(tp)),
-        ("fused_wqa_wkv", *config.fused_wqa_wkv_shape()),
-        # A rank's wo_a groups, one grouped launch (as the chain runs it).
-        ("wo_a", config.wo_a_shape()[0] * (config.o_groups // tp), config.wo_a_shape()[1],
-         config.o_groups // tp),
-    ]
+    shapes = args.shapes or [(name, *shape)
+                             for name, shape in config.projection_shapes(tp).items()]
     rows = list(args.rows or DEFAULT_ROWS)
     result = report.new_result(
         "gemm", args.command_line, report.environment(False, []),
@@ -325,6 +346,29 @@ def _gemm(parser: argparse.ArgumentParser, args) -> int:
     out.print(report.gemm_table(result))
     _save(args, result, out, plot=False)
     return 0
+
+
+def _tune(parser: argparse.ArgumentParser, args) -> int:
+    """``tune``: refuses bad rows or TP (exit 2) before it needs a GPU."""
+    try:
+        MODELS[args.model].check_tp(args.tp_shapes)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not torch.cuda.is_available():
+        print(NO_GPU.format(cmd="tune"), file=sys.stderr)
+        return 2
+    from decode_boundary.bench.tune import run  # kernels: import only once needed
+
+    out = args.out or default_out_dir(Path.cwd(), time.strftime("%Y%m%d-%H%M%S"))
+    path, lines, failures = run(args.model, args.tp_shapes, args.rows, args.rounds, out,
+                                args.command_line)
+    if failures:
+        print("decode-boundary tune: the chosen tactics failed their checks: "
+              + "; ".join(failures), file=sys.stderr)
+    else:
+        print("\n".join(["# tables' lines (gemm/tactics.py, boundary/consumer.py):", *lines]))
+    print(f"Results in {path}")
+    return 1 if failures else 0
 
 
 def _console(to_stderr: bool) -> Console:

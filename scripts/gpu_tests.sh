@@ -21,6 +21,7 @@ PARTS=(
   "mixes|tests/test_boundary_mixes.py tests/test_consumer_mixes.py||the next sublayer's mixes in the consumer and the next GEMM"
   "chain|tests/test_chain.py tests/test_chain_multigpu.py tests/test_cli.py tests/test_bench_user_mixes.py||the model chain, the CLI end to end and the bench's user mixes kernel"
   "compile|tests/test_compile_gpu.py||torch.compile and CUDA graphs of the step"
+  "tune|tests/test_tune.py||the tune command inside the chain"
 )
 
 usage() {

@@ -4,8 +4,8 @@ the path ``mxfp8_mm`` takes) and returns None outside its range, so the tests ca
 pin which tactic family serves which row count. The package itself calls
 ``mxfp8_mm``, which runs any row count with ``selected_tactic``.
 
-``low_latency_mm`` (<= LOW_BATCH_MAX_ROWS rows, the autotuner's choice else the
-table), ``wide_mm`` (9..48 rows, the table or heuristic, never the autotuner),
+``low_latency_mm`` (<= LOW_BATCH_MAX_ROWS rows, the table or heuristic),
+``wide_mm`` (9..48 rows, the table or heuristic),
 ``pinned_mm`` (above 48, only tabled shapes), ``wide_or_pinned_mm`` and
 ``projection_mm`` (a decode step's choice between them).
 """

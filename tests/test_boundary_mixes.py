@@ -299,11 +299,12 @@ def test_mixes_left_to_the_next_gemm():
 
 
 def test_mixes_left_to_a_split_k_gemm_of_several_row_blocks(monkeypatch):
-    from decode_boundary.gemm.autotune import AUTOTUNER, cache_key
-    from decode_boundary.gemm.tactics import Tactic
+    from decode_boundary.gemm.tactics import TABLE, Tactic, row_bucket
 
     def pin(linear, m):
-        monkeypatch.setitem(AUTOTUNER.cache, cache_key(linear, m), Tactic(16, 2, 2, 2, 64))
+        k, n = linear.weight.shape
+        monkeypatch.setitem(TABLE, (n, k, getattr(linear, "groups", 1)),
+                            {row_bucket(m): Tactic(16, 2, 2, 2, 64)})
 
     _left_to_next_gemm("cpu", H, (3,), pin_gemm=pin)
 

@@ -1,5 +1,5 @@
 """MXFP8 GEMM on an H200 (scripts/gpu_tests.sh -k gemm): the numerics bar for
-every tactic the table and the autotuner can pick, repeatable bits, BF16
+every tactic the table holds or ``decode-boundary tune`` first offers, repeatable bits, BF16
 prologue quantization bit-identical to quantize-then-GEMM (the GPU's own e4m3
 cvt), ``mxfp8_mm`` of a BF16 input bit-identical to that of its quantization
 (one tactic for both kinds), grouped wo_a, PDL on/off, CUDA-graph capture after precompile without
@@ -35,6 +35,7 @@ from decode_boundary.gemm.tactics import (
     k_pieces,
     sweep_tactics,
 )
+from decode_boundary.model.config import MODELS
 from decode_boundary.mxfp8.format import (
     QuantizedActivation,
     mxfp8_scale_bytes,
@@ -44,7 +45,7 @@ from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
-TUNED_ROWS = (1, 2, 4)  # buckets the autotuner still tunes under pinned_tactics()
+TUNED_ROWS = (1, 2, 4)  # buckets whose tune candidates (sweep_tactics) are checked too
 
 
 def _layer_like(n, k, groups):
@@ -69,7 +70,7 @@ def compile_in_parallel(jobs, workers=14):
 
 def pickable():
     """(N, K, groups, rows, tactic, bf16) of every tactic the table pins and the
-    autotuner's candidates for the buckets it tunes, on the tabled shapes: on
+    tuner's first candidates (sweep_tactics) at TUNED_ROWS, on the tabled shapes: on
     MXFP8 input, and on BF16 input where mxfp8_mm quantizes in the prologue
     (<= PROLOGUE_MAX_ROWS rows; one tactic serves both kinds)."""
     out = set()
@@ -147,10 +148,11 @@ def test_bf16_prologue_equals_quantize_then_gemm_bits(n, k, groups):
         check_mxfp8_mm(fused, qx, layer.weight, layer.weight_scale, groups)
 
 
-# The tabled shapes whose tactics once followed the input kind (wo_b-type, V4-Pro
-# wo_b, grouped wo_a), and two shapes no other test runs (heuristic tactics).
-EQUAL_BITS_SHAPES = [(7168, 4096, 1), (5120, 2048, 1), (2048, 4096, 2), (4096, 2048, 1),
-                     (3072, 1536, 1)]
+# TP-4 projections fed BF16 in the chain (V4.1-Flash's wo_b and grouped wo_a, V4-Pro's
+# wo_b: tabled; V4-Flash's wo_b: heuristic), and a shape no model has (heuristic).
+TP4 = {name: config.projection_shapes(4) for name, config in MODELS.items()}
+EQUAL_BITS_SHAPES = [TP4["v4-pro"]["wo_b"], TP4["v4.1-flash"]["wo_b"], TP4["v4.1-flash"]["wo_a"],
+                     TP4["v4-flash"]["wo_b"], (3072, 1536, 1)]
 
 
 @pytest.mark.parametrize("n,k,groups", EQUAL_BITS_SHAPES)
@@ -288,37 +290,7 @@ def test_publish_stores_are_16_byte_vectors(rows, bf16):
     assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 
-def test_autotuner_times_on_gpu():
-    """The tuner times every candidate it offers with the real GPU timer and
-    keeps the fastest (the earliest on a tie), checked against the times it
-    recorded, in buckets offering several candidates; one entry per bucket
-    serves both input kinds. (Under pinned_tactics a pinned bucket is offered
-    its pinned tactic only: test_gemm_tactics.py.)"""
-    from decode_boundary.gemm import Autotuner
-    from decode_boundary.gemm.autotune import default_timer
-
-    n, k = 1792, 5120
-    layer = make_layer(n, k, DEV)
-    tuner = Autotuner()
-    for rows, bf16 in ((2, False), (2, True), (8, False)):
-        timed = []
-
-        def timer(lay, bucket, tactic, bf16_input, timed=timed):
-            us = default_timer(lay, bucket, tactic, bf16_input)
-            timed.append((us, tactic))
-            return us
-
-        best = tuner.tune(layer, rows, timer=timer, bf16_input=bf16)
-        offered = tuner.candidates(n, k, rows)
-        assert len(offered) > 1 and [t for _, t in timed] == offered
-        assert all(0 < us < 1e6 for us, _ in timed)
-        fastest = min(range(len(timed)), key=lambda i: (timed[i][0], i))
-        assert best == timed[fastest][1], timed
-        assert tuner.lookup(n, k, rows) == best
-    assert sorted(tuner.cache) == [(n, k, 1, 2), (n, k, 1, 8)]
-
-
-EXACT_GPU_SHAPES = [(5120, 2048, 1), (2048, 4096, 2), (8192, 1280, 1)]
+EXACT_GPU_SHAPES = [TP4["v4.1-flash"][name] for name in ("wo_b", "wo_a", "wq_b")]
 
 
 @pytest.mark.parametrize("n,k,groups", EXACT_GPU_SHAPES)

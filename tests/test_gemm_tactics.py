@@ -1,25 +1,16 @@
-"""Tactic tables, row buckets and the autotuner (selection logic, pinned
-offering, save/load), the tactic's independence of the input kind (BF16 in ==
-quantize_mxfp8 first, bit for bit); timing itself is a GPU test."""
+"""Tactic tables and row buckets (selection logic, every entry valid and
+reachable, the tables' shapes those of the models), the tactic's independence
+of the input kind (BF16 in == quantize_mxfp8 first, bit for bit); choosing
+the tables is ``decode-boundary tune`` (tests/test_tune.py)."""
 
 import inspect
-import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 from gemm_helpers import make_layer
 
-from decode_boundary.gemm import (
-    AUTOTUNER,
-    Autotuner,
-    api,
-    mxfp8_mm,
-    pinned_tactics,
-    selected_tactic,
-    zeros_input,
-)
-from decode_boundary.gemm.autotune import CACHE_VERSION
+from decode_boundary.gemm import api, mxfp8_mm, selected_tactic
 from decode_boundary.gemm.linear import Mxfp8Linear
 from decode_boundary.gemm.tactics import (
     PROLOGUE_MAX_ROWS,
@@ -34,11 +25,45 @@ from decode_boundary.gemm.tactics import (
     table_tactic,
     valid_tactics,
 )
-from decode_boundary.mxfp8.format import mxfp8_scale_bytes
+from decode_boundary.model.config import MODELS
+from decode_boundary.mxfp8.format import QuantizedActivation, mxfp8_scale_bytes
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
-DSV4_SHAPES = [(5120, 2048, 1), (8192, 1280, 1), (1792, 5120, 1), (2048, 4096, 2),
-               (7168, 4096, 1), (5120, 4096, 1)]
+TABLED_SHAPES = sorted(TABLE)
+SERVED_TPS = (1, 2, 4, 8)
+
+
+def model_shapes() -> set[tuple[int, int, int]]:
+    """(N, K, groups) of every projection of every model at the TPs it divides."""
+    shapes = set()
+    for config in MODELS.values():
+        for tp in SERVED_TPS:
+            if config.o_groups % tp == 0 and config.n_heads % tp == 0:
+                shapes |= set(config.projection_shapes(tp).values())
+    return shapes
+
+
+def test_projection_shapes_are_the_chain_layers():
+    """config.projection_shapes names the shapes AttentionBoundary builds (wo_a's
+    groups as one grouped launch) and refuses a TP the model cannot split."""
+    c = MODELS["v4.1-flash"]
+    assert c.projection_shapes(4) == {"wo_a": (2048, 4096, 2), "wo_b": (5120, 2048, 1),
+                                      "fused_wqa_wkv": (1792, 5120, 1),
+                                      "wq_b": (8192, 1280, 1)}
+    for config in MODELS.values():
+        for tp in (1, 2):
+            shapes = config.projection_shapes(tp)
+            n, k = config.wo_a_shape()
+            assert shapes["wo_a"] == (n * config.o_groups // tp, k, config.o_groups // tp)
+            assert shapes["wo_b"][:2] == config.wo_b_shape(tp)
+    with pytest.raises(ValueError, match="tp=3"):
+        c.projection_shapes(3)
+
+
+def test_every_table_shape_is_a_model_projection():
+    """The table holds no shape a model does not run (a stale or mistyped
+    entry would never be selected)."""
+    assert set(TABLE) <= model_shapes()
 
 
 def test_row_buckets():
@@ -56,11 +81,17 @@ def test_k_pieces_cover_the_slice():
             assert pieces * t.chunk_k >= k_slice > (pieces - 1) * t.chunk_k  # no empty piece
 
 
-@pytest.mark.parametrize("n,k,groups", DSV4_SHAPES)
-def test_tables_hold_valid_tactics_and_default_comes_first(n, k, groups):
+@pytest.mark.parametrize("n,k,groups", TABLED_SHAPES)
+def test_tables_hold_valid_reachable_tactics_and_default_comes_first(n, k, groups):
+    assert sorted(TABLE[(n, k, groups)]) == [1, 2, 4, 8, 16, 32, 48, 64]
     for bucket, tactic in TABLE[(n, k, groups)].items():
-        rows = min(bucket, 64)
-        assert is_valid(tactic, n, k, rows, groups), (bucket, tactic)
+        assert is_valid(tactic, n, k, bucket, groups), (bucket, tactic)
+        # reachable: every row count of the bucket selects it (the bucket's
+        # largest count too, which its tiles must cover)
+        smaller = [b for b in TABLE[(n, k, groups)] if b < bucket]
+        for rows in range(max(smaller, default=0) + 1, bucket + 1):
+            assert selected_tactic((n, k, groups), rows) == tactic, (bucket, rows)
+            assert is_valid(tactic, n, k, rows, groups), (bucket, rows)
     for rows in (1, 2, 5, 8, 16, 40, 64, 300):
         tactics = valid_tactics(n, k, rows, groups)
         assert tactics[0] == default_tactic(n, k, rows, groups)
@@ -81,80 +112,28 @@ def test_heuristic_gives_a_valid_tactic_for_unpinned_shapes():
         heuristic_tactic(40, 128, 1)
 
 
-@pytest.fixture
-def clean_autotuner():
-    saved = dict(AUTOTUNER.cache)
-    AUTOTUNER.cache.clear()
-    yield AUTOTUNER
-    AUTOTUNER.cache.clear()
-    AUTOTUNER.cache.update(saved)
-
-
-def test_autotuner_picks_fastest_per_bucket_and_selected_follows(clean_autotuner, tmp_path):
-    layer = make_layer(128, 512)
-    fast = sweep_tactics(128, 512, 4)[-1]
-    seen = []
-
-    def timer(lay, rows, tactic, bf16_input):
-        seen.append((rows, tactic, bf16_input))
-        return 1.0 if tactic == fast else 2.0
-
-    assert selected_tactic(layer, 3) == default_tactic(128, 512, 3)
-    assert clean_autotuner.tune(layer, 3, timer=timer) == fast
-    assert {r for r, _, _ in seen} == {4} and len(seen) == len(sweep_tactics(128, 512, 4))
-    assert not any(bf16 for _, _, bf16 in seen)
-    assert selected_tactic(layer, 4) == fast and selected_tactic(layer, 3) == fast
-    assert selected_tactic(layer, 2) == default_tactic(128, 512, 2)  # another bucket
-    path = tmp_path / "tactics.json"
-    clean_autotuner.save(str(path))
-    other = Autotuner()
-    other.load(str(path))
-    assert other.cache == clean_autotuner.cache
-
-
-def test_autotuner_choice_serves_both_input_kinds(clean_autotuner, tmp_path):
-    """A tune timed on BF16 input stores one entry, keyed without the kind, and
-    mxfp8_mm runs it for MXFP8 input too (and the other way round)."""
-    n, k = 5120, 2048  # a tabled shape: the tuned choice overrides the table
+def test_a_table_entry_serves_both_input_kinds(monkeypatch):
+    """An entry put into TABLE (what ``decode-boundary tune`` does while it
+    times a candidate) is what mxfp8_mm launches, for a BF16 input and for its
+    MXFP8 quantization alike, in that bucket only."""
+    n, k = 5120, 2048
     layer = shape_layer(n, k, 1)
-    for rows, bf16 in ((8, True), (2, False)):
-        fast = sweep_tactics(n, k, rows)[-1]
-        assert fast != table_tactic(n, k, rows)
-        kinds = set()
-
-        def timer(lay, rows, tactic, bf16_input, fast=fast, kinds=kinds):
-            kinds.add(bf16_input)
-            return 1.0 if tactic == fast else 2.0
-
-        assert clean_autotuner.tune(layer, rows, timer=timer, bf16_input=bf16) == fast
-        assert kinds == {bf16}  # timed on the kind asked for
-        assert clean_autotuner.cache[(n, k, 1, rows)] == fast
-        assert clean_autotuner.lookup(n, k, rows) == fast == selected_tactic(layer, rows)
-        assert ran_tactics(layer, rows) == (fast, fast)
-    path = tmp_path / "tactics.json"
-    clean_autotuner.save(str(path))
-    saved = json.loads(path.read_text())
-    assert saved["version"] == CACHE_VERSION == 3
-    assert all("bf16_input" not in entry for entry in saved["entries"])
-
-
-def test_autotuner_rejects_an_older_cache_version(tmp_path):
-    """A version-2 cache (keys with the input kind) is not read as one without."""
-    path = tmp_path / "old.json"
-    path.write_text(json.dumps({"version": 2, "entries": [
-        {"n": 128, "k": 512, "groups": 1, "bucket": 4, "bf16_input": True,
-         "tactic": Tactic(64, 16, 2, 4, 128)._asdict()}]}))
-    tuner = Autotuner()
-    with pytest.raises(ValueError, match="version 2"):
-        tuner.load(str(path))
-    assert tuner.cache == {}
+    for rows in (8, 2, 40):
+        tabled = TABLE[(n, k, 1)][row_bucket(rows)]
+        other = next(t for t in sweep_tactics(n, k, rows) if t != tabled)
+        monkeypatch.setitem(TABLE, (n, k, 1), {**TABLE[(n, k, 1)], row_bucket(rows): other})
+        assert selected_tactic(layer, rows) == other
+        assert ran_tactics(layer, rows) == (other, other)
+        neighbour = 1 if rows > 1 else 2
+        assert selected_tactic(layer, neighbour) == TABLE[(n, k, 1)][neighbour]
+        monkeypatch.undo()
+        assert selected_tactic(layer, rows) == tabled
 
 
 def test_tactic_selection_takes_no_input_kind():
     """Selection is a function of (N, K, groups, rows) only: no entry point of
     it has an input-kind parameter any more."""
-    for fn in (selected_tactic, table_tactic, default_tactic, valid_tactics, sweep_tactics,
-               Autotuner.lookup, Autotuner.candidates):
+    for fn in (selected_tactic, table_tactic, default_tactic, valid_tactics, sweep_tactics):
         assert "bf16_input" not in inspect.signature(fn).parameters, fn.__name__
 
 
@@ -163,6 +142,15 @@ def shape_layer(n, k, groups):
     return SimpleNamespace(weight=torch.zeros(n, k, dtype=torch.float8_e4m3fn).t(),
                            weight_scale=torch.zeros(mxfp8_scale_bytes(n, k), dtype=torch.uint8),
                            bias=None, groups=groups)
+
+
+def zeros_input(layer, rows: int) -> QuantizedActivation:
+    """An all-zero MXFP8 input of ``layer``, laid out like the quantizer's output."""
+    k, n = layer.weight.shape
+    shape = torch.Size((rows, getattr(layer, "groups", 1) * k))
+    return QuantizedActivation(torch.zeros(shape, dtype=torch.float8_e4m3fn),
+                               torch.zeros(mxfp8_scale_bytes(*shape), dtype=torch.uint8),
+                               torch.bfloat16, shape)
 
 
 def ran_tactics(layer, rows):
@@ -191,8 +179,8 @@ def ran_tactics(layer, rows):
     return tuple(t for _, t in seen)
 
 
-@pytest.mark.parametrize("n,k,groups", DSV4_SHAPES)
-def test_tabled_shapes_run_one_tactic_for_both_input_kinds(clean_autotuner, n, k, groups):
+@pytest.mark.parametrize("n,k,groups", TABLED_SHAPES)
+def test_tabled_shapes_run_one_tactic_for_both_input_kinds(n, k, groups):
     """Every tabled shape and bucket: mxfp8_mm launches the same tactic for a
     BF16 input (quantized in the prologue up to PROLOGUE_MAX_ROWS rows) as for
     its MXFP8 quantization, the table's."""
@@ -225,26 +213,6 @@ def test_bf16_input_and_its_quantization_give_the_same_bits(n, k, groups):
         two_step = mxfp8_mm(layer, quantize_mxfp8(x))
         assert fused.shape == two_step.shape == (rows, n)
         assert torch.equal(fused.view(torch.int16), two_step.view(torch.int16)), rows
-
-
-def test_pinned_tactics_offers_only_the_pinned_one(clean_autotuner):
-    n, k = 5120, 2048
-    assert len(clean_autotuner.candidates(n, k, 8)) > 1
-    with pinned_tactics():
-        assert clean_autotuner.candidates(n, k, 8) == [TABLE[(n, k, 1)][8]]  # both kinds
-        assert clean_autotuner.candidates(n, k, 32) == [TABLE[(n, k, 1)][32]]
-        assert len(clean_autotuner.candidates(n, k, 4)) > 1  # 1..4 rows stay tuned
-        assert len(clean_autotuner.candidates(256, 256, 8)) > 1  # not a pinned shape
-    assert len(clean_autotuner.candidates(n, k, 8)) > 1
-
-
-def test_autotuner_needs_a_gpu_to_time():
-    """The default timer refuses a CPU layer (and names the way out) before
-    timing anything; the tuner then caches nothing."""
-    tuner = Autotuner()
-    with pytest.raises(RuntimeError, match="times on a CUDA device; pass timer="):
-        tuner.tune(make_layer(64, 128), 1)
-    assert tuner.cache == {}
 
 
 def test_register_cap_only_where_a_third_program_per_sm_saves_a_wave(monkeypatch):

@@ -1,7 +1,7 @@
 """GEMM timings: our MXFP8 GEMM and the cuBLAS baselines a user could pick,
 each over its own rotated weight copies with the one timer
 (``common.timing``), and the table ``decode-boundary gemm`` prints.
-``benchmarks/gemm.py`` and ``benchmarks/gemm_sweep.py`` time through these.
+``decode-boundary gemm`` times through these.
 
 A shape is (name, N, K) or (name, N, K, groups): a grouped layer (``wo_a``) of
 ``groups`` [N/groups, K] weights in one launch of ours, one ``torch.bmm`` of

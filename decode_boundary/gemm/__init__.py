@@ -2,23 +2,19 @@
 CUDA-core tiles for 1..8 rows, tensor-core tiles above, optionally grouped,
 BF16 input quantized in its prologue, an epilogue that publishes into the
 boundary mailbox), its launcher (launcher.py: operand checks, split-K
-workspace, warm-up), its tactic tables and autotuner, ``Mxfp8Linear``, the
-public entry points (``mxfp8_mm`` and its compile helpers; api.py) and their
-custom ops (ops.py)."""
+workspace, warm-up), its tactic tables (tactics.py), ``Mxfp8Linear``, the
+public entry points (``mxfp8_mm`` and ``precompile``; api.py) and their custom
+ops (ops.py)."""
 
 from . import ops  # noqa: F401  (registers torch.ops.decode_boundary.mxfp8_mm)
 from .api import (
-    compile_pinned,
     mxfp8_eligible,
     mxfp8_mm,
     mxfp8_out_in_epilogue,
     precompile,
-    run_zeros,
     selected_tactic,
     shape_representatives,
-    zeros_input,
 )
-from .autotune import AUTOTUNER, Autotuner, pinned_tactics
 from .launcher import launch_low_latency, warmup_low_latency
 from .linear import Mxfp8Linear, load_linear
 from .reference import check_mxfp8_mm, mxfp8_mm_ref
@@ -32,10 +28,8 @@ from .tactics import (
 )
 
 __all__ = [
-    "AUTOTUNER", "Autotuner", "LOW_BATCH_MAX_ROWS", "Mxfp8Linear", "Tactic", "load_linear",
-    "WIDE_LOW_LATENCY_MAX_ROWS", "check_mxfp8_mm", "compile_pinned", "default_tactic",
-    "launch_low_latency", "mxfp8_eligible", "mxfp8_mm", "mxfp8_mm_ref", "mxfp8_out_in_epilogue",
-    "pinned_tactics",
-    "precompile", "row_bucket", "run_zeros", "selected_tactic", "shape_representatives",
-    "valid_tactics", "warmup_low_latency", "zeros_input",
+    "LOW_BATCH_MAX_ROWS", "Mxfp8Linear", "Tactic", "WIDE_LOW_LATENCY_MAX_ROWS",
+    "check_mxfp8_mm", "default_tactic", "launch_low_latency", "load_linear", "mxfp8_eligible",
+    "mxfp8_mm", "mxfp8_mm_ref", "mxfp8_out_in_epilogue", "precompile", "row_bucket",
+    "selected_tactic", "shape_representatives", "valid_tactics", "warmup_low_latency",
 ]

@@ -1,4 +1,4 @@
-"""Public MXFP8 GEMM entry points on our Triton kernel (``mxfp8_mm``), plus compile helpers.
+"""Public MXFP8 GEMM entry points on our Triton kernel (``mxfp8_mm``), plus ``precompile``.
 
 A *layer* is any object with ``weight`` (column-major [K, N] view of e4m3
 [N, K] storage), ``weight_scale`` (1-D uint8, 128x4-swizzled over (N, K/32)),
@@ -12,8 +12,8 @@ which is faster there), another float tensor (quantized by ``quantize_mxfp8``),
 or a ``QuantizedActivation``. Outputs are [..., N] in the
 input's original dtype (computed as BF16).
 
-``mxfp8_mm`` runs any row count with :func:`selected_tactic` (the autotuner's
-choice, else the pinned table, else the heuristic: tactics.py), the same
+``mxfp8_mm`` runs any row count with :func:`selected_tactic` (the table's
+tactic, else the heuristic: tactics.py), the same
 tactic for a BF16 input and for its ``quantize_mxfp8``, so both give the same
 output bits (the summation order follows the tactic); layers no
 kernel takes ((N / groups) % 16 != 0, misaligned buffers) get the reference
@@ -27,10 +27,9 @@ from collections.abc import Iterable
 import torch
 
 from decode_boundary.common.contract import MixesFinish
-from decode_boundary.mxfp8.format import QuantizedActivation, check_quantized, mxfp8_scale_bytes
+from decode_boundary.mxfp8.format import QuantizedActivation, check_quantized
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
-from .autotune import AUTOTUNER
 from .launcher import (
     empty_mxfp8,
     launch_low_latency,
@@ -39,7 +38,7 @@ from .launcher import (
     weight_operands,
 )
 from .reference import mxfp8_mm_ref
-from .tactics import PROLOGUE_MAX_ROWS, TABLE, Tactic, default_tactic
+from .tactics import PROLOGUE_MAX_ROWS, Tactic, default_tactic
 
 
 def _shape(layer) -> tuple[int, int, int]:
@@ -64,13 +63,12 @@ def mxfp8_eligible(layer) -> bool:
 
 def selected_tactic(layer_or_shape, rows: int) -> Tactic:
     """The tactic ``mxfp8_mm`` runs for ``rows`` rows of MXFP8 or BF16
-    activations alike (it never depends on the input kind): the autotuner's
-    cached choice, else the pinned table, else the heuristic.
+    activations alike (it never depends on the input kind): the table's
+    tactic, else the heuristic (``tactics.default_tactic``).
     ``layer_or_shape`` is a layer or an (N, K) / (N, K, groups) tuple."""
     n, k, groups = (*layer_or_shape, 1)[:3] if isinstance(layer_or_shape, tuple) \
         else _shape(layer_or_shape)
-    cached = AUTOTUNER.lookup(n, k, rows, groups)
-    return cached if cached is not None else default_tactic(n, k, rows, groups)
+    return default_tactic(n, k, rows, groups)
 
 
 def _activation(layer, x):
@@ -208,22 +206,6 @@ def shape_representatives(layers: Iterable) -> list:
     return [by_shape[shape] for shape in sorted(by_shape)]
 
 
-def zeros_input(layer, rows: int) -> QuantizedActivation:
-    """An all-zero MXFP8 input of ``layer`` laid out like the quantizer's output."""
-    n, k, groups = _shape(layer)
-    device = layer.weight.device
-    shape = torch.Size((rows, groups * k))
-    return QuantizedActivation(torch.zeros(shape, dtype=torch.float8_e4m3fn, device=device),
-                               torch.zeros(mxfp8_scale_bytes(rows, groups * k),
-                                           dtype=torch.uint8, device=device),
-                               torch.bfloat16, shape)
-
-
-def run_zeros(layer, rows: int) -> torch.Tensor:
-    """``mxfp8_mm`` of ``layer`` on a zero input (warm-up / graph-capture dry run)."""
-    return mxfp8_mm(layer, zeros_input(layer, rows))
-
-
 def precompile(layer, rows_list: Iterable[int], publish=None, bf16_input: bool | None = None,
                stream: torch.cuda.Stream | None = None,
                finish_mixes: MixesFinish | None = None, mxfp8_out: bool = False):
@@ -240,8 +222,7 @@ def precompile(layer, rows_list: Iterable[int], publish=None, bf16_input: bool |
     ``finish_mixes``: the variant that also finishes these mixes (the
     all-reduce's ``deferred_finish(rows)``; one row count). ``mxfp8_out``:
     the variant writing an MXFP8 output, at the row counts where
-    :func:`mxfp8_out_in_epilogue` (and the quantizer where it is not).
-    Call it again after the autotuner changes a choice."""
+    :func:`mxfp8_out_in_epilogue` (and the quantizer where it is not)."""
     if not mxfp8_eligible(layer):
         return
     rows_list = list(rows_list)
@@ -270,16 +251,3 @@ def _load_quantizer(rows: int, width: int, device: torch.device) -> None:
     zeros, writing only its own outputs), so no capture loads it."""
     quantize_mxfp8(torch.zeros(rows, width, dtype=torch.bfloat16, device=device))
 
-
-def compile_pinned(layer) -> None:
-    """Compile ``layer``'s tabled tactics (each at its bucket's largest row
-    count) and its wide tiles, in the MXFP8-in kernel variant and (buckets up to
-    PROLOGUE_MAX_ROWS, the wide tiles) the BF16-in one; one tactic for both."""
-    if not mxfp8_eligible(layer):
-        return
-    n, k, groups = _shape(layer)
-    buckets = TABLE.get((n, k, groups), {})
-    for bf16 in (False, True):
-        tabled = [b for b in buckets if not bf16 or b <= PROLOGUE_MAX_ROWS]
-        for rows in sorted({*tabled, 16, 32, 48}):
-            warmup_low_latency(layer, rows, default_tactic(n, k, rows, groups), None, bf16)

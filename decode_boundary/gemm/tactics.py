@@ -12,13 +12,13 @@ and warps. Row ranges (docs/DESIGN.md §7):
 * above: 64-row tiles over a grid of row blocks, pinned per row range for the
   tabled shapes so a choice never changes between process starts.
 
-``TABLE`` holds the measured winners of ``benchmarks/gemm_sweep.py`` on one
-H200 per (N, K, groups) and row bucket (benchmarks/NOTES.md), one entry for
-both input kinds. Unpinned shapes get :func:`heuristic_tactic`, shaped like
-those winners. Every selection here is a function of (N, K, groups, rows)
-only: the FP32 summation order depends on the whole tactic, so a tactic that
-followed the input kind would make a BF16 input and its ``quantize_mxfp8``
-give different bits.
+``TABLE`` holds the tactics ``decode-boundary tune`` chose inside the decode
+chain per (N, K, groups) and row bucket, one entry for both input kinds.
+Shapes it does not hold get :func:`heuristic_tactic`, shaped like its
+entries. Every selection here is a function of (N, K, groups, rows) only: the
+FP32 summation order depends on the whole tactic, so a tactic that followed
+the input kind would make a BF16 input and its ``quantize_mxfp8`` give
+different bits.
 """
 
 from __future__ import annotations
@@ -39,11 +39,10 @@ class Tactic(NamedTuple):
 
 LOW_BATCH_MAX_ROWS = 8
 # Above this many rows a BF16 input is quantized by quantize_mxfp8 first: every
-# program quantizing its own K-slice costs more than the extra launch there
-# (measured: wo_b M = 32 20.4 µs in the prologue, 7.9 µs on MXFP8 input).
+# program quantizing its own K-slice costs more than the extra launch there.
 PROLOGUE_MAX_ROWS = 16
 WIDE_LOW_LATENCY_MAX_ROWS = 48
-SMALL_BUCKETS = (1, 2, 4, 8, 16, 32, 48)  # autotuner row buckets; powers of two above
+SMALL_BUCKETS = (1, 2, 4, 8, 16, 32, 48)  # TABLE's row buckets; powers of two above
 FMA_TILES = (1, 2, 4, 8)  # CUDA-core row tiles
 DOT_TILES = (16, 32, 64)  # tensor-core row tiles (tl.dot needs >= 16)
 BLOCK_NS = (4, 8, 16, 32, 64, 128, 256)
@@ -62,9 +61,8 @@ MAX_DOT_BYTES_PER_THREAD = 256
 MAX_UPFRONT_BYTES_PER_THREAD = 128
 # A BF16 activation is quantized in the prologue, which keeps each held piece's FP32
 # upcast and group maxima live as well: above 48 B per thread the compiled kernel
-# gains 20-45 registers and loses a resident program per SM (sm_90 compile of every
-# table tactic), which put wo_b at M = 16 into a second wave (+4 µs per step);
-# benchmarks/NOTES.md attempt 8.
+# gains registers and loses a resident program per SM, which can push a grid into a
+# second wave.
 MAX_UPFRONT_BF16_BYTES_PER_THREAD = 48
 
 
@@ -127,7 +125,7 @@ def is_valid(tactic: Tactic, n: int, k: int, rows: int, groups: int = 1) -> bool
 
 
 def row_bucket(rows: int) -> int:
-    """Autotuner bucket of ``rows``: 1, 2, 4, 8, 16, 32, 48, then powers of two."""
+    """TABLE's bucket of ``rows``: 1, 2, 4, 8, 16, 32, 48, then powers of two."""
     if rows < 1:
         raise ValueError(f"rows must be positive, got {rows}")
     for bucket in SMALL_BUCKETS:
@@ -140,81 +138,79 @@ def _t(block_n, rows_tile, split_k=1, num_warps=4, chunk_k=256) -> Tactic:
     return Tactic(block_n, rows_tile, split_k, num_warps, chunk_k)
 
 
-# (N, K, groups) -> {row bucket: tactic}; buckets above 64 take the 64 entry.
-# Measured winners of benchmarks/gemm_sweep.py on one H200 (2026-12-01,
-# results/gemm_sweep-NVIDIA_H200-2026-12-01-0911.json; µs in benchmarks/NOTES.md).
-# One table for MXFP8 and BF16 activations: the kernel's FP32 summation order
-# depends on the whole tactic (block_n, rows_tile, split_k, num_warps, chunk_k),
-# so a tactic chosen per input kind made mxfp8_mm(layer, x) and
-# mxfp8_mm(layer, quantize_mxfp8(x)) differ in bits (the prologue's quantization
-# itself is byte-identical to quantize_mxfp8). With one tactic per (N, K, groups,
-# rows) the bits do not depend on the input kind. The sweep measured a winner
-# per kind at <= 16 rows (PROLOGUE_MAX_ROWS; above it a BF16 input is quantized
-# first and runs as MXFP8); the merged table keeps, per shape, the kind the
-# decode chain feeds it:
-# * wo_b-type (5120, 2048, 1), (7168, 4096, 1), (5120, 4096, 1) and the grouped
-#   wo_a (2048, 4096, 2) take BF16 activations in the chain (attention output,
-#   wo_a's output): buckets <= 16 are the BF16-in winners (the prologue favours
-#   wider blocks: every program quantizes its K-slice), 32.. the MXFP8-in ones;
-# * wq_b (8192, 1280, 1) and fused_wqa_wkv (1792, 5120, 1) take MXFP8 in the
-#   chain: every bucket is the MXFP8-in winner, except fused_wqa_wkv's 1-row
-#   entry: 4 warps, not the 2 that won alone, measured 0.4 µs faster in the chain
-#   (benchmarks/chain_regs.py, NOTES attempt 17: fewer registers per thread, 78 vs
-#   160, beside the consumer and wo_b still running); likewise wo_a's 1-row entry:
-#   8 warps, 1.05 µs faster in the chain than 4 (16.24-16.28 vs 17.28-17.32 µs);
-#   and TP-2 wo_b's (5120, 4096) 1-row entry: 8 warps, the TP-2 chain 24.96-25.07 vs
-#   26.15-26.17 µs (chain_regs --tp-shapes 2, 2026-12-04); wo_a's 4- to 16-row
-#   entries: 256-wide pieces, chosen inside the chain (chain_sweep, three alternating
-#   rounds against the tables, 2026-12-04: M = 8 24.24 vs 24.73 µs, 16 28.03 vs 28.69;
-#   the bench 22.4 / 24.3 / 28.0 at M = 4 / 8 / 16 against 22.9 / 24.8 / 28.9); and
-#   the 64-row entries of wo_a and fused_wqa_wkv: 256- and 128-wide pieces together
-#   (benchmarks/tactic_ab.py, three alternating rounds in the bench's path: 51.0-51.3
-#   vs 53.4-53.6 µs; wo_a's alone did not move the bench). fused_wqa_wkv's tile spills
-#   8 registers (32 bytes) under the launcher's register cap; uncapped (173 registers,
-#   two programs per SM) it lost the gain (53.6 µs).
-# V4-Pro wo_b at 48 rows: the 4-warp 64-row tile under the launcher's register cap
-#   (31.1 µs, gemm_sweep 2026-12-04) instead of the 8-warp one (34 µs, spills if capped).
-# Shapes: DSV4.1-Flash TP-4 wo_b, wq_b, fused_wqa_wkv, grouped wo_a; V4-Pro
-# wo_b; DSV4.1-Flash wo_b at TP 2. Others take heuristic_tactic.
+# (N, K, groups) -> {row bucket: tactic}; buckets above 64 take the 64 entry. The
+# fastest tactic inside the decode chain (``decode-boundary tune``), one for both input
+# kinds: the FP32 summation order follows the whole tactic, so one tactic per (N, K,
+# groups, rows) keeps mxfp8_mm(layer, x) and mxfp8_mm(layer, quantize_mxfp8(x)) in the
+# same bits. Tuned in the chain, each GEMM runs on the input kind the chain feeds it
+# (a BF16 input up to PROLOGUE_MAX_ROWS rows is quantized in the prologue, which
+# favours fewer, wider programs). Other shapes take heuristic_tactic.
 TABLE: dict[tuple[int, int, int], dict[int, Tactic]] = {
-    (5120, 2048, 1): {1: _t(8, 1, 1, 4, 1024), 2: _t(16, 2, 1, 4, 512),
-                      4: _t(128, 16, 6, 8, 128), 8: _t(128, 16, 6, 8, 128),
-                      16: _t(64, 16, 4, 4, 128),
-                      32: _t(64, 32, 4, 4, 128), 48: _t(64, 64, 4, 4, 128),
-                      64: _t(64, 64, 4, 4, 128)},
-    (8192, 1280, 1): {1: _t(16, 1, 1, 4, 512), 2: _t(16, 2, 1, 2, 512), 4: _t(64, 16, 5, 4, 128),
-                      8: _t(64, 16, 5, 4, 128), 16: _t(64, 16, 5, 4, 128),
-                      32: _t(64, 32, 3, 4, 128), 48: _t(64, 64, 3, 4, 64),
-                      64: _t(64, 64, 3, 4, 64)},
-    (1792, 5120, 1): {1: _t(4, 1, 1, 4, 1024), 2: _t(8, 2, 1, 4, 1024),
-                      4: _t(64, 16, 14, 4, 128), 8: _t(64, 16, 10, 4, 128),
-                      16: _t(64, 16, 10, 4, 128), 32: _t(64, 32, 14, 4, 128),
-                      48: _t(64, 64, 14, 4, 64), 64: _t(64, 64, 14, 4, 128)},
-    (2048, 4096, 2): {1: _t(8, 1, 1, 8, 1024), 2: _t(8, 2, 2, 4, 1024),
-                      4: _t(128, 16, 16, 8, 256), 8: _t(128, 16, 16, 8, 256),
-                      16: _t(64, 16, 8, 4, 256),
-                      32: _t(64, 32, 11, 4, 128), 48: _t(64, 64, 8, 4, 128),
-                      64: _t(64, 64, 8, 4, 256)},
-    (7168, 4096, 1): {1: _t(8, 1, 1, 4, 1024), 2: _t(8, 2, 2, 4, 1024),
-                      4: _t(64, 16, 11, 4, 128), 8: _t(64, 16, 11, 4, 128),
-                      16: _t(64, 16, 11, 4, 128),
-                      32: _t(64, 32, 8, 4, 128), 48: _t(64, 64, 8, 4, 128),
-                      64: _t(64, 64, 8, 4, 128)},
-    (5120, 4096, 1): {1: _t(8, 1, 1, 8, 1024), 2: _t(8, 2, 1, 4, 1024),
-                      4: _t(128, 16, 11, 8, 128), 8: _t(128, 16, 11, 8, 128),
-                      16: _t(64, 16, 11, 4, 128),
-                      32: _t(64, 32, 8, 4, 128), 48: _t(64, 64, 8, 4, 64),
-                      64: _t(64, 64, 8, 4, 64)},
+    (5120, 2048, 1): {  # V4.1-Flash wo_b at TP 4
+        1: _t(8, 1, 1, 4, 1024),  # 640 narrow programs over the whole K: no split-K sum
+        2: _t(16, 2, 1, 4, 512),  # 320 programs over the whole K: no split-K sum
+        4: _t(128, 16, 6, 8, 128),  # BF16 in: wide blocks, fewer programs quantize K
+        8: _t(128, 16, 6, 8, 128),  # as at 4 rows: the same 16-row tile
+        16: _t(64, 16, 4, 4, 128),  # wgmma-wide blocks, 512-element K-slices
+        32: _t(64, 32, 4, 4, 128),  # the 16-row layout on a 32-row tile
+        48: _t(64, 64, 4, 4, 128),  # a masked 64-row tile: Triton tiles are powers of two
+        64: _t(64, 64, 4, 4, 128),  # the 32-row layout on a 64-row tile
+    },
+    (8192, 1280, 1): {  # V4.1-Flash wq_b at TP 4, MXFP8 in
+        1: _t(16, 1, 1, 4, 512),  # 512 programs over the whole (short) K: no split-K sum
+        2: _t(16, 2, 1, 2, 512),  # 512 programs over the whole (short) K, on 2 warps
+        4: _t(64, 16, 5, 4, 128),  # 640 programs of 256-element K-slices
+        8: _t(64, 16, 5, 4, 128),  # as at 4 rows: the same 16-row tile
+        16: _t(64, 16, 5, 4, 128),  # as at 4 rows: the same 16-row tile
+        32: _t(64, 32, 3, 4, 128),  # 3 splits: 384 programs of 448-element K-slices
+        48: _t(64, 64, 3, 4, 64),  # 64-wide pieces keep the 64-row tile's registers down
+        64: _t(64, 64, 3, 4, 64),  # as at 48 rows
+    },
+    (1792, 5120, 1): {  # fused_wqa_wkv of V4.1-Flash, MXFP8 in
+        1: _t(4, 1, 1, 4, 1024),  # 4 warps: fewer registers beside the consumer still running
+        2: _t(8, 2, 1, 4, 1024),  # 224 programs over the whole K: no split-K sum
+        4: _t(64, 16, 14, 4, 128),  # long K, narrow N: 14 splits give 392 programs
+        8: _t(64, 16, 10, 4, 128),  # 10 splits: 512-element K-slices, 280 programs
+        16: _t(64, 16, 10, 4, 128),  # as at 8 rows: the same 16-row tile
+        32: _t(64, 32, 14, 4, 128),  # 14 splits: 392 programs of 384-element K-slices
+        48: _t(64, 64, 14, 4, 64),  # 64-wide pieces keep the 64-row tile's registers down
+        64: _t(64, 64, 14, 4, 128),  # 128-wide pieces beside wo_a's 256-wide ones in the chain
+    },
+    (2048, 4096, 2): {  # V4.1-Flash wo_a at TP 4: 2 groups in one launch, BF16 in
+        1: _t(8, 1, 1, 8, 1024),  # 8 warps: faster in the chain than 4
+        2: _t(8, 2, 2, 4, 1024),  # 2 splits: 512 programs over half the K each
+        4: _t(128, 16, 16, 8, 256),  # 256-wide pieces: faster in the chain than 128
+        8: _t(128, 16, 16, 8, 256),  # as at 4 rows: the same 16-row tile
+        16: _t(64, 16, 8, 4, 256),  # 256-wide pieces: faster in the chain than 128
+        32: _t(64, 32, 11, 4, 128),  # 11 splits: 352 programs of 384-element K-slices
+        48: _t(64, 64, 8, 4, 128),  # a masked 64-row tile, 512-element K-slices
+        64: _t(64, 64, 8, 4, 256),  # 256-wide pieces beside fused_wqa_wkv's 128 in the chain
+    },
+    (7168, 4096, 1): {  # V4-Pro wo_b at TP 4, BF16 in
+        1: _t(8, 1, 1, 4, 1024),  # 896 narrow programs over the whole K: no split-K sum
+        2: _t(8, 2, 2, 4, 1024),  # 2 splits: 1792 programs over half the K each
+        4: _t(64, 16, 11, 4, 128),  # 11 splits: 384-element K-slices
+        8: _t(64, 16, 11, 4, 128),  # as at 4 rows: the same 16-row tile
+        16: _t(64, 16, 11, 4, 128),  # as at 4 rows: the same 16-row tile
+        32: _t(64, 32, 8, 4, 128),  # 8 splits: 512-element K-slices
+        48: _t(64, 64, 8, 4, 128),  # 4 warps under the register cap; 8 warps spill there
+        64: _t(64, 64, 8, 4, 128),  # as at 48 rows
+    },
+    (5120, 4096, 1): {  # V4.1-Flash wo_b at TP 2, BF16 in
+        1: _t(8, 1, 1, 8, 1024),  # 8 warps: faster in the TP-2 chain than 4
+        2: _t(8, 2, 1, 4, 1024),  # 640 programs over the whole K: no split-K sum
+        4: _t(128, 16, 11, 8, 128),  # BF16 in: wide blocks, fewer programs quantize K
+        8: _t(128, 16, 11, 8, 128),  # as at 4 rows: the same 16-row tile
+        16: _t(64, 16, 11, 4, 128),  # 11 splits: 384-element K-slices
+        32: _t(64, 32, 8, 4, 128),  # 8 splits: 512-element K-slices
+        48: _t(64, 64, 8, 4, 64),  # 64-wide pieces keep the 64-row tile's registers down
+        64: _t(64, 64, 8, 4, 64),  # as at 48 rows
+    },
 }
-
-# The 5..8-row bucket and above are offered only their pinned tactic under
-# pinned_tactics() (split-K choices tuned on one GEMM alone lose in the chain of
-# the three projections, so the chain-measured table wins there).
-PINNED_MIN_ROWS = 5
 
 
 def table_tactic(n: int, k: int, rows: int, groups: int = 1) -> Tactic | None:
-    """The pinned tactic of (N, K, groups) at ``rows`` rows (either input kind), or None."""
+    """TABLE's tactic of (N, K, groups) at ``rows`` rows (either input kind), or None."""
     return TABLE.get((n, k, groups), {}).get(min(row_bucket(rows), 64))
 
 
@@ -224,9 +220,9 @@ def _split_for(k: int, target_slice: int) -> int:
 
 
 def heuristic_tactic(n: int, k: int, rows: int, groups: int = 1) -> Tactic:
-    """The tactic of an unpinned shape, shaped like the measured winners
-    (TABLE): 1-2 rows on CUDA cores, 8 weight rows x the whole K in 1024-wide
-    pieces, 4 warps; more rows on tensor cores, 64 weight rows (wgmma) x a
+    """The tactic of a shape TABLE does not hold, shaped like its entries:
+    1-2 rows on CUDA cores, 8 weight rows x the whole K in 1024-wide pieces,
+    4 warps; more rows on tensor cores, 64 weight rows (wgmma) x a
     ~384-element K-slice in 128-wide pieces, 4 warps. Falls back to narrower
     blocks and more splits until one fits."""
     if k % 32 or k <= 0 or n <= 0 or groups < 1 or n % groups or (n // groups) % 16:
@@ -247,8 +243,8 @@ def heuristic_tactic(n: int, k: int, rows: int, groups: int = 1) -> Tactic:
 
 
 def default_tactic(n: int, k: int, rows: int, groups: int = 1) -> Tactic:
-    """What runs without an autotuner entry (either input kind): the pinned
-    tactic, else the heuristic."""
+    """What ``mxfp8_mm`` runs (either input kind): TABLE's tactic, else the
+    heuristic."""
     pinned = table_tactic(n, k, rows, groups)
     return pinned if pinned is not None else heuristic_tactic(n, k, rows, groups)
 
@@ -269,9 +265,10 @@ def valid_tactics(n: int, k: int, rows: int, groups: int = 1) -> list[Tactic]:
 
 def sweep_tactics(n: int, k: int, rows: int, groups: int = 1,
                   limit: int = 12) -> list[Tactic]:
-    """What the autotuner times: the default, then its neighbours (half or
-    double the block, the split-K count +-1 and x/÷2, the other warp count and
-    chunk), valid ones only, at most ``limit``."""
+    """The default, then its neighbours (half or double the block, the split-K
+    count +-1 and x/÷2, the other warp count and chunk, the other row tile),
+    valid ones only, at most ``limit``: what ``decode-boundary tune`` times
+    first for a GEMM."""
     base = default_tactic(n, k, rows, groups)
     out = [base]
     b, sp, w, c = base.block_n, base.split_k, base.num_warps, base.chunk_k

@@ -62,6 +62,18 @@ class BoundaryConfig:
         self.check_tp(tp)
         return self.n_heads // tp * self.head_dim, self.q_lora
 
+    def projection_shapes(self, tp: int) -> dict[str, tuple[int, int, int]]:
+        """(N, K, groups) of every MXFP8 projection one rank runs at TP ``tp``, by
+        name: the rank's ``wo_a`` groups as one grouped launch (as the chain runs
+        them), ``wo_b``, ``fused_wqa_wkv`` and ``wq_b``. The one source of the
+        shapes the GEMM table, the tuner and the tests use."""
+        self.check_tp(tp)
+        groups = self.o_groups // tp
+        n, k = self.wo_a_shape()
+        return {"wo_a": (n * groups, k, groups), "wo_b": (*self.wo_b_shape(tp), 1),
+                "fused_wqa_wkv": (*self.fused_wqa_wkv_shape(), 1),
+                "wq_b": (*self.wq_b_shape(tp), 1)}
+
     def attn_width(self, tp: int) -> int:
         """Width of the attention output one rank feeds into ``wo_a``."""
         self.check_tp(tp)

@@ -6,7 +6,8 @@ that blocks the host on a peer gives up after a timeout and raises
   (the default store: a ``TCPStore`` under torchrun or ``tcp://``), not over
   the group's communicator. Each rank sets its key, then polls for everyone's
   until the timeout, so the ranks still missing can be named. Keys are tagged
-  by purpose (``compile``, ``reset-a``, ``reset-b``) and numbered per tag
+  by purpose (``construct``, ``compile``, ``reset-a``, ``reset-b``, ``close``,
+  ``presence``) and numbered per tag
   within an *epoch* (advanced by every completed collective reset,
   :func:`next_epoch`): barriers of different purposes never pair with each
   other (a rank in ``reset()`` is never taken for one in a compile barrier),

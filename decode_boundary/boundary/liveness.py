@@ -111,6 +111,9 @@ class _Heartbeat:
         with contextlib.suppress(Exception):
             self._store.set(self._key, CLOSED)
 
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
     def stop(self, join_s: float = 0.0) -> None:
         """Stop beating (the thread writes ``"closed"`` and ends within moments)."""
         self._stop.set()
@@ -119,7 +122,9 @@ class _Heartbeat:
 
 
 _BEATS: dict[str, _Heartbeat] = {}
-_LOCK = threading.Lock()
+# Reentrant: a holder collected while this thread holds the lock (a garbage
+# collection inside hold()) releases its share from within.
+_LOCK = threading.RLock()
 
 
 class Hold:
@@ -155,6 +160,8 @@ def hold(group, store, rank: int, owner) -> Hold | None:
         if beat is not None and beat.group() is not group:
             beat.stop()  # a destroyed group's name reused by a new group: start afresh
             beat = None
+        if beat is not None and beat.stopped():
+            beat = None  # released from within (see _LOCK) just now
         if beat is None:
             try:
                 beat = _Heartbeat(store.clone(), mark_key(name, rank), group)
@@ -180,7 +187,7 @@ def _stop_all() -> None:
 def _forget_in_child() -> None:
     """A forked child has no heartbeat threads: it holds none."""
     global _LOCK
-    _LOCK = threading.Lock()
+    _LOCK = threading.RLock()
     _BEATS.clear()
 
 

@@ -273,3 +273,41 @@ def test_the_heartbeat_lives_while_held_and_marks_closed_when_released():
     thread.join(2 * liveness.HEARTBEAT_S)
     assert not thread.is_alive() and store.get(key) == liveness.CLOSED.encode()
     assert thread.daemon  # never keeps a process alive at exit
+
+
+# ----------------------------------------------------------------------- exiting
+
+
+_HELD = []
+
+
+def _exits(rank: int, port: int, closes: int, seed: int, results) -> None:
+    """A good step, then rank ``closes`` closes its all-reduce and the other does
+    not; both leave the process the ordinary way (interpreter exit)."""
+    ar = _join(rank, port)
+    d = _inputs(seed, 2)
+    exact = _exact(d, _step(ar, d, rank))
+    if rank == closes:
+        ar.close()
+    else:
+        _HELD.append(ar)  # still held at interpreter exit
+    dist.destroy_process_group()
+    results.put((rank, {"exact": exact}))
+    results.close()
+    results.join_thread()
+
+
+def test_the_heartbeat_keeps_no_process_alive_and_marks_it_closed():
+    closes, seed = random.randrange(2), random.randrange(1 << 30)
+    host = _store_host()
+    got, procs = run_ranks(_exits, 2, (host.port, closes, seed), reports=2, timeout_s=120,
+                           exit_s=15)
+    assert set(got) == {0, 1} and all(out["exact"] for out in got.values()), got
+    # Both exited on their own (run_ranks kills only what is still alive after exit_s),
+    # one closed, the other with its all-reduce (and heartbeat) still held at exit.
+    assert [p.exitcode for p in procs] == [0, 0], (closes, [p.exitcode for p in procs])
+    # The marks under the default group's prefix of the store, as the ranks saw it.
+    marks = {key: host.get(key) for key in host.list_keys() if "/alive/" in key}
+    assert sorted(marks) == sorted(next(k for k in marks if k.endswith(
+        liveness.mark_key("0", rank))) for rank in (0, 1)), marks
+    assert set(marks.values()) == {liveness.CLOSED.encode()}, marks

@@ -41,7 +41,6 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -199,31 +198,39 @@ def wait_work(work, group, timeout_s: float, what: str, liveness_s: float | None
     ``RuntimeError``. A wait longer than ``liveness.CHECK_S`` also reads the
     peers' liveness marks and raises at once for one judged gone (bound
     ``liveness_s``); so does the presence check. The group is then unusable
-    (its collective sequence is broken): recreate it."""
+    (its collective sequence is broken): recreate it.
+
+    Polled (``is_completed``, backing off to ``POLL_MAX_S``) rather than waited
+    with a timeout: an expired timed wait aborts an NCCL communicator, and the
+    marks are read between polls. A step's usual wait reads no mark."""
     me, ranks = _me(group)
-    peers = [r for r in range(ranks) if r != me]
-    deadline = time.monotonic() + timeout_s
-    watch, gone, missing = None, {}, None
-    while True:
-        # The step's usual case returns from the first wait: no store traffic. (At
-        # least 1 ms: a zero timeout means none.)
-        left = deadline - time.monotonic()
+    start = time.monotonic()
+    watch, gone, missing, failure = None, {}, None, None
+    delay = POLL_MIN_S
+    while not work.is_completed():
+        now = time.monotonic()
+        if now - start >= timeout_s:
+            failure = f"not completed within {timeout_s:g} s"
+            break
+        if now - start >= liveness.CHECK_S:  # still running: is a peer gone?
+            if watch is None:
+                watch = liveness.PeerWatch(group.group_name, _store(),
+                                           liveness.bound(liveness_s))
+            try:
+                gone = watch.gone([r for r in range(ranks) if r != me])
+            except RuntimeError as error:
+                raise _store_error(me, what, error) from None
+            if gone:
+                failure = "the collective was still running"
+                break
+        time.sleep(delay)
+        delay = min(2 * delay, POLL_MAX_S)
+    if failure is None:
         try:
-            work.wait(timeout=timedelta(seconds=max(1e-3, min(left, liveness.CHECK_S))))
+            work.wait()  # completed: returns at once, or raises its failure
             return
         except Exception as error:  # noqa: BLE001 - gloo raises RuntimeError, others may differ
-            if work.is_completed() or left <= liveness.CHECK_S:
-                failure = error  # failed (gloo: "Connection closed by peer") or timed out
-                break
-        if watch is None:  # still running after CHECK_S: is a peer gone?
-            watch = liveness.PeerWatch(group.group_name, _store(), liveness.bound(liveness_s))
-        try:
-            gone = watch.gone(peers)
-        except RuntimeError as error:
-            raise _store_error(me, what, error) from None
-        if gone:
-            failure = "still running"
-            break
+            failure = error  # gloo: "Connection closed by peer"
     if not gone:
         try:
             missing, gone = _arrivals(group, "presence", timeout_s, what, False, liveness_s)

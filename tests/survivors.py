@@ -13,10 +13,12 @@ import warnings
 import torch.multiprocessing as mp
 
 
-def run_ranks(target, world: int, args: tuple, reports: int, timeout_s: float):
+def run_ranks(target, world: int, args: tuple, reports: int, timeout_s: float,
+              exit_s: float = 0.0):
     """Start ``target(rank, *args, results)`` for every rank (spawned), wait for
-    ``reports`` (rank, report) items on the queue or ``timeout_s``, then kill
-    what is still alive. Returns ({rank: report}, the processes)."""
+    ``reports`` (rank, report) items on the queue or ``timeout_s``, give the
+    processes ``exit_s`` to exit on their own, then kill what is still alive.
+    Returns ({rank: report}, the processes)."""
     spawn = mp.get_context("spawn")
     results = spawn.Queue()
     procs = [spawn.Process(target=target, args=(r, *args, results), daemon=True)
@@ -31,6 +33,9 @@ def run_ranks(target, world: int, args: tuple, reports: int, timeout_s: float):
                 rank, out = results.get(timeout=0.5)
                 got[rank] = out
     finally:
+        until = time.monotonic() + exit_s
+        for p in procs:
+            p.join(timeout=max(0.0, until - time.monotonic()))
         for p in procs:
             if p.is_alive():
                 p.kill()

@@ -119,6 +119,11 @@ class BoundaryAllReduce:
     #: naming the ranks that did not arrive (docs/FAILURES.md). None:
     #: max(HOST_TIMEOUT_MIN_S, 10 * wait_timeout_s). Settable per instance.
     host_timeout_s: float | None = None
+    #: Seconds a peer's liveness mark may stay unchanged before a host wait names
+    #: it dead at once rather than waiting out its bound (docs/FAILURES.md §4).
+    #: None: $DECODE_BOUNDARY_LIVENESS_TIMEOUT_S, else 5 s. Settable per instance.
+    liveness_timeout_s: float | None = None
+    _heartbeat = None  # this instance's hold on its process's liveness mark (.liveness)
     _failed: str | None = None  # why a step of this rank failed; cleared by reset(True)
     _abort_work: tuple | None = None  # gather transport: an abort's pending all-gather
     _last_rows: int = 1  # M of the last accepted step (an abort's guess in the gather transport)
@@ -180,8 +185,10 @@ class BoundaryAllReduce:
             # Bounded: a peer that never constructs is named here, not after the
             # group's own timeout in the exchange (which then finds every rank there).
             self.wait_timeout_s = wait_timeout_s  # the bound's default derives from it
+            self._heartbeat = host_wait.start_heartbeat(group, self)
             host_wait.barrier(group, self._host_timeout(), "construct",
-                              "the construction of BoundaryAllReduce")
+                              "the construction of BoundaryAllReduce",
+                              liveness_s=self.liveness_timeout_s)
             geometry = dict(capacity=capacity, hidden_size=hidden_size, hc_mult=hc_mult, tp=tp,
                             top_k=top_k, quantize_layer_input=bool(quantize_layer_input),
                             residual_only=bool(residual_only), dtype=str(MAILBOX_DTYPE),
@@ -535,7 +542,7 @@ class BoundaryAllReduce:
         work, self._abort_work = self._abort_work, None
         if work is not None:
             host_wait.wait_work(work[0], self.group, self._host_timeout(),
-                                "the aborted step's all-gather")
+                                "the aborted step's all-gather", self.liveness_timeout_s)
         self._barrier("reset-a")
         box.rearm()
         self._barrier("reset-b")
@@ -557,16 +564,22 @@ class BoundaryAllReduce:
         ``collective=True``: every rank of the group must call it (the same
         number of times, closed or not): it barriers the group (every rank's
         kernels done), then frees the mailbox at once. Not for error paths: a
-        rank that never arrives holds the others in the barrier until the
-        group's timeout. ``with`` blocks close locally."""
+        rank that never arrives holds the others in the barrier up to
+        ``host_timeout_s`` (a dead one: the liveness bound). ``with`` blocks
+        close locally. Either way this instance's hold on the liveness mark
+        ends (the last one on the group marks this rank "closed")."""
         if self._capturing():
             raise RuntimeError("BoundaryAllReduce.close() during a CUDA graph capture")
         box, self._box, self._published = self._box, None, None
         self._mixes_pending = None  # the device is synchronized below
-        if collective:
-            self._barrier()
-        elif box is not None and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        try:
+            if collective:
+                self._barrier()
+            elif box is not None and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        finally:
+            if self._heartbeat is not None:
+                self._heartbeat.release()
         if box is not None and not collective and self.group is not None and \
                 self.transport == "mailbox" and self.tp > 1:
             _RETIRED.append(box)
@@ -601,19 +614,24 @@ class BoundaryAllReduce:
         a ``tag`` (compile, reset): both bounded (``host_timeout_s``, or
         ``timeout_s``), a rank missing named in a ``RuntimeError``, over tagged
         store barriers (:mod:`.host_wait`: barriers of different purposes never
-        pair). Without (``close(collective=True)``): a device sync and the
-        group's own ``dist.barrier``, bounded by the group's timeout."""
+        pair). Without (``close(collective=True)``): a device sync, a store
+        barrier bounded the same way, then the group's own ``dist.barrier``.
+        Either way a rank judged dead by its liveness mark is named at once."""
         if tag is None:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             if self._multi_process():
+                host_wait.barrier(self.group, self._host_timeout(), "close",
+                                  "the close barrier of BoundaryAllReduce",
+                                  liveness_s=self.liveness_timeout_s)
                 dist.barrier(group=self.group)
             return
         timeout_s = self._host_timeout() if timeout_s is None else timeout_s
         what = f"the {tag} barrier of BoundaryAllReduce"
         host_wait.sync_device(self.device, timeout_s, what)
         if self._multi_process():
-            host_wait.barrier(self.group, timeout_s, tag, what, aborts_arrive)
+            host_wait.barrier(self.group, timeout_s, tag, what, aborts_arrive,
+                              self.liveness_timeout_s)
 
     def _ready(self) -> Mailbox:
         """The mailbox, unless closed or a step failed since the last reset."""
@@ -700,7 +718,7 @@ class BoundaryAllReduce:
             else:
                 work = all_gather(flat, x, self.group, async_op=True)
                 host_wait.wait_work(work, self.group, self._host_timeout(),
-                                    "the gather transport's all-gather")
+                                    "the gather transport's all-gather", self.liveness_timeout_s)
 
         return consume(gathered, self.tp, m, mode=mode, lamport=False, before_launch=gather,
                        **scratch, **inputs)

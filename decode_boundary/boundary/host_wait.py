@@ -6,7 +6,8 @@ that blocks the host on a peer gives up after a timeout and raises
   (the default store: a ``TCPStore`` under torchrun or ``tcp://``), not over
   the group's communicator. Each rank sets its key, then polls for everyone's
   until the timeout, so the ranks still missing can be named. Keys are tagged
-  by purpose (``compile``, ``reset-a``, ``reset-b``) and numbered per tag
+  by purpose (``construct``, ``compile``, ``reset-a``, ``reset-b``, ``close``,
+  ``presence``) and numbered per tag
   within an *epoch* (advanced by every completed collective reset,
   :func:`next_epoch`): barriers of different purposes never pair with each
   other (a rank in ``reset()`` is never taken for one in a compile barrier),
@@ -21,6 +22,14 @@ that blocks the host on a peer gives up after a timeout and raises
 * :func:`sync_device`: a device synchronize that gives up after the timeout
   (in a helper thread: a GPU stuck in a collective cannot be interrupted).
 
+Dead or slow (:mod:`.liveness`): the barriers and :func:`wait_work` also read
+the liveness marks of the peers they still wait for (every ``CHECK_S``) and
+name a peer whose mark went stale beyond the liveness bound (``liveness_s``;
+None: the environment's or the default), or reads "closed", at once, with the
+same ``RuntimeError`` wording; a peer whose mark stays fresh (alive, e.g. still
+compiling) is waited for up to the wait's own bound. :func:`start_heartbeat`
+starts this process's mark on a group.
+
 Group state (epoch, per-tag sequence numbers) is per process group name and
 shared by every all-reduce on that group: collective calls happen in the same
 order on every rank, which is what keeps the numbers equal.
@@ -32,12 +41,12 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from ..env import logger
+from . import liveness
 
 POLL_MIN_S, POLL_MAX_S = 0.0005, 0.02  # store polling: back off from 0.5 ms to 20 ms
 
@@ -79,9 +88,18 @@ def _store_error(me: int, what: str, error: Exception) -> RuntimeError:
         "the process hosting it (usually global rank 0, or torchrun's agent) has died")
 
 
-def _arrivals(group, tag: str, timeout_s: float, what: str, aborts_arrive: bool) -> list[int]:
+def start_heartbeat(group, owner) -> liveness.Hold | None:
+    """Start (or join) this process's liveness mark on ``group`` for ``owner``
+    (release the returned hold when ``owner`` closes; :mod:`.liveness`)."""
+    return liveness.hold(group, _store(), _me(group)[0], owner)
+
+
+def _arrivals(group, tag: str, timeout_s: float, what: str, aborts_arrive: bool,
+              liveness_s: float | None = None) -> tuple[list[int], dict[int, str]]:
     """Set this rank's key of the next ``tag`` barrier, poll for the others'
-    until ``timeout_s``; returns the ranks still missing (empty: all arrived)."""
+    until ``timeout_s`` or until a pending peer is judged gone by its liveness
+    mark (bound ``liveness_s``); returns the ranks still missing (empty: all
+    arrived) and those judged gone, with why."""
     me, ranks = _me(group)
     state = _state(group)
     seq = state.seq.get(tag, 0)
@@ -89,6 +107,11 @@ def _arrivals(group, tag: str, timeout_s: float, what: str, aborts_arrive: bool)
     base = f"{_prefix(group, state.epoch)}/{tag}{seq}/"
     abort_base = f"{_prefix(group, state.epoch)}/abort/"
     store = _store()
+    # A peer that closed its last all-reduce comes back to a construction barrier
+    # by constructing the next one: there "closed" is no verdict.
+    watch = liveness.PeerWatch(group.group_name, store, liveness.bound(liveness_s),
+                               closed_is_gone=tag != "construct")
+    gone: dict[int, str] = {}
     try:
         store.set(base + str(me), "1")
         pending = [r for r in range(ranks) if r != me]
@@ -100,6 +123,9 @@ def _arrivals(group, tag: str, timeout_s: float, what: str, aborts_arrive: bool)
                 pending = [r for r in pending if not store.check([abort_base + str(r)])]
             if not pending or time.monotonic() >= deadline:
                 break
+            gone = watch.gone(pending)
+            if gone:
+                break
             time.sleep(delay)
             delay = min(2 * delay, POLL_MAX_S)
         if not pending:
@@ -109,17 +135,30 @@ def _arrivals(group, tag: str, timeout_s: float, what: str, aborts_arrive: bool)
             state.last_key = base + str(me)
     except RuntimeError as error:
         raise _store_error(me, what, error) from error
-    return pending
+    return pending, gone
 
 
-def barrier(group, timeout_s: float, tag: str, what: str, aborts_arrive: bool = False) -> None:
+def _gone_text(gone: dict[int, str]) -> str:
+    return "; ".join(f"rank {r}: {why}" for r, why in sorted(gone.items()))
+
+
+def barrier(group, timeout_s: float, tag: str, what: str, aborts_arrive: bool = False,
+            liveness_s: float | None = None) -> None:
     """Every rank of ``group`` reaches this ``tag`` barrier within ``timeout_s``
     seconds, or ``RuntimeError`` naming the ranks that did not (module
-    docstring). ``aborts_arrive``: a rank that signalled an abort in this
+    docstring): at once for a rank judged gone by its liveness mark (bound
+    ``liveness_s``). ``aborts_arrive``: a rank that signalled an abort in this
     epoch counts as arrived."""
-    missing = _arrivals(group, tag, timeout_s, what, aborts_arrive)
+    missing, gone = _arrivals(group, tag, timeout_s, what, aborts_arrive, liveness_s)
+    me, _ = _me(group)
+    if gone:
+        alive = [r for r in missing if r not in gone]
+        raise RuntimeError(
+            f"decode_boundary rank {me}: rank(s) {sorted(gone)} did not reach {what} "
+            f"({_gone_text(gone)}; named before the {timeout_s:g} s bound"
+            + (f"; rank(s) {alive} alive but not there yet" if alive else "")
+            + "); nothing was changed on this rank. The group cannot continue: recreate it")
     if missing:
-        me, _ = _me(group)
         raise RuntimeError(
             f"decode_boundary rank {me}: rank(s) {missing} did not reach {what} within "
             f"{timeout_s:g} s (dead, hung, or still busy in an earlier call); nothing was "
@@ -152,26 +191,58 @@ def next_epoch(group) -> None:
     state.abort_key = None
 
 
-def wait_work(work, group, timeout_s: float, what: str) -> None:
+def wait_work(work, group, timeout_s: float, what: str, liveness_s: float | None = None) -> None:
     """Wait for a collective's ``work`` at most ``timeout_s`` seconds; on a
     failure or timeout, name the ranks that do not reach a presence check
     within ``timeout_s`` either (the survivors all get there), and raise
-    ``RuntimeError``. The group is then unusable (its collective sequence is
-    broken): recreate it."""
-    try:
-        work.wait(timeout=timedelta(seconds=timeout_s))
-        return
-    except Exception as error:  # noqa: BLE001 - gloo raises RuntimeError, others may differ
-        failure = error
-    me, _ = _me(group)
-    try:
-        gone = _arrivals(group, "presence", timeout_s, what, aborts_arrive=False)
-    except RuntimeError as error:
-        gone, failure = None, f"{failure}; {error}"
-    who = f"rank(s) {gone}" if gone else "a peer"
+    ``RuntimeError``. A wait longer than ``liveness.CHECK_S`` also reads the
+    peers' liveness marks and raises at once for one judged gone (bound
+    ``liveness_s``); so does the presence check. The group is then unusable
+    (its collective sequence is broken): recreate it.
+
+    Polled (``is_completed``, backing off to ``POLL_MAX_S``) rather than waited
+    with a timeout: an expired timed wait aborts an NCCL communicator, and the
+    marks are read between polls. A step's usual wait reads no mark."""
+    me, ranks = _me(group)
+    start = time.monotonic()
+    watch, gone, missing, failure = None, {}, None, None
+    delay = POLL_MIN_S
+    while not work.is_completed():
+        now = time.monotonic()
+        if now - start >= timeout_s:
+            failure = f"not completed within {timeout_s:g} s"
+            break
+        if now - start >= liveness.CHECK_S:  # still running: is a peer gone?
+            if watch is None:
+                watch = liveness.PeerWatch(group.group_name, _store(),
+                                           liveness.bound(liveness_s))
+            try:
+                gone = watch.gone([r for r in range(ranks) if r != me])
+            except RuntimeError as error:
+                raise _store_error(me, what, error) from None
+            if gone:
+                failure = "the collective was still running"
+                break
+        time.sleep(delay)
+        delay = min(2 * delay, POLL_MAX_S)
+    if failure is None:
+        try:
+            work.wait()  # completed: returns at once, or raises its failure
+            return
+        except Exception as error:  # noqa: BLE001 - gloo raises RuntimeError, others may differ
+            failure = error  # gloo: "Connection closed by peer"
+    if not gone:
+        try:
+            missing, gone = _arrivals(group, "presence", timeout_s, what, False, liveness_s)
+        except RuntimeError as error:
+            failure = f"{failure}; {error}"
+    if gone:
+        who = f"rank(s) {sorted(gone)} dead ({_gone_text(gone)})"
+    else:
+        who = f"rank(s) {missing} dead or hung" if missing else "a peer dead or hung"
     raise RuntimeError(
         f"decode_boundary rank {me}: {what} failed or timed out (bound {timeout_s:g} s): "
-        f"{who} dead or hung ({failure}). The group cannot continue: recreate it") from None
+        f"{who} ({failure}). The group cannot continue: recreate it") from None
 
 
 def sync_device(device: torch.device, timeout_s: float, what: str) -> None:

@@ -43,8 +43,13 @@ run_part() {  # run_part NAME [pytest args]
   for entry in "${PARTS[@]}"; do
     IFS='|' read -r name files expr _ <<<"$entry"
     if [[ $name == "$want" ]]; then
+      # The log of the part's last run: benchmarks/results/gpu-tests-NAME.log
+      # (GPU_TESTS_LOG_DIR elsewhere, e.g. the device's $OUT).
+      local log="${GPU_TESTS_LOG_DIR:-benchmarks/results}/gpu-tests-$name.log"
+      mkdir -p "$(dirname "$log")"
       # shellcheck disable=SC2086  # files: a space-separated list
-      "${PYTHON:-python3}" -m pytest -m "gpu or multigpu" ${expr:+-k "$expr"} -q $files "$@"
+      "${PYTHON:-python3}" -m pytest -m "gpu or multigpu" ${expr:+-k "$expr"} -q $files "$@" \
+        2>&1 | tee "$log"
       return
     fi
   done

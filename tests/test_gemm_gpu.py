@@ -370,8 +370,8 @@ def _capped_launches():
 
 # Registers a capped tile may spill (Triton's ``n_spills``: local bytes / 4):
 # fused_wqa_wkv's 64-row tile of 128-wide pieces spills 8 (32 bytes) under the cap and
-# is 2.3 µs faster in the chain than uncapped or 64-wide (benchmarks/NOTES.md attempt
-# 23); the spills this rule guards against ran to 66-244 and cost 3.6-23 µs (attempt 18).
+# is still faster in the chain than uncapped or 64-wide; the spills this rule guards
+# against ran to hundreds of registers and cost microseconds (docs/EXPERIMENTS.md).
 CAPPED_MAX_SPILLS = 8
 
 

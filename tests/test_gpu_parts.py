@@ -69,16 +69,18 @@ def test_every_gpu_test_runs_in_exactly_one_part():
         {n for n in every if "every_pickable" in n}
 
 
-def test_the_script_runs_what_its_list_says():
+def test_the_script_runs_what_its_list_says(tmp_path):
     """The script's own pytest call for a part (collect-only) selects the tests
-    its ``--list`` line names: the arguments reach pytest as listed."""
+    its ``--list`` line names: the arguments reach pytest as listed, and its
+    output lands in the part's log."""
     files, expr = _parts()["exhaustive"]
-    env = {**os.environ, "PYTHON": sys.executable}
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_TESTS_LOG_DIR": str(tmp_path)}
     got = _collect("bash", str(SCRIPT), "exhaustive", "--collect-only", "-p",
                    "no:cacheprovider", env=env)
     every = _collect(sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
                      "no:cacheprovider", "-m", MARKS, *files)
     assert got and got == _selected(every, files, expr)
+    assert _node_ids((tmp_path / "gpu-tests-exhaustive.log").read_text()) == got
 
 
 def test_unknown_part_is_refused():

@@ -3,8 +3,8 @@ reference's (``mxfp8.format.scale_exponent``: the biased exponent of the IEEE
 quotient amax / 448, one more if it is not a power of two, at most 254), in the
 interpreter: every biased exponent with the fractions where the rule turns,
 random ones, and whole binades at the subnormal / normal edge and in the
-middle; every FP32 bit pattern with ``DECODE_BOUNDARY_EXHAUSTIVE=1`` (run once,
-0 mismatches: benchmarks/results/scale_exponent_exhaustive-cpu.log)."""
+middle; every FP32 bit pattern with ``DECODE_BOUNDARY_EXHAUSTIVE=1`` (hours on CPU:
+run it when the rule changes)."""
 
 import os
 

@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import shlex
 import sys
 import time
@@ -409,16 +410,27 @@ def default_out_dir(cwd: Path, stamp: str) -> Path:
     return cwd / "decode-boundary-results" / stamp
 
 
+def result_stem(command: str, result: dict) -> str:
+    """The stable name of a run's files, one per kind of run, which the next run of
+    that kind overwrites (the JSON records commit, command, GPU and versions; git
+    keeps the history): ``bench-<model>-tp<N>`` (all local GPUs) or
+    ``bench-<model>-tp<N>-shapes-1gpu`` (one rank's share), ``gemm-<GPU name>``."""
+    if command == "gemm":
+        gpu = result["environment"].get("gpu") or "cpu"
+        return "gemm-" + re.sub(r"[^A-Za-z0-9.]+", "_", gpu)
+    cfg = result["config"]
+    shapes = cfg.get("tp_shapes", cfg["tp"])
+    tag = f"tp{cfg['tp']}" if shapes == cfg["tp"] else f"tp{shapes}-shapes-1gpu"
+    return f"{command}-{cfg['model']}-{tag}"
+
+
 def _save(args, result: dict, out: Console, plot: bool) -> None:
     """Write JSON (+ PNG) where they belong and name the folder; ``verify``
     writes only when given ``--out``. ``--json`` also prints the JSON to stdout."""
     if args.command != "verify" or args.out:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         folder = args.out or default_out_dir(Path.cwd(), stamp)
-        cfg = result["config"]
-        shapes = cfg.get("tp_shapes", cfg["tp"])
-        tag = f"tp{cfg['tp']}" if shapes == cfg["tp"] else f"tp{shapes}-shapes-1gpu"
-        stem = f"{args.command}-{cfg['model']}-{tag}-{stamp}"
+        stem = result_stem(args.command, result)
         written = [report.write_json(result, folder / f"{stem}.json")]
         if plot:
             written.append(report.plot_latency(result, folder / f"{stem}.png"))

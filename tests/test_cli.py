@@ -305,7 +305,8 @@ def test_verify_without_gpu_runs_in_the_interpreter(tmp_path):
     assert printed["config"]["transport"] == "simulated"
     assert printed["verify"] == [{"rows": 3, "ok": True, "failures": [],
                                   "ranks_identical": True}]
-    (written,) = tmp_path.glob("verify-tiny-tp2-*.json")
+    (written,) = tmp_path.glob("*.json")
+    assert written.name == "verify-tiny-tp2.json"  # a stable name: the next run overwrites it
     assert json.loads(written.read_text()) == printed
 
 
@@ -374,3 +375,13 @@ def test_gemm_table_times_grouped_wo_a_as_one_launch(monkeypatch):
     text = report.render(report.gemm_table(
         {**report.new_result("gemm", "x", report.environment(False, []), {"tp": 4}), **result}))
     assert "2 x 32 x 64" in text and "64 x 96" in text
+
+
+def test_result_files_have_one_stable_name_per_kind():
+    """Each kind of run writes under one name that its next run overwrites."""
+    env = {"gpu": "NVIDIA H200"}
+    one_gpu = {"environment": env, "config": {"model": "v4.1-flash", "tp": 1, "tp_shapes": 4}}
+    local = {"environment": env, "config": {"model": "v4-flash", "tp": 2}}
+    assert cli.result_stem("bench", one_gpu) == "bench-v4.1-flash-tp4-shapes-1gpu"
+    assert cli.result_stem("bench", local) == "bench-v4-flash-tp2"
+    assert cli.result_stem("gemm", one_gpu) == "gemm-NVIDIA_H200"

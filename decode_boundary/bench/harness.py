@@ -30,7 +30,6 @@ from decode_boundary.model.chain import (
     MIX_NAMES,
     OUTPUT_NAMES,
     AttentionBoundary,
-    BoundaryInputs,
     BoundaryOutputs,
     check_mixes,
     check_outputs,
@@ -44,7 +43,7 @@ from .baselines import baseline_mixes_atol, baseline_rtol, check_baseline
 from .gemm import mxfp8_weight_bytes
 from .mixes import time_mixes
 from .paths import STAGE_STEPS, STAGES, Step, baselines_for, build, join_all, paths_for
-from .report import environment, git_commit, new_result, progress, write_json
+from .report import environment, new_result, progress, write_json
 
 MIXES_MAX_ROWS = 16  # the mixes' targets are at M <= 16 (bench.mixes)
 
@@ -121,46 +120,10 @@ def one_gpu_result(kind: str, args: argparse.Namespace) -> dict:
 
 def one_gpu_write(result: dict, args: argparse.Namespace) -> Path:
     """Write such a script's result to ``args.out`` as
-    ``<kind>-<model>-tp<N>-shapes-<commit>.json``; returns the path."""
-    name = (f"{result['kind']}-{args.model}-tp{args.tp_shapes}-shapes-"
-            f"{git_commit() or 'nocommit'}.json")
+    ``<kind>-<model>-tp<N>-shapes.json``, a stable name each run overwrites (the
+    JSON records its commit; git keeps the history); returns the path."""
+    name = f"{result['kind']}-{args.model}-tp{args.tp_shapes}-shapes.json"
     return write_json(result, args.out / name)
-
-
-# A way of an A/B: (boundary, inputs) -> a callable running one step on that boundary.
-Way = Callable[[AttentionBoundary, BoundaryInputs], Callable[[], BoundaryOutputs]]
-
-
-def one_gpu_ab(args: argparse.Namespace, kind: str, ways: dict[str, Way],
-               check: Callable[[AttentionBoundary, BoundaryInputs, dict[str, BoundaryOutputs]],
-                               list[str]], rounds: int = 2) -> Path:
-    """An A/B script's whole run on this GPU: per row count of ``args``, µs per
-    step of each way (its steps over the cold-L2 weight copies, timed A, B, A,
-    B, ... ``rounds`` times in this process, each graph ending joined with the
-    side stream), then one eager step of each way on the first boundary
-    (joined) and ``check(ab, inputs, {way: outputs})``'s failures; prints each
-    row, writes ``<kind>-...json`` (:func:`one_gpu_write`) and returns its path."""
-    ab, views = one_gpu_boundary(args, seed=5)
-    result = one_gpu_result(kind, args)
-    result["rows"] = []
-    for rows in args.rows:
-        inputs = ab.make_inputs(rows, seed=rows)
-        us = {name: [] for name in ways}
-        for _ in range(rounds):
-            for name, way in ways.items():
-                us[name].append(graph_time_us([way(v, inputs) for v in views], ab.device,
-                                              join=ab.join_mixes))
-        outs = {}
-        for name, way in ways.items():
-            outs[name] = way(ab, inputs)()
-            ab.join_mixes()
-        torch.cuda.synchronize(ab.device)
-        failures = check(ab, inputs, outs)
-        result["rows"].append({"rows": rows, "us": us, "failures": failures})
-        print(f"M={rows}: " + " ".join(f"{k} {v}" for k, v in us.items())
-              + f" µs; {'; '.join(failures) or 'bits equal, checks ok'}", flush=True)
-    ab.close()
-    return one_gpu_write(result, args)
 
 
 def one_gpu_boundary(args: argparse.Namespace, seed: int) -> tuple[AttentionBoundary, list]:

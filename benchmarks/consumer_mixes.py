@@ -47,8 +47,9 @@ def _call(ars: dict, step: tuple, collapse: str | None, weights: tuple | None = 
     """publish + consume of ``step`` on the all-reduce of ``collapse``."""
     x, residual, post, comb, pre, gamma, q = step
     extra = {} if collapse is None else dict(mix_weights=weights)
-    return ars[collapse](x, residual, post, comb, None if collapse == "same" else pre, gamma,
-                         EPS, q, **extra)
+    return ars[collapse](x, residual=residual, post=post, comb=comb,
+                         pre=None if collapse == "same" else pre, norm_weight=gamma,
+                         norm_eps=EPS, mxfp8_out=q, **extra)
 
 
 def main() -> None:

@@ -109,14 +109,15 @@ class MixesTimer:
         """The consumer without mixes (residual-only where ``pre`` is None)."""
         if pre is not None and mxfp8_out is None:
             mxfp8_out = self._mxfp8_buffers(v, inputs.rows)
-        return self.plain(partial, inputs.residual, inputs.post, inputs.comb, pre, v.norm_weight,
-                          self.config.eps, mxfp8_out=mxfp8_out)
+        return self.plain(partial, residual=inputs.residual, post=inputs.post, comb=inputs.comb,
+                          pre=pre, norm_weight=v.norm_weight, norm_eps=self.config.eps,
+                          mxfp8_out=mxfp8_out)
 
     def _consumer_with_gemm(self, v: AttentionBoundary, inputs, partial):
         """The consumer without mixes (given pre), then fused_wqa_wkv on its
         MXFP8 layer input: (residual_out, layer_input, q)."""
         next_in = self._mxfp8_buffers(v, inputs.rows)
-        res_out, layer_input = self._consumer(v, inputs, partial, inputs.pre, next_in)
+        res_out, layer_input, *_ = self._consumer(v, inputs, partial, inputs.pre, next_in)
         q = mxfp8_mm(v.fused_wqa_wkv, QuantizedActivation(*next_in, torch.bfloat16,
                                                           layer_input.shape))
         return res_out, layer_input, q
@@ -125,10 +126,9 @@ class MixesTimer:
     def _fused_with_gemm(v: AttentionBoundary, inputs, partial):
         """The chain's consumer and fused_wqa_wkv, the combine left to the
         GEMM: (residual_out, layer_input, q, mixes)."""
-        res_out, layer_input, next_in, mixes, finish = v.reduce(inputs, partial,
-                                                                combine_mixes=False)
-        return res_out, layer_input, mxfp8_mm(v.fused_wqa_wkv, next_in, finish_mixes=finish), \
-            mixes
+        res = v.reduce(inputs, partial, mixes="next_gemm")
+        return res.residual_out, res.layer_input, \
+            mxfp8_mm(v.fused_wqa_wkv, res.mxfp8, finish_mixes=res.mixes), tuple(res.mixes)
 
     def steps(self, inputs) -> dict[str, list]:
         """name -> one callable per weight copy."""

@@ -20,8 +20,8 @@ it fits (``A_UPFRONT``: ``tactics.activation_upfront``, at most
 ``MAX_UPFRONT_BYTES_PER_THREAD`` per thread, less for a BF16 input): every piece's loads are issued
 back to back before the first product, because a product ends in a cross-warp
 sum (a CTA barrier) and a load placed after a barrier is issued only once it
-passes: per-piece loads would cost one L2 round trip per piece (the stamps of
-benchmarks/NOTES.md: 1.8-2.8 µs of body after the weights had arrived at M = 1).
+passes: per-piece loads would cost one L2 round trip per piece (the timeline's
+stamps showed it as body time after the weights had arrived).
 
 **Two products, one per row range** (``ROWS``, the activation tile):
 

@@ -27,8 +27,7 @@ import torch
 import torch.distributed as dist
 
 from decode_boundary import env
-from decode_boundary.boundary.all_reduce import BoundaryAllReduce
-from decode_boundary.boundary.consumer import MIXES_ASIDE_MIN_ROWS, mixes_aside_ok
+from decode_boundary.boundary.all_reduce import BoundaryAllReduce, BoundaryResult
 from decode_boundary.boundary.reference import consumer_mixes_ref, mhc_mixes_ref
 from decode_boundary.gemm import mxfp8_mm, mxfp8_out_in_epilogue
 from decode_boundary.gemm import precompile as gemm_precompile
@@ -243,7 +242,7 @@ class AttentionBoundary:
 
         ``mixes_aside`` (where :attr:`mixes_aside_possible`: V4.1): the next
         mixes run on the all-reduce's side stream, off the chain's critical
-        path (``BoundaryAllReduce(mixes_aside=True)``); the step's
+        path (the all-reduce's ``mixes="side_stream"``); the step's
         ``next_pre`` / ``next_post`` / ``next_comb`` are complete only after
         :meth:`join_mixes` (the next step joins by itself). Elsewhere (V4,
         whose collapse needs them in the consumer) it changes nothing.
@@ -252,20 +251,25 @@ class AttentionBoundary:
         cost more than the mixes inside the step). The layer input (so q) may
         differ from the inline path's in its last bits: the consumer without
         the mixes runs its own tactic, another sum-of-squares order."""
-        aside = self._aside(inputs, mixes_aside)  # refused before anything is published
-        return self.consume(inputs, self.produce(inputs, fused), aside)
+        self.mixes_choice(mixes_aside)  # refused before anything is published
+        return self.consume(inputs, self.produce(inputs, fused), mixes_aside)
 
-    def _aside(self, inputs: BoundaryInputs, mixes_aside: bool | str) -> bool:
+    def mixes_choice(self, mixes_aside: bool | str) -> str:
+        """The all-reduce's ``mixes=`` for the chain's ``mixes_aside``: the
+        combine left to ``fused_wqa_wkv`` ("next_gemm"), on the side stream
+        where this model can ("side_stream"), or "auto" (the all-reduce picks
+        by the row count where it can)."""
         if not (isinstance(mixes_aside, bool) or mixes_aside == "auto"):
             raise ValueError(f"mixes_aside must be True, False or 'auto', got {mixes_aside!r}")
-        if mixes_aside == "auto":
-            mixes_aside = inputs.rows >= MIXES_ASIDE_MIN_ROWS
-        return bool(mixes_aside) and self.mixes_aside_possible
+        if not self.mixes_aside_possible:
+            return "next_gemm"
+        return "auto" if mixes_aside == "auto" else \
+            "side_stream" if mixes_aside else "next_gemm"
 
     @property
     def mixes_aside_possible(self) -> bool:
         """Whether ``mixes_aside`` moves this model's next mixes to a side stream."""
-        return mixes_aside_ok(self.config.hc_mult, self.config.collapse_pre)
+        return self.all_reduce.side_stream_possible
 
     def join_mixes(self) -> None:
         """Make the current stream wait for mixes a step left aside (none: no-op)."""
@@ -300,32 +304,27 @@ class AttentionBoundary:
                 mixes_aside: bool | str = False) -> BoundaryOutputs:
         """The consumer (all-reduce + mHC + RMSNorm + MXFP8 + the next mixes'
         shares) and ``fused_wqa_wkv``, whose extra programs combine the mixes
-        (``combine_mixes=False``); with ``mixes_aside`` (:meth:`__call__`) the
+        (``mixes="next_gemm"``); with ``mixes_aside`` (:meth:`__call__`) the
         mixes kernel on the side stream instead."""
-        aside = self._aside(inputs, mixes_aside)
-        residual_out, layer_input, next_in, mixes, finish = self.reduce(
-            inputs, partial, combine_mixes=False, mixes_aside=aside)
-        q = mxfp8_mm(self.fused_wqa_wkv, next_in, finish_mixes=finish)
-        return BoundaryOutputs(residual_out, layer_input, q, *mixes)
+        result = self.reduce(inputs, partial, self.mixes_choice(mixes_aside))
+        q = mxfp8_mm(self.fused_wqa_wkv, result.mxfp8, finish_mixes=result.mixes)
+        return BoundaryOutputs(result.residual_out, result.layer_input, q, *result.mixes)
 
-    def reduce(self, inputs: BoundaryInputs, partial: torch.Tensor, combine_mixes: bool = True,
-               mixes_aside: bool = False):
-        """The consumer alone: (residual_out, layer_input, the next layer's
-        MXFP8 input, the next sublayer's (pre, post, comb)) from the published
-        ``partial``; ``combine_mixes=False``: the combine left to the next
-        GEMM, whose ``MixesFinish`` (or None) comes last."""
+    def reduce(self, inputs: BoundaryInputs, partial: torch.Tensor,
+               mixes: str | None = None) -> BoundaryResult:
+        """The consumer alone from the published ``partial``: the all-reduce's
+        :class:`BoundaryResult` (its ``mxfp8`` the next layer's input, its
+        ``mixes`` the next sublayer's; ``mixes``: the all-reduce's choice)."""
         c, rows = self.config, inputs.rows
         data = torch.empty(rows, c.hidden, dtype=torch.float8_e4m3fn, device=self.device)
         scale = torch.empty(mxfp8_scale_bytes(rows, c.hidden), dtype=torch.uint8,
                             device=self.device)
         pre = inputs.pre if c.collapse_pre == "previous" else None
-        residual_out, layer_input, mixes, *finish = self.all_reduce(
-            partial, inputs.residual, inputs.post, inputs.comb, pre,
-            self.norm_weight, c.eps, mxfp8_out=(data, scale), mix_weights=self.mix_weights,
-            combine_mixes=combine_mixes, mixes_aside=mixes_aside,
+        return self.all_reduce(
+            partial, residual=inputs.residual, post=inputs.post, comb=inputs.comb, pre=pre,
+            norm_weight=self.norm_weight, norm_eps=c.eps, mxfp8_out=(data, scale),
+            mix_weights=self.mix_weights, mixes=mixes,
         )
-        next_in = QuantizedActivation(data, scale, torch.bfloat16, layer_input.shape)
-        return residual_out, layer_input, next_in, mixes, *finish
 
     def reference_partial(self, inputs: BoundaryInputs) -> torch.Tensor:
         """This rank's ``wo_b`` partial from the pure-torch references."""
@@ -375,8 +374,8 @@ def run_simulated(boundaries: list[AttentionBoundary], inputs: list[BoundaryInpu
                   ) -> list[BoundaryOutputs]:
     """One step of simulated ranks: every rank produces (and publishes) first,
     then every rank consumes."""
-    for b, x in zip(boundaries, inputs, strict=True):
-        b._aside(x, mixes_aside)  # a bad flag is refused before any rank publishes
+    for b in boundaries:
+        b.mixes_choice(mixes_aside)  # a bad flag is refused before any rank publishes
     partials = [b.produce(x, fused) for b, x in zip(boundaries, inputs, strict=True)]
     return [b.consume(x, p, mixes_aside)
             for b, x, p in zip(boundaries, inputs, partials, strict=True)]

@@ -37,7 +37,8 @@ from decode_boundary.common.timing import graph_time_us
 from decode_boundary.gemm.autotune import AUTOTUNER, cache_key
 from decode_boundary.gemm.launcher import warmup_low_latency
 from decode_boundary.gemm.tactics import Tactic, default_tactic, is_valid
-from decode_boundary.model.chain import AttentionBoundary, check_outputs, outputs_identical
+from decode_boundary.model.chain import AttentionBoundary
+from decode_boundary.model.checks import check_outputs, outputs_identical
 
 LAYERS = ("wo_a", "wo_b", "fused_wqa_wkv")
 # (warps, chunk_k) candidates: CUDA-core tiles (1-2 rows), tensor-core tiles (more rows).

@@ -37,11 +37,8 @@ from decode_boundary.boundary.consumer import ConsumerTactic, consumer_tactic, f
 from decode_boundary.common.timing import graph_time_us
 from decode_boundary.gemm.autotune import AUTOTUNER, cache_key
 from decode_boundary.gemm.tactics import sweep_tactics, table_tactic
-from decode_boundary.model.chain import (
-    AttentionBoundary,
-    check_outputs,
-    outputs_identical,
-)
+from decode_boundary.model.chain import AttentionBoundary
+from decode_boundary.model.checks import check_outputs, outputs_identical
 
 LAYERS = ("wo_b", "wo_a", "fused_wqa_wkv")  # swept in this order
 # The consumer's candidates (columns, warps, hc_fn held from before the wait); with

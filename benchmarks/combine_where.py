@@ -15,13 +15,8 @@ import functools
 
 from decode_boundary.bench.harness import one_gpu_ab, one_gpu_parser
 from decode_boundary.gemm import mxfp8_mm
-from decode_boundary.model.chain import (
-    AttentionBoundary,
-    BoundaryInputs,
-    BoundaryOutputs,
-    check_outputs,
-    outputs_identical,
-)
+from decode_boundary.model.chain import AttentionBoundary, BoundaryInputs, BoundaryOutputs
+from decode_boundary.model.checks import check_outputs, outputs_identical
 
 
 def combined_by_consumer(ab: AttentionBoundary, inputs: BoundaryInputs) -> BoundaryOutputs:

@@ -2,7 +2,7 @@
 the all-reduce over a group of one, DSV4.1-Flash's H = 5120, hc = 4): publish
 + consume per call, CUDA-graph replays over rotated hc_fn copies (cold L2),
 both collapses fused at every M, V4.1's also from our mixes kernel after
-the consumer (``boundary.mixes_kernel``; the two set
+the consumer (``mixes.mixes_kernel``; the two set
 ``consumer.MIXES_FUSED_MAX_ROWS``), and the separate mixes a user would run
 (``torch.compile`` of ``mhc_mixes_ref``) on the same residual_out. A quick
 look at the consumer's share of the mixes' cost; ``decode-boundary bench`` times them inside the
@@ -30,9 +30,9 @@ from decode_boundary.bench.mixes import fused_mixes_up_to
 from decode_boundary.bench.report import environment, git_commit, new_result, write_json
 from decode_boundary.boundary import consumer
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
-from decode_boundary.boundary.reference import mhc_mixes_ref
 from decode_boundary.common import timeline
 from decode_boundary.common.timing import graph_time_us
+from decode_boundary.mixes.reference import mhc_mixes_ref
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes
 
 H, HC, COPIES, EPS, HC_EPS, ITERS = 5120, 4, 8, 1e-6, 1e-6, 20

@@ -23,7 +23,7 @@ import torch
 
 from decode_boundary.bench.harness import one_gpu_ab, one_gpu_parser
 from decode_boundary.boundary.consumer import mixes_aside_ok
-from decode_boundary.model.chain import check_mixes, check_outputs
+from decode_boundary.model.checks import check_mixes, check_outputs
 from decode_boundary.model.config import MODELS
 
 

@@ -23,7 +23,7 @@ import functools
 import decode_boundary.model.chain as chain
 import decode_boundary.publishing_linear as publishing_linear
 from decode_boundary.bench.harness import one_gpu_ab, one_gpu_parser
-from decode_boundary.model.chain import check_mixes, check_outputs, outputs_identical
+from decode_boundary.model.checks import check_mixes, check_outputs, outputs_identical
 from decode_boundary.publishing_linear import PublishingMxfp8Linear
 
 WAYS = {"handoff": ("bf16", "mxfp8"), "publish": ("kernel", "epilogue")}

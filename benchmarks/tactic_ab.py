@@ -22,7 +22,7 @@ from decode_boundary.bench.harness import one_gpu_ab, one_gpu_parser
 from decode_boundary.gemm import launcher
 from decode_boundary.gemm.autotune import AUTOTUNER, cache_key
 from decode_boundary.gemm.tactics import Tactic
-from decode_boundary.model.chain import check_outputs, outputs_identical
+from decode_boundary.model.checks import check_outputs, outputs_identical
 
 ROUNDS = 3
 LAYERS = ("wo_a", "wo_b", "fused_wqa_wkv")

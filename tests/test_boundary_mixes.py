@@ -10,7 +10,8 @@ import torch
 
 import decode_boundary as db
 from decode_boundary.boundary.consumer import fuses_mixes
-from decode_boundary.boundary.reference import consumer_ref, mhc_mixes_ref
+from decode_boundary.boundary.reference import consumer_ref
+from decode_boundary.mixes.reference import mhc_mixes_ref
 
 H, HC, CAP, TP = 128, 4, 4, 2
 EPS, HC_EPS, ITERS = 1e-6, 1e-6, 20

@@ -8,8 +8,8 @@ import torch
 
 from decode_boundary.gemm import mxfp8_out_in_epilogue
 from decode_boundary.gemm.tactics import PROLOGUE_MAX_ROWS
-from decode_boundary.model.chain import (
-    AttentionBoundary,
+from decode_boundary.model.chain import AttentionBoundary
+from decode_boundary.model.checks import (
     check_outputs,
     outputs_identical,
     run_simulated,
@@ -188,7 +188,7 @@ def test_each_models_collapse_with_the_next_mixes():
     really collapses with the new pre), their residual_out and mixes are."""
     import dataclasses
 
-    from decode_boundary.model.chain import check_mixes
+    from decode_boundary.model.checks import check_mixes
 
     for name in ("v4-flash", "v4-pro"):
         assert MODELS[name].collapse_pre == "same"
@@ -219,7 +219,7 @@ def test_the_mixes_kernel_in_the_chain(monkeypatch):
     consumer, fused and unfused bit-identical, the reference met, the mixes
     within MIXES_ATOL of the spec of residual_out."""
     from decode_boundary.boundary import consumer
-    from decode_boundary.model.chain import check_mixes
+    from decode_boundary.model.checks import check_mixes
 
     monkeypatch.setattr(consumer, "MIXES_FUSED_MAX_ROWS", 0)
     ab = AttentionBoundary(MODELS["tiny"], 1, 0, None, torch.device("cpu"), capacity=8, seed=4)
@@ -248,7 +248,7 @@ def test_mixes_aside_in_the_chain(monkeypatch):
     V4's collapse needs the mixes in the consumer: there the flag changes
     nothing, bit for bit."""
     from decode_boundary.boundary import consumer
-    from decode_boundary.model.chain import check_mixes
+    from decode_boundary.model.checks import check_mixes
 
     ranks = simulated_boundaries(MODELS["tiny"], 2, capacity=8, seed=7)
     assert ranks[0].mixes_aside_possible
@@ -298,7 +298,7 @@ def test_gpu_mixes_aside_streams_and_graphs():
     residual_out is the inline path's bit for bit; the layer input and q are
     held to the reference (another consumer tactic: benchmarks/mixes_aside_ab.py
     found one layer-input element apart at M = 8)."""
-    from decode_boundary.model.chain import MIX_NAMES, OUTPUT_NAMES, check_mixes
+    from decode_boundary.model.checks import MIX_NAMES, OUTPUT_NAMES, check_mixes
 
     device = torch.device("cuda", torch.cuda.current_device())
     ab = AttentionBoundary(MODELS["v4.1-flash"], 4, 0, None, device, capacity=40, seed=12)

@@ -29,11 +29,12 @@ from decode_boundary.boundary.consumer import (
 from decode_boundary.boundary.consumer_inputs import MhcMixes
 from decode_boundary.boundary.consumer_kernel import FULL, RESIDUAL_ONLY
 from decode_boundary.boundary.consumer_tactics import ConsumerTactic
-from decode_boundary.boundary.mixes_kernel import _split_bf16
-from decode_boundary.boundary.reference import consumer_ref, mhc_mixes_ref
+from decode_boundary.boundary.reference import consumer_ref
 from decode_boundary.common.contract import mix_columns
-from decode_boundary.common.mhc_combine import combine_pre_post, pre_from_shares
 from decode_boundary.common.tagged_words import tag_word
+from decode_boundary.mixes.mhc_combine import combine_pre_post, pre_from_shares
+from decode_boundary.mixes.mixes_kernel import _split_bf16
+from decode_boundary.mixes.reference import mhc_mixes_ref
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes
 
 TP, M, HC, H = 2, 3, 4, 256

@@ -354,7 +354,8 @@ def test_baseline_bars_at_the_real_shapes():
         baseline_rtol,
         check_baseline,
     )
-    from decode_boundary.model.chain import AttentionBoundary, check_outputs
+    from decode_boundary.model.chain import AttentionBoundary
+    from decode_boundary.model.checks import check_outputs
     from decode_boundary.model.config import MODELS
 
     assert baseline_rtol("baseline") == EAGER_RTOL

@@ -14,7 +14,7 @@ consumer with the mixes, as the chain runs it), ``consumer`` (publish +
 today's consumer without them: the issue's yardstick), ``separate`` (the
 user's tail alone) and ``consumer_then_separate`` (what a user runs in all);
 V4.1 also ``mixes_kernel``: publish + consumer + our own mixes kernel after it
-(``boundary.mixes_kernel``, what the chain runs beyond
+(``mixes.mixes_kernel``, what the chain runs beyond
 ``consumer.MIXES_FUSED_MAX_ROWS``), whatever M. The chain leaves the combine to
 the next GEMM (``combine_mixes=False``), so the pair it runs is timed too:
 ``fused_with_gemm`` (publish + consumer with the mixes' shares + fused_wqa_wkv
@@ -31,10 +31,11 @@ import torch
 
 from decode_boundary.boundary import consumer
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
-from decode_boundary.boundary.reference import mhc_mixes_ref
 from decode_boundary.common.timing import graph_time_us
 from decode_boundary.gemm import mxfp8_mm
-from decode_boundary.model.chain import MIXES_ATOL, AttentionBoundary
+from decode_boundary.mixes.reference import mhc_mixes_ref
+from decode_boundary.model.chain import AttentionBoundary
+from decode_boundary.model.checks import MIXES_ATOL
 from decode_boundary.mxfp8.format import QuantizedActivation, mxfp8_scale_bytes
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 

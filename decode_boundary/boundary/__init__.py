@@ -12,12 +12,11 @@
   registry of live instances); ``host_wait`` (bounded host waits);
 * ``transport`` / ``mailbox``: the choice between peer mailboxes and an NCCL
   all-gather, and the allocation of the mailbox and device words;
-* ``publish_kernel``, ``finalize_kernel``, ``consumer_kernel``,
-  ``consumer_mixes``, ``mixes_kernel``: the kernels and their device helpers;
+* ``publish_kernel``, ``finalize_kernel``, ``consumer_kernel``: the kernels;
   the consumer's host side: ``consumer`` (launcher), ``consumer_inputs``
   (what it takes and checks), ``consumer_tactics`` (its tables);
-* ``reference``: the consumer's pure-torch reference.
+* ``reference``: the consumer's and the MoE finalize's pure-torch references.
 
 Imports nothing of ``gemm`` (the publishing GEMM, where the two meet, is
-``decode_boundary.publishing_linear``); the next mixes' hand-off to the GEMM
-is ``decode_boundary.mixes``."""
+``decode_boundary.publishing_linear``); the next mixes (their device
+functions, kernel, reference and hand-off to the GEMM) are ``decode_boundary.mixes``."""

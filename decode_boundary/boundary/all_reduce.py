@@ -87,8 +87,8 @@ class BoundaryAllReduce:
 
     ``collapse_pre``: the consumer also computes the next sublayer's mHC mixes
     from the ``residual_out`` it produces (docs/DESIGN.md §5.1), given that
-    sublayer's ``mix_weights`` on every full call, which then returns them as a
-    third element: None (no mixes), "previous" (V4.1: the collapse keeps the
+    sublayer's ``mix_weights`` on every full call, which then returns them as
+    the result's ``mixes``: None (no mixes), "previous" (V4.1: the collapse keeps the
     given ``pre``; the mixes are the next boundary's) or "same" (V4: the
     collapse uses the pre just computed; calls pass ``pre=None``).
     ``hc_eps`` and ``hc_sinkhorn_iters`` are the model's; the mixes' RMS eps is
@@ -175,8 +175,9 @@ class BoundaryAllReduce:
         self._in_flight = MixesInFlight(self.device)
         self.handle = ops.register(self)  # what the custom ops name this instance by
         self.tactic = tactic
-        self._launches = Launches(self, self._guard, self._in_flight,
-                                  WaitTimeout(wait_timeout_s))
+        # The kernel launches and eager step paths (what the custom ops run).
+        self.launches = Launches(self, self._guard, self._in_flight,
+                                 WaitTimeout(wait_timeout_s))
 
     @classmethod
     def simulated(cls, tp: int, hidden_size: int, hc_mult: int, capacity: int, top_k: int,
@@ -203,21 +204,19 @@ class BoundaryAllReduce:
         """Record that ``x``'s kernel published it; the next ``__call__`` must be
         with ``x`` and then launches only the consumer."""
         self._ready()
-        if self._guard.published is not None:
-            raise RuntimeError("a published contribution is still unreduced")
+        self._guard.refuse_unreduced()
         self._guard.published = x
 
     def publish(self, x: torch.Tensor) -> None:
         """Launch the publish kernel for ``x`` and mark it published. A rejected
         ``x`` aborts the step (docs/FAILURES.md) and raises ``ValueError``."""
         self._ready()
-        if self._guard.published is not None:
-            raise RuntimeError("a published contribution is still unreduced")
+        self._guard.refuse_unreduced()
         if torch.compiler.is_compiling():
             check_partial(self, x)  # at trace time: nothing runs
             torch.ops.decode_boundary.boundary_publish(self.handle, x, self._box.stage_state)
         else:
-            self.publish_eager(x)
+            self.launches.publish_eager(x)
         self._guard.published = x
 
     def publish_finalize(self, gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx,
@@ -225,8 +224,7 @@ class BoundaryAllReduce:
         """MoE finalize fused with the publish; returns (and marks published) the
         partial. A rejected input aborts the step and raises ``ValueError``."""
         box = self._ready()
-        if self._guard.published is not None:
-            raise RuntimeError("a published contribution is still unreduced")
+        self._guard.refuse_unreduced()
         idx = expanded_idx_to_permuted_idx
         if torch.compiler.is_compiling():
             check_finalize_inputs(gemm2_permuted, expert_weights, idx, shared_output,
@@ -234,27 +232,10 @@ class BoundaryAllReduce:
             partial = torch.ops.decode_boundary.boundary_publish_finalize(
                 self.handle, gemm2_permuted, expert_weights, idx, shared_output, box.stage_state)
         else:
-            partial = self.publish_finalize_eager(gemm2_permuted, expert_weights, idx,
-                                                    shared_output)
+            partial = self.launches.publish_finalize_eager(gemm2_permuted, expert_weights, idx,
+                                                           shared_output)
         self._guard.published = partial
         return partial
-
-    def publish_eager(self, x: torch.Tensor) -> None:
-        """The eager publish (the custom op ``boundary_publish`` runs it under
-        torch.compile), without the host rule of :meth:`publish`."""
-        self._launches.publish_eager(x)
-
-    def publish_finalize_eager(self, gemm2_permuted, expert_weights, idx, shared_output):
-        """The eager finalize + publish (the custom op ``boundary_publish_finalize``
-        runs it under torch.compile), without the host rule."""
-        return self._launches.publish_finalize_eager(gemm2_permuted, expert_weights, idx,
-                                                     shared_output)
-
-    def reduce_eager(self, x: torch.Tensor, mode: int, publish: bool,
-                     **inputs) -> BoundaryResult:
-        """The eager reduce (the custom op ``boundary_reduce`` runs it under
-        torch.compile): :meth:`.launches.Launches.reduce_eager`."""
-        return self._launches.reduce_eager(x, mode, publish, **inputs)
 
     # -- reducing --------------------------------------------------------------------------
 
@@ -297,7 +278,7 @@ class BoundaryAllReduce:
         inputs = dict(residual=residual, post=post, comb=comb, pre=pre,
                       norm_weight=norm_weight, eps=norm_eps, mxfp8_out=mxfp8_out,
                       mix_weights=mix_weights, mixes=mixes)
-        return self._launches.reduce(x, FULL if full else RESIDUAL_ONLY, **inputs)
+        return self.launches.reduce(x, FULL if full else RESIDUAL_ONLY, **inputs)
 
     @property
     def side_stream_possible(self) -> bool:
@@ -324,7 +305,7 @@ class BoundaryAllReduce:
             raise ValueError(f"rows must be an int in [1, capacity = {self.capacity}], got "
                              f"{rows!r}")
         self._open()
-        return self._launches.deferred_finish(rows, eps)
+        return self.launches.deferred_finish(rows, eps)
 
     def finalize(self, gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx,
                  shared_output, **call) -> BoundaryResult:
@@ -337,7 +318,7 @@ class BoundaryAllReduce:
     def plain_sum(self, x: torch.Tensor) -> torch.Tensor:
         """The same two kernels with mHC, norm and quantization switched off:
         ``bf16(sum_r x_r)`` (the fusion's baseline in the benchmark)."""
-        return self._launches.reduce(x, PLAIN).residual_out
+        return self.launches.reduce(x, PLAIN).residual_out
 
     # -- errors and lifetime ---------------------------------------------------------------
 
@@ -348,7 +329,7 @@ class BoundaryAllReduce:
         it before capturing CUDA graphs."""
         rows = [rows] if isinstance(rows, int) else list(rows)
         self._open()
-        compilers = self._launches.every_variant(rows)
+        compilers = self.launches.every_variant(rows)
         self.compile_variants(compilers, force_barrier=True)
 
     def check(self) -> None:

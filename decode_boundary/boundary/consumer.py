@@ -14,9 +14,11 @@ import torch
 import triton
 
 from .. import env
+from ..common.compiled import load_module
 from ..common.contract import STAGES, mix_columns, mix_slots, mix_totals_offset
 from ..common.timeline import launch_args
 from ..mixes.handoff import MixesFinish
+from ..mixes.mixes_kernel import launch_next_mixes
 from ..mxfp8.format import check_scale_buffer, mxfp8_scale_bytes
 from .consumer_inputs import (
     COLLAPSES,
@@ -43,8 +45,6 @@ from .consumer_tactics import (
     SAME_PRE_MIXES_TACTICS,
     ConsumerTactic,
 )
-from .mixes_kernel import launch_next_mixes
-from .publish_kernel import load_module
 
 # Wait bound without %globaltimer, as spins: the order of one spin on a GPU and in
 # the Triton interpreter.
@@ -212,7 +212,7 @@ def consume(
     it computes); ``mix_words`` int64 [rows, ``mix_columns(H, hc)``] is then its
     per-token scratch, zeroed together with ``generation`` and ``sumsq``. The
     consumer computes the mixes itself where :func:`fuses_mixes` says so, else
-    the mixes kernel (:mod:`.mixes_kernel`) does, launched right after it on
+    the mixes kernel (:mod:`decode_boundary.mixes.mixes_kernel`) does, launched right after it on
     the same stream (from the same checked inputs and scratch).
     ``combine_mixes=False`` (with ``mixes``): a fourth element, a
     ``MixesFinish`` (the device arguments of ``decode_boundary.mixes.handoff``)
@@ -396,7 +396,7 @@ def mixes_aside_ok(hc: int, collapse: str | None) -> bool:
 
 def can_leave_combine(ptx: bool, device: torch.device) -> bool:
     """Whether a later kernel (the next GEMM) may combine the mixes a consumer
-    launch left and get the consumer's bits: with PTX (``common.mhc_combine``'s
+    launch left and get the consumer's bits: with PTX (``mixes.mhc_combine``'s
     docstring), or off the GPU (the interpreter contracts nothing)."""
     return ptx or device.type != "cuda"
 

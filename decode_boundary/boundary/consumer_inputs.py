@@ -63,9 +63,9 @@ import triton
 
 from .. import env
 from ..common.contract import MIX_MIN_BLOCK, mix_columns
+from ..mixes.mixes_kernel import MIXES_KERNEL_BLOCK_H
 from .consumer_kernel import FULL, NEXT_MIXES, SAME_PRE
 from .consumer_tactics import ConsumerTactic
-from .mixes_kernel import MIXES_KERNEL_BLOCK_H
 
 QUANT_GROUP = 32  # MXFP8 group: a chunk holds whole groups, so it is >= 32 columns
 

@@ -40,9 +40,9 @@ row's units (the same bits in every program, on every rank). Two ways to meet
   normalising it.
 
 **The next sublayer's mixes** (``MIXES``, docs/DESIGN.md §5.1): the
-device side is :mod:`.consumer_mixes` (its docstring gives the protocol);
+device side is :mod:`decode_boundary.mixes.consumer_mixes` (its docstring gives the protocol);
 ``COMBINE=False`` computes and publishes the shares but leaves the combine
-(pre, post, comb) to the next GEMM (``common.mhc_combine``).
+(pre, post, comb) to the next GEMM (``mixes.mhc_combine``).
 
 The FP32 operation order is that of :mod:`.reference` (launch with
 ``enable_fp_fusion=False``): ``reduced`` and ``residual_out`` are bit-exact;
@@ -127,13 +127,6 @@ import triton
 import triton.language as tl
 
 from ..common.contract import ABORT_BITS, SENTINEL_BITS, STAGE_ACTIVE, STAGE_NEXT, STAGES
-from ..common.mhc_combine import (
-    combine_comb,
-    combine_pre_post,
-    combine_shares,
-    no_logits,
-    pre_from_shares,
-)
 from ..common.rounding import quantize_groups, swizzled_offset, to_bf16_rne, zero_scale_padding
 from ..common.tagged_words import NORM_TIMEOUT_BIT as NORM_TIMEOUT_BIT  # a status bit, re-exported
 from ..common.tagged_words import (
@@ -141,15 +134,22 @@ from ..common.tagged_words import (
     f32_nan,
     gave_up,
     probe_partials,
-    spin_until,
+    spin,
     tag_word,
     untag,
 )
 from ..common.timeline import END, MARK1, MARK2, START, WAITED, stamp
-from .consumer_mixes import NEXT_MIXES as NEXT_MIXES  # the MIXES values, re-exported
-from .consumer_mixes import NO_MIXES as NO_MIXES
-from .consumer_mixes import SAME_PRE as SAME_PRE
-from .consumer_mixes import load_mix_weights, publish_mix_partials
+from ..mixes.consumer_mixes import NEXT_MIXES as NEXT_MIXES  # the MIXES values, re-exported
+from ..mixes.consumer_mixes import NO_MIXES as NO_MIXES
+from ..mixes.consumer_mixes import SAME_PRE as SAME_PRE
+from ..mixes.consumer_mixes import load_mix_weights, publish_mix_partials
+from ..mixes.mhc_combine import (
+    combine_comb,
+    combine_pre_post,
+    combine_shares,
+    no_logits,
+    pre_from_shares,
+)
 
 PLAIN, RESIDUAL_ONLY, FULL = 0, 1, 2  # MODE values (host side)
 _PLAIN, _FULL = tl.constexpr(PLAIN), tl.constexpr(FULL)
@@ -216,7 +216,7 @@ def _wait_slots(slot, cmask, row_stride, status_ptr, wait_bound,
     still missing then sets its bit in the status word, a rank whose slot holds
     the abort poison its abort bit. Returns the slots (tuple of BF16), the
     first one NaN after either (so the sums are NaN, never finite and wrong)."""
-    slots, flags = spin_until(_probe_slots, slot, cmask, row_stride, status_ptr, wait_bound, TP,
+    slots, flags = spin(_probe_slots, slot, cmask, row_stride, status_ptr, wait_bound, TP,
                          True, USE_PTX)
     if (flags & 1) != 0:
         missing = 0
@@ -321,7 +321,7 @@ def _wait_partials(sumsq_ptr, status_ptr, m, tag, wait_bound, UNITS: tl.constexp
     bound passes (then ``NORM_TIMEOUT_BIT`` and a NaN total); returns the row's
     sum of squares, one fixed tree over the units."""
     units = tl.arange(0, UNITS_P2)
-    words, flags = spin_until(probe_partials, sumsq_ptr + m * UNITS + units, units < UNITS, tag,
+    words, flags = spin(probe_partials, sumsq_ptr + m * UNITS + units, units < UNITS, tag,
                          status_ptr, wait_bound, 0, False, USE_PTX)
     stale = gave_up(flags, status_ptr)
     return tl.where(stale, f32_nan(), tl.sum(untag(words), axis=0))

@@ -19,7 +19,7 @@ step: docs/FAILURES.md), so a direct call cannot write a peer with bad input.
 An op names its instance by an int ``handle`` (:func:`register`, at
 construction; :func:`instance`); the registry holds weak references, so an
 instance lives no longer than its owner keeps it. The ops use the instance's
-public eager paths (``publish_eager``, ``publish_finalize_eager``,
+eager paths (``ar.launches``: ``publish_eager``, ``publish_finalize_eager``,
 ``reduce_eager``) and its ``mailbox``; this module never imports the class
 (``all_reduce`` imports it).
 """
@@ -68,7 +68,7 @@ def sync_words(handle: int, **passed: torch.Tensor) -> None:
 @torch.library.custom_op("decode_boundary::boundary_publish", mutates_args=("stage_state",))
 def publish_op(handle: int, x: torch.Tensor, stage_state: torch.Tensor) -> None:
     """``x`` into every peer's mailbox; ACTIVE of this rank's stage words set."""
-    instance(handle).publish_eager(x)
+    instance(handle).launches.publish_eager(x)
     sync_words(handle, stage_state=stage_state)
 
 
@@ -77,7 +77,7 @@ def publish_op(handle: int, x: torch.Tensor, stage_state: torch.Tensor) -> None:
 def publish_finalize_op(handle: int, gemm2_permuted: torch.Tensor,
                          expert_weights: torch.Tensor, idx: torch.Tensor,
                          shared_output: torch.Tensor, stage_state: torch.Tensor) -> torch.Tensor:
-    partial = instance(handle).publish_finalize_eager(gemm2_permuted, expert_weights, idx,
+    partial = instance(handle).launches.publish_finalize_eager(gemm2_permuted, expert_weights, idx,
                                                       shared_output)
     sync_words(handle, stage_state=stage_state)
     return partial
@@ -116,7 +116,7 @@ def reduce_op(handle: int, x: torch.Tensor, publish: bool, reduce_mode: int,
         residual=residual, post=post, comb=comb, pre=pre, norm_weight=norm_weight, eps=eps,
         mxfp8_out=None if mxfp8_data is None else (mxfp8_data, mxfp8_scale),
         mix_weights=None if hc_fn is None else (hc_fn, hc_scale, hc_base))
-    result = ar.reduce_eager(x, reduce_mode, publish, **inputs)
+    result = ar.launches.reduce_eager(x, reduce_mode, publish, **inputs)
     sync_words(handle, stage_state=stage_state, status=status, generation=generation,
                sumsq=sumsq, prenorm=prenorm,
                **({} if mix_words is None else dict(mix_words=mix_words)))

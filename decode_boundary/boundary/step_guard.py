@@ -48,6 +48,11 @@ class StepGuard:
                 f"BoundaryAllReduce rank {self.ar.rank}: a step failed ({self.failed}); call "
                 "reset(collective=True) on every rank before the next step")
 
+    def refuse_unreduced(self) -> None:
+        """``RuntimeError`` while a published contribution waits for its reduce."""
+        if self.published is not None:
+            raise RuntimeError("a published contribution is still unreduced")
+
     def multi_process(self) -> bool:
         group = self.ar.group
         return group is not None and dist.get_world_size(group) > 1

@@ -1,5 +1,5 @@
 """Device helpers of bounded waits and tagged words (the consumer's norm
-hand-off and mix shares, :mod:`.mhc_combine`).
+hand-off and mix shares, :mod:`decode_boundary.mixes.mhc_combine`).
 
 A *tagged word* is an int64 whose high half is a launch's tag (the token's
 generation + 1) and whose low half is an FP32 value, stored with one aligned
@@ -61,7 +61,7 @@ def probe_partials(row, live, tag, UNUSED: tl.constexpr):
 
 
 @triton.jit
-def spin_until(probe, ptr, mask, arg, status_ptr, wait_bound, N: tl.constexpr,
+def spin(probe, ptr, mask, arg, status_ptr, wait_bound, N: tl.constexpr,
           CHECK_STATUS: tl.constexpr, USE_PTX: tl.constexpr):
     """Poll with ``probe(ptr, mask, arg, N)`` -> (value, flags per element: bit
     0 pending, bit 2 poison) until nothing is pending or the bound passes (with

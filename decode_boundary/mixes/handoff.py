@@ -25,7 +25,7 @@ import torch
 
 class MixesFinish(NamedTuple):
     """The device arguments of a combine left to the next kernel (the device
-    side is ``common.mhc_combine.finish_token_mixes``): the mix rows and
+    side is ``mixes.mhc_combine.finish_token_mixes``): the mix rows and
     scratch words the consumer launch used, the mix parameters, the outputs
     to fill (pre [M, hc], post [M, hc], comb [M, hc, hc] FP32) and the
     geometry of the launch's shares. The finishing kernel runs after the
@@ -126,7 +126,7 @@ MIXES_CHOICES = ("consumer", "next_gemm", "side_stream", "auto")
 
 class NextMixes:
     """The next sublayer's (pre, post, comb) of one all-reduce call; iterates
-    as that triple. ``how``: "consumer" (complete in stream order after the
+    and indexes as that triple. ``how``: "consumer" (complete in stream order after the
     call), "next_gemm" (complete once the GEMM launched with this object is:
     ``mxfp8_mm(layer, x, finish_mixes=...)``, which must run next on the
     call's stream) or "side_stream" (complete once the all-reduce's
@@ -148,6 +148,12 @@ class NextMixes:
 
     def __iter__(self):
         return iter((self.pre, self.post, self.comb))
+
+    def __len__(self) -> int:
+        return 3
+
+    def __getitem__(self, index):
+        return (self.pre, self.post, self.comb)[index]
 
     @property
     def left_to_gemm(self) -> bool:

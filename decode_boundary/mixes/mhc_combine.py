@@ -34,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tagged_words import bit_or, f32_nan, gave_up, probe_partials, spin_until, tag_word, untag
+from ..common.tagged_words import bit_or, f32_nan, gave_up, probe_partials, spin, tag_word, untag
 
 
 @triton.jit
@@ -73,7 +73,7 @@ def _share_totals(mix_ptr, status_ptr, m, tag, wait_bound, CHUNKS: tl.constexpr,
     bits in every program that calls it."""
     c = tl.arange(0, CHUNKS_P2)[:, None]
     j = tl.arange(0, SLOTS)[None, :]
-    words, flags = spin_until(_probe_mix_row, mix_ptr + m * MIX_ROW + c * SLOTS + j,
+    words, flags = spin(_probe_mix_row, mix_ptr + m * MIX_ROW + c * SLOTS + j,
                          (c < CHUNKS) & (j < SLOTS), tag, status_ptr, wait_bound, 0, False,
                          USE_PTX)
     stale = gave_up(flags, status_ptr)

@@ -11,7 +11,7 @@ in the chain the late loads queue behind the next GEMM's weight stream) or
 only then (beyond: the held columns cost a wave).
 
 The combine (summing the shares, then pre, post, comb) is
-:mod:`decode_boundary.common.mhc_combine`, shared with the kernels that may
+:mod:`decode_boundary.mixes.mhc_combine`, shared with the kernels that may
 run it instead. ``COMBINE`` (the consumer kernel's constexpr) says whether
 this launch runs it: ``False`` leaves it to the next GEMM's extra programs
 (``consume(..., combine_mixes=False)``; only V4's pre is still computed

@@ -60,11 +60,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.mhc_combine import combine_shares
+from ..common.compiled import load_module
 from ..common.tagged_words import tag_word
 from ..common.timeline import END, MARK1, MARK2, START, WAITED, launch_args, stamp, stamp_after
 from .consumer_mixes import load_mix_weights
-from .publish_kernel import load_module
+from .mhc_combine import combine_shares
 
 TOKENS = 16  # tokens per program: tl.dot's smallest M
 # sm_90: 255 registers (hc_fn's parts held), no spills, 16 KB shared (64 x 4: 168, but

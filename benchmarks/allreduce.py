@@ -32,7 +32,7 @@ import triton
 
 from decode_boundary.bench.report import git_commit
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
-from decode_boundary.boundary.consumer import ConsumerTactic
+from decode_boundary.boundary.consumer_tactics import ConsumerTactic
 from decode_boundary.boundary.reference import consumer_ref
 from decode_boundary.common.timing import graph_time_us
 from decode_boundary.env import disable_multicast
@@ -74,7 +74,8 @@ def _cases(ar, symm, gamma, m, hidden, device, group) -> dict:
         consumer_ref([nccl_buf], residual, post, comb, pre, gamma, EPS, quantize=True)
 
     return {
-        "ours": lambda: ar(x, residual, post, comb, pre, gamma, EPS, q),
+        "ours": lambda: ar(x, residual=residual, post=post, comb=comb, pre=pre, norm_weight=gamma,
+                           norm_eps=EPS, mxfp8_out=q),
         "a_nccl_torch_mhc": baseline,
         "b_symm_one_shot": lambda: torch.ops.symm_mem.one_shot_all_reduce(
             sym, "sum", group.group_name),

@@ -26,9 +26,11 @@ modules: ``selected_tactic`` and ``shape_representatives`` in
 
 Layers (each imports only those before it in this list; docs/CONTRACTS.md,
 tests/test_api.py): ``mxfp8.format``, ``env`` (formats) -> ``common`` (device
-helpers) -> ``mxfp8.quantize_kernel`` -> ``gemm``, ``boundary`` (kernels and
-their classes; neither imports the other) -> ``publishing_linear`` (where the
-two meet), ``launch``, ``report`` -> ``model`` -> ``cli``.
+helpers) -> ``mxfp8.quantize_kernel``, ``mixes`` (the next sublayer's mHC
+mixes: the hand-off to the next GEMM) -> ``gemm`` (the GEMM), ``boundary``
+(the all-reduce; neither imports the other) -> ``publishing_linear`` (where
+the two meet), ``launch`` -> ``model`` (the model chain) -> ``bench`` (the
+benchmarks) -> ``cli``.
 """
 
 from __future__ import annotations
@@ -72,4 +74,6 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+    """The user's names and ``__version__`` (each once, loaded or not); the
+    submodules and helpers of this file stay out of the listing."""
+    return sorted({*__all__, "__version__"})

@@ -204,8 +204,8 @@ def _add_tune_parser(sub) -> None:
         description="Time one rank's fused boundary step with each candidate tactic of its "
                     "GEMMs and consumer (coordinate descent, then the tables against the "
                     "choice in alternating rounds), check the winner, print the lines of "
-                    "gemm/tactics.py's TABLE and boundary/consumer.py's tables to paste, and "
-                    "write tune-<model>-tp<N>.json.")
+                    "gemm/tactics.py's TABLE and boundary/consumer_tactics.py's tables to "
+                    "paste, and write tune-<model>-tp<N>.json.")
     tune.add_argument("--model", choices=list(MODELS), default=DEFAULT_MODEL,
                       help=f"default {DEFAULT_MODEL}")
     tune.add_argument("--tp-shapes", type=_positive, default=GEMM_TP, dest="tp_shapes",
@@ -367,7 +367,8 @@ def _tune(parser: argparse.ArgumentParser, args) -> int:
         print("decode-boundary tune: the chosen tactics failed their checks: "
               + "; ".join(failures), file=sys.stderr)
     else:
-        print("\n".join(["# tables' lines (gemm/tactics.py, boundary/consumer.py):", *lines]))
+        print("\n".join(["# tables' lines (gemm/tactics.py, boundary/consumer_tactics.py):",
+                         *lines]))
     print(f"Results in {path}")
     return 1 if failures else 0
 

@@ -41,7 +41,6 @@ import torch
 
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
 from decode_boundary.boundary.ops import instance, sync_words
-from decode_boundary.boundary.rejection import abort_step
 from decode_boundary.common.contract import PublishTarget
 from decode_boundary.gemm import (
     launch_low_latency,
@@ -53,11 +52,8 @@ from decode_boundary.gemm.tactics import PROLOGUE_MAX_ROWS
 from decode_boundary.mxfp8.format import QuantizedActivation, check_quantized
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
-# Above this many rows the plain GEMM and the publish kernel would run instead;
-# measured in the chain (benchmarks/produce_ab.py --compare publish, V4.1 TP-4
-# shapes, one H200): the epilogue wins at every M up to the 64-row capacity, by
-# 1.9-2.1 µs at M = 8 / 16 / 32 and by 1.5 at 48 / 64 since its 64-row tile
-# compiles at 168 registers (int32 mailbox offsets; it lost by 4.5 at 181).
+# Above this many rows the plain GEMM and the publish kernel would run instead: in the
+# chain the epilogue wins at every M up to the 64-row capacity (docs/EXPERIMENTS.md).
 PUBLISH_EPILOGUE_MAX_ROWS = 64
 
 
@@ -111,15 +107,15 @@ class PublishingMxfp8Linear:
         except Exception as error:
             # This rank's producer of the step failed: abort the step on every rank
             # at once (docs/FAILURES.md) rather than let the peers wait out their bound.
-            if eager and ar._box is not None and ar._failed is None:
-                abort_step(ar, error, None, published=ar._published is not None)
+            if eager and ar.accepts_steps:
+                ar.abort_step(error, None, published=ar.has_unreduced_publish)
             raise
         if not eager:
             # A second publish raises in mark_published while tracing: nothing runs.
             data, scale = (x.data, x.scale) if quantized else (x, None)
             out = torch.ops.decode_boundary.publishing_mxfp8_mm(
                 ar.handle, data, scale, linear.weight, linear.weight_scale,
-                ar._open().stage_state)
+                ar.mailbox.stage_state)
             ar.mark_published(out)
             return out
         out = torch.empty(rows, n, dtype=torch.bfloat16, device=linear.weight.device)
@@ -132,7 +128,7 @@ class PublishingMxfp8Linear:
     def _launch(self, linear, x, out: torch.Tensor) -> None:
         """The publishing launch (eager, or inside the custom op). The launcher
         checks every operand before the kernel; a failure aborts the step
-        (``boundary.rejection.abort_step``: the poison goes where the epilogue would
+        (``BoundaryAllReduce.abort_step``: the poison goes where the epilogue would
         have published) and re-raises."""
         ar = self.all_reduce
         try:
@@ -147,8 +143,8 @@ class PublishingMxfp8Linear:
             tactic = self._compiled_tactic(linear, out.shape[0], target, bf16_input=bf16)
             launch_low_latency(linear, x, out, tactic, publish=target)
         except Exception as error:
-            if ar._box is not None and ar._failed is None:
-                abort_step(ar, error, out, published=True)
+            if ar.accepts_steps:
+                ar.abort_step(error, out, published=True)
             raise
 
     def precompile(self, linear: torch.nn.Module, num_tokens: int) -> None:
@@ -179,7 +175,7 @@ class PublishingMxfp8Linear:
 
 
 @torch.library.custom_op("decode_boundary::publishing_mxfp8_mm", mutates_args=("stage_state",))
-def _publishing_mm_op(handle: int, x: torch.Tensor, x_scale: torch.Tensor | None,
+def publishing_mm_op(handle: int, x: torch.Tensor, x_scale: torch.Tensor | None,
                       weight: torch.Tensor, weight_scale: torch.Tensor,
                       stage_state: torch.Tensor) -> torch.Tensor:
     """BF16 [M, N] = x @ weight, published into the mailbox of all-reduce ``handle``."""
@@ -191,6 +187,6 @@ def _publishing_mm_op(handle: int, x: torch.Tensor, x_scale: torch.Tensor | None
     return out
 
 
-@_publishing_mm_op.register_fake
+@publishing_mm_op.register_fake
 def _(handle, x, x_scale, weight, weight_scale, stage_state):
     return x.new_empty((x.shape[0], weight.shape[1]), dtype=torch.bfloat16)

@@ -79,11 +79,12 @@ def check_variants(ctx: RankContext, transport: str, hidden: int) -> dict:
     for m in (1, 5, 16, CAPACITY):
         d = _inputs(m, ctx.world_size, hidden, gen, ctx.device)
         x = d["xs"][ctx.rank].contiguous()
-        args = (d["residual"], d["post"], d["comb"])
+        args = dict(residual=d["residual"], post=d["post"], comb=d["comb"])
         for variant in ("full", "residual_only", "mxfp8"):
             q = _mxfp8_buffers(m, hidden, ctx.device) if variant == "mxfp8" else None
             pre = None if variant == "residual_only" else d["pre"]
-            res_out, layer = ar(x.clone(), *args, pre, d["gamma"], EPS, q)
+            res_out, layer, *_ = ar(x.clone(), **args, pre=pre, norm_weight=d["gamma"],
+                                    norm_eps=EPS, mxfp8_out=q)
             bad = _mismatches((res_out, layer, q), d, d["xs"], q is not None, pre is None)
             same = _same_on_all_ranks(res_out, ctx.group) and (
                 layer is None or _same_on_all_ranks(layer, ctx.group))
@@ -100,7 +101,8 @@ def check_variants(ctx: RankContext, transport: str, hidden: int) -> dict:
                 torch.randn(m, hidden, generator=gen, device=ctx.device).bfloat16())
                for _ in range(ctx.world_size)]
         q = _mxfp8_buffers(m, hidden, ctx.device)
-        res_out, layer = ar.finalize(*moe[ctx.rank], *args, d["pre"], d["gamma"], EPS, q)
+        res_out, layer, *_ = ar.finalize(*moe[ctx.rank], **args, pre=d["pre"],
+                                         norm_weight=d["gamma"], norm_eps=EPS, mxfp8_out=q)
         partials = [moe_finalize_ref(*a) for a in moe]
         bad = _mismatches((res_out, layer, q), d, partials, True, False)
         result[f"finalize M={m}"] = (int(bad), _same_on_all_ranks(res_out, ctx.group))
@@ -128,8 +130,9 @@ def check_graph_replays(ctx: RankContext, replays: int, hidden: int) -> dict:
             def body(m=m):
                 d = _inputs(m, ctx.world_size, hidden, gen, ctx.device)
                 q = _mxfp8_buffers(m, hidden, ctx.device)
-                res_out, layer = ar(d["xs"][ctx.rank].contiguous(), d["residual"], d["post"],
-                                    d["comb"], d["pre"], d["gamma"], EPS, q)
+                res_out, layer, *_ = ar(d["xs"][ctx.rank].contiguous(), residual=d["residual"],
+                                        post=d["post"], comb=d["comb"], pre=d["pre"],
+                                        norm_weight=d["gamma"], norm_eps=EPS, mxfp8_out=q)
                 mismatches.add_(_mismatches((res_out, layer, q), d, d["xs"], True, False))
 
             body()  # warm-up compiles outside the capture
@@ -168,8 +171,9 @@ def check_skipped_step(ctx: RankContext, timeout_s: float, hidden: int) -> dict:
     x = d["xs"][ctx.rank].contiguous()
     steps = {
         "plain": lambda: ar.plain_sum(x),
-        "full": lambda: ar(x, d["residual"], d["post"], d["comb"], d["pre"], d["gamma"], EPS,
-                           _mxfp8_buffers(4, hidden, ctx.device)),
+        "full": lambda: ar(x, residual=d["residual"], post=d["post"], comb=d["comb"],
+                           pre=d["pre"], norm_weight=d["gamma"], norm_eps=EPS,
+                           mxfp8_out=_mxfp8_buffers(4, hidden, ctx.device)),
     }
     out = {}
     for name, step in steps.items():
@@ -185,7 +189,8 @@ def check_skipped_step(ctx: RankContext, timeout_s: float, hidden: int) -> dict:
         try:  # both kinds of step again: the mailbox and the norm scratch were re-armed
             plain = ar.plain_sum(x)
             q = _mxfp8_buffers(4, hidden, ctx.device)
-            full = ar(x, d["residual"], d["post"], d["comb"], d["pre"], d["gamma"], EPS, q)
+            full = ar(x, residual=d["residual"], post=d["post"], comb=d["comb"], pre=d["pre"],
+                      norm_weight=d["gamma"], norm_eps=EPS, mxfp8_out=q)
             out[f"exact_after_reset_{name}"] = torch.equal(
                 plain.view(torch.int16), reduce_ref(list(d["xs"])).view(torch.int16)) and (
                 int(_mismatches((*full, q), d, d["xs"], True, False)) == 0)

@@ -19,12 +19,8 @@ import torch.distributed as dist
 
 from decode_boundary.bench.harness import verify_rows
 from decode_boundary.launch import RankContext
-from decode_boundary.model.chain import (
-    MIX_NAMES,
-    OUTPUT_NAMES,
-    AttentionBoundary,
-    BoundaryInputs,
-)
+from decode_boundary.model.chain import AttentionBoundary, BoundaryInputs
+from decode_boundary.model.checks import MIX_NAMES, OUTPUT_NAMES
 from decode_boundary.model.config import MODELS
 
 GRAPH_ROWS = (1, 2, 5, 8, 16)  # 16: above the publishing GEMM's rows, the fallback path

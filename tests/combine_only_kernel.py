@@ -1,10 +1,10 @@
-"""A kernel that only finishes tokens' mixes (``common.mhc_combine``), for
+"""A kernel that only finishes tokens' mixes (``mixes.mhc_combine``), for
 tests/test_boundary_ptx.py to compile with and without FMA contraction."""
 
 import triton
 import triton.language as tl
 
-from decode_boundary.common.mhc_combine import finish_token_mixes
+from decode_boundary.mixes.mhc_combine import finish_token_mixes
 
 
 @triton.jit

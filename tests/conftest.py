@@ -46,8 +46,8 @@ def cooperative_in_the_interpreter(monkeypatch):
     from decode_boundary.boundary import consumer
     from decode_boundary.boundary.consumer_kernel import RESIDUAL_ONLY
 
-    check = consumer._check_tactic
-    monkeypatch.setattr(consumer, "_check_tactic",
+    check = consumer.check_tactic
+    monkeypatch.setattr(consumer, "check_tactic",
                         lambda tactic, hidden, mode, mixes=False, mixes_kernel=False: check(
                             tactic, hidden, RESIDUAL_ONLY, mixes, mixes_kernel))
     with concurrent_programs():

@@ -11,9 +11,9 @@ import decode_boundary
 
 PACKAGE = Path(decode_boundary.__file__).parent
 # Layer of each module path prefix (lower imports nothing higher).
-LAYERS = [("mxfp8/format.py", 0), ("env.py", 0), ("common/", 1), ("mxfp8/", 2), ("gemm/", 3),
-          ("boundary/", 3), ("publishing_linear.py", 4), ("launch.py", 4), ("model/", 5),
-          ("bench/", 6), ("cli.py", 7)]
+LAYERS = [("mxfp8/format.py", 0), ("env.py", 0), ("common/", 1), ("mxfp8/", 2), ("mixes/", 2),
+          ("gemm/", 3), ("boundary/", 3), ("publishing_linear.py", 4), ("launch.py", 4),
+          ("model/", 5), ("bench/", 6), ("cli.py", 7)]
 
 
 def layer_of(rel: str) -> int:
@@ -87,3 +87,15 @@ def test_top_level_names_load_lazily_and_resolve():
                  "QuantizedActivation", "quantize_mxfp8", "dequantize_mxfp8", "mxfp8_mm",
                  "AttentionBoundary"):
         assert name in decode_boundary.__all__
+
+
+def test_dir_shows_the_user_names_once():
+    """``dir(decode_boundary)`` lists the dozen user names and ``__version__``,
+    each once, before and after they load; no helper of the package file
+    (``annotations``, ``importlib``, ``env``) is listed."""
+    code = ("import decode_boundary as db; before = dir(db); "
+            "[getattr(db, n) for n in db.__all__]; after = dir(db); "
+            "assert before == after == sorted({*db.__all__, '__version__'}), (before, after); "
+            "assert len(after) == len(set(after)) == len(db.__all__) + 1; "
+            "assert not {'annotations', 'importlib', 'env'} & set(after)")
+    subprocess.run([sys.executable, "-c", code], check=True)

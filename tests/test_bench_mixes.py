@@ -10,7 +10,8 @@ import torch
 
 import decode_boundary.bench.mixes as mixes
 from decode_boundary.bench import report
-from decode_boundary.model.chain import MIXES_ATOL, AttentionBoundary
+from decode_boundary.model.chain import AttentionBoundary
+from decode_boundary.model.checks import MIXES_ATOL
 from decode_boundary.model.config import MODELS
 from decode_boundary.mxfp8.format import dequantize_mxfp8
 

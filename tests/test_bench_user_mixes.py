@@ -17,8 +17,9 @@ from decode_boundary.bench.baselines import BASELINE_RTOL, check_baseline, colla
 from decode_boundary.bench.paths import applies, build, join_all
 from decode_boundary.bench.user_mixes_kernel import BLOCK_M, launch_user_mixes
 from decode_boundary.bench.user_step import UserStep, fp32_matmul, user_mixes
-from decode_boundary.boundary.reference import mhc_mixes_ref
-from decode_boundary.model.chain import MIX_NAMES, MIXES_ATOL, AttentionBoundary
+from decode_boundary.mixes.reference import mhc_mixes_ref
+from decode_boundary.model.chain import AttentionBoundary
+from decode_boundary.model.checks import MIX_NAMES, MIXES_ATOL
 from decode_boundary.model.config import MODELS
 
 

@@ -19,13 +19,14 @@ from boundary_inputs import random_step
 from independent_ref import assert_mxfp8_equal
 
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
-from decode_boundary.boundary.consumer import ConsumerTactic, consume, sumsq_columns
+from decode_boundary.boundary.consumer import consume, sumsq_columns
 from decode_boundary.boundary.consumer_kernel import (
     FULL,
     NORM_TIMEOUT_BIT,
     _publish_partial,
     _wait_partials,
 )
+from decode_boundary.boundary.consumer_tactics import ConsumerTactic
 from decode_boundary.boundary.reference import consumer_ref, moe_finalize_ref, reduce_ref
 from decode_boundary.gemm.reference import bf16_ulp
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes
@@ -57,7 +58,8 @@ def run_step(ars, d, residual_only=False, quantize=False):
     for ar, x in zip(ars, d["xs"], strict=True):
         q = mxfp8_buffers(x.shape[0]) if quantize else None
         pre = None if residual_only else d["pre"]
-        res_out, layer = ar(x, d["residual"], d["post"], d["comb"], pre, d["gamma"], EPS, q)
+        res_out, layer, *_ = ar(x, residual=d["residual"], post=d["post"], comb=d["comb"],
+                                pre=pre, norm_weight=d["gamma"], norm_eps=EPS, mxfp8_out=q)
         outs.append((res_out, layer, q))
     return outs
 
@@ -126,10 +128,12 @@ def test_finalize_matches_reference(tp):
     for p, w in zip(partials, want_partials, strict=True):
         assert torch.equal(bits(p), bits(w))
     q = mxfp8_buffers(m)
-    res_out, layer = ars[0](partials[0], d["residual"], d["post"], d["comb"], d["pre"],
-                            d["gamma"], EPS, q)
+    res_out, layer, *_ = ars[0](partials[0], residual=d["residual"], post=d["post"],
+                                comb=d["comb"], pre=d["pre"], norm_weight=d["gamma"],
+                                norm_eps=EPS, mxfp8_out=q)
     for ar, p in zip(ars[1:], partials[1:], strict=True):
-        ar(p, d["residual"], d["post"], d["comb"], d["pre"], d["gamma"], EPS)
+        ar(p, residual=d["residual"], post=d["post"], comb=d["comb"], pre=d["pre"],
+           norm_weight=d["gamma"], norm_eps=EPS)
     ref_res, ref_layer, _ = consumer_ref(want_partials, d["residual"], d["post"], d["comb"],
                                          d["pre"], d["gamma"], EPS)
     assert torch.equal(bits(res_out), bits(ref_res))
@@ -271,22 +275,23 @@ def test_publish_protocol_errors():
     ar = BoundaryAllReduce.simulated(1, H, HC, CAP, TOP_K)[0]
     d = step_inputs(2, 1, seed=1)
     x = d["xs"][0]
-    args = (d["residual"], d["post"], d["comb"], d["pre"], d["gamma"], EPS)
+    args = dict(residual=d["residual"], post=d["post"], comb=d["comb"], pre=d["pre"],
+                norm_weight=d["gamma"], norm_eps=EPS)
     ar.mark_published(x)
     with pytest.raises(RuntimeError, match="still unreduced"):
         ar.mark_published(x)
     with pytest.raises(RuntimeError, match="still unreduced"):
         ar.finalize(torch.zeros(1, H).bfloat16(), torch.ones(2, TOP_K),
-                    torch.zeros(2, TOP_K, dtype=torch.int32), x, *args)
+                    torch.zeros(2, TOP_K, dtype=torch.int32), x, **args)
     with pytest.raises(RuntimeError, match="other than the published"):
-        ar(x.clone(), *args)
+        ar(x.clone(), **args)
     ar.reset()
     target = ar.publish_target()
     assert (target.rank, target.tp, target.capacity, target.hidden) == (0, 1, CAP, H)
     assert target.peer_ptrs.dtype == torch.int64 and target.stage_state.dtype == torch.int32
     ar.close()
     with pytest.raises(RuntimeError, match="closed"):
-        ar(x, *args)
+        ar(x, **args)
 
 
 @pytest.mark.parametrize("case,match", [
@@ -332,12 +337,12 @@ def test_precompile_marks_every_variant_then_calls_compile_nothing_new():
     ars = BoundaryAllReduce.simulated(2, H, HC, CAP, TOP_K, quantize_layer_input=True)
     for ar in ars:
         ar.precompile([1, 2])
-    compiled = set(ars[0]._compiled)
+    compiled = set(ars[0].compiled_variants)
     assert ("publish",) in compiled and ("finalize", torch.float32, torch.int32) in compiled
     assert {key[1:3] for key in compiled if key[0] == "consume"} == {
         (0, False), (1, False), (2, False), (2, True)}
     run_step(ars, step_inputs(2, 2, seed=4), quantize=True)
-    assert ars[0]._compiled == compiled
+    assert ars[0].compiled_variants == compiled
 
 
 @triton.jit
@@ -373,7 +378,7 @@ def test_norm_handoff_waits_for_this_generation_of_every_unit():
 
 
 def test_capture_refuses_a_variant_not_compiled_then_precompile_covers_it(monkeypatch):
-    """Under CUDA-graph capture (stood in for: ``_capturing`` answers True) a kernel
+    """Under CUDA-graph capture (stood in for: ``capturing`` answers True) a kernel
     variant that was not compiled raises, naming it and precompile, before
     anything is launched or marked published; after precompile(rows) the same
     calls run under capture (with the right answer), and a variant precompile
@@ -382,18 +387,19 @@ def test_capture_refuses_a_variant_not_compiled_then_precompile_covers_it(monkey
     d = step_inputs(2, 1, seed=5)
     x = d["xs"][0]
     capturing = [True]
-    monkeypatch.setattr(ar, "_capturing", lambda: capturing[0])
+    monkeypatch.setattr(BoundaryAllReduce, "capturing", property(lambda self: capturing[0]))
     with pytest.raises(RuntimeError, match=r"\('publish',\).* not compiled and a CUDA graph "
                                            r"is being captured; call precompile"):
         ar.publish(x)
-    assert ar._published is None and ar._compiled == set()
+    assert not ar.has_unreduced_publish and ar.compiled_variants == set()
     assert ar._box.buffer.view(torch.int16).eq(-32768).all(), "nothing was published"
     capturing[0] = False
     ar.precompile([2])
     capturing[0] = True
     q = mxfp8_buffers(2)
     ar.publish(x)
-    res_out, layer = ar(x, d["residual"], d["post"], d["comb"], d["pre"], d["gamma"], EPS, q)
+    res_out, layer, *_ = ar(x, residual=d["residual"], post=d["post"], comb=d["comb"],
+                            pre=d["pre"], norm_weight=d["gamma"], norm_eps=EPS, mxfp8_out=q)
     ref_res, ref_layer, _ = consumer_ref(d["xs"], d["residual"], d["post"], d["comb"], d["pre"],
                                          d["gamma"], EPS)
     assert torch.equal(bits(res_out), bits(ref_res))
@@ -402,4 +408,4 @@ def test_capture_refuses_a_variant_not_compiled_then_precompile_covers_it(monkey
     with pytest.raises(RuntimeError, match=r"\('finalize', torch.float32, torch.int64\)\] are "
                                            "not compiled"):
         ar.publish_finalize(torch.zeros(1, H).bfloat16(), torch.ones(2, TOP_K), idx, x)
-    assert ar._published is None
+    assert not ar.has_unreduced_publish

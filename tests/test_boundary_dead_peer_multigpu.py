@@ -29,7 +29,8 @@ def _step(ar, gen, rank, device):
     comb = torch.rand(M, HC, HC, generator=gen, device=device)
     pre = torch.rand(M, HC, generator=gen, device=device)
     gamma = torch.ones(HIDDEN, dtype=torch.bfloat16, device=device)
-    return ar(xs[rank].clone(), residual, post, comb, pre, gamma, EPS)
+    return ar(xs[rank].clone(), residual=residual, post=post, comb=comb, pre=pre,
+              norm_weight=gamma, norm_eps=EPS)
 
 
 def _rank(rank: int, port: int, results) -> None:

@@ -40,7 +40,7 @@ def _call(ar, d, rank, **change):
     kw = dict(x=d["xs"][rank].clone(), residual=d["residual"], post=d["post"], comb=d["comb"],
               pre=d["pre"], norm_weight=d["gamma"], norm_eps=EPS)
     kw.update(change)
-    return ar(**kw)
+    return ar(**kw)[:2]  # (residual_out, layer_input)
 
 
 def _make(ctx):

@@ -79,7 +79,7 @@ def call_kwargs(d, rank, mode, quantize):
 def reduce_call(ar, kw, mode):
     if mode == PLAIN:
         return (ar.plain_sum(kw["x"]), None)
-    return ar(**kw)
+    return ar(**kw)[:2]  # (residual_out, layer_input)
 
 
 # What a rank may get wrong, as a change of its call's arguments; x cases apply in
@@ -286,8 +286,8 @@ def test_finalize_with_bad_indices_on_one_rank():
     with pytest.raises(ValueError, match=r"must lie in \[-1, 3\)"):
         ars[1].publish_finalize(*moe[1])
     with deferred_check(ars[0]):
-        res, layer = ars[0](partial, d["residual"], d["post"], d["comb"], d["pre"], d["gamma"],
-                            EPS)
+        res, layer, *_ = ars[0](partial, residual=d["residual"], post=d["post"], comb=d["comb"],
+                                pre=d["pre"], norm_weight=d["gamma"], norm_eps=EPS)
     assert res.isnan().all() and layer.isnan().all()
     with pytest.raises(RuntimeError, match=r"\[1\] aborted"):
         ars[0].check()

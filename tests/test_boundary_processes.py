@@ -28,8 +28,8 @@ def _rank(ctx: RankContext) -> dict:
     gamma = (1 + 0.1 * torch.randn(HIDDEN, generator=gen)).bfloat16()
     data = torch.full((M, HIDDEN), float("nan")).to(torch.float8_e4m3fn)
     scale = torch.full((mxfp8_scale_bytes(M, HIDDEN),), 0xAB, dtype=torch.uint8)
-    res_out, layer = ar(xs[ctx.rank].clone(), residual, post, comb, pre, gamma, 1e-6,
-                        mxfp8_out=(data, scale))
+    res_out, layer, *_ = ar(xs[ctx.rank].clone(), residual=residual, post=post, comb=comb,
+                            pre=pre, norm_weight=gamma, norm_eps=1e-6, mxfp8_out=(data, scale))
     ref_res, ref_layer, _ = consumer_ref(list(xs), residual, post, comb, pre, gamma, 1e-6)
     want = quantize_mxfp8_ref(layer)
     ar.close()

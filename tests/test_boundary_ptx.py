@@ -22,7 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from decode_boundary.boundary.consumer_kernel import consumer_kernel
 from decode_boundary.boundary.finalize_kernel import finalize_publish_kernel
-from decode_boundary.boundary.mixes_kernel import next_mixes_kernel
+from decode_boundary.mixes.mixes_kernel import next_mixes_kernel
 from decode_boundary.boundary.publish_kernel import publish_kernel
 from decode_boundary.gemm.mxfp8_gemm_kernel import mxfp8_gemm_kernel
 
@@ -310,7 +310,7 @@ print(json.dumps(out))
 
 def test_the_combine_compiles_to_the_same_sass_with_and_without_contraction():
     """The GEMM that finishes the mixes compiles with FMA contraction, the
-    consumer without: the combine (common.mhc_combine) must come out as the
+    consumer without: the combine (mixes.mhc_combine) must come out as the
     same machine code either way, or the two would give different bits (the
     non-ftz ``ex2`` of ``tl.exp`` and the ``div.full`` of ``tl.sigmoid`` are
     expanded by ptxas with FFMAs only where contraction is allowed)."""

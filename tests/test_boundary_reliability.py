@@ -21,6 +21,7 @@ from decode_boundary import env
 from decode_boundary.boundary import all_reduce as all_reduce_module
 from decode_boundary.boundary import consumer as consumer_module
 from decode_boundary.boundary.all_reduce import MAX_TP, BoundaryAllReduce
+from decode_boundary.boundary.step_guard import StepGuard
 from decode_boundary.common.contract import (
     MAILBOX_MAX_ELEMENTS,
     STAGES,
@@ -387,7 +388,7 @@ def test_close_is_local_idempotent_and_keeps_a_peer_reachable_mailbox(monkeypatc
     ars = BoundaryAllReduce.simulated(2, HIDDEN, HC, CAP, TOP_K)
     monkeypatch.setattr(all_reduce_module, "_RETIRED", [])
     barriers = []
-    monkeypatch.setattr(BoundaryAllReduce, "_barrier", lambda self: barriers.append(self))
+    monkeypatch.setattr(StepGuard, "barrier", lambda guard: barriers.append(guard.ar))
     # Simulated ranks (no group): the mailbox goes with its last reference.
     ars[0].close()
     ars[0].close()

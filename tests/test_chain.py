@@ -8,8 +8,8 @@ import torch
 
 from decode_boundary.gemm import mxfp8_out_in_epilogue
 from decode_boundary.gemm.tactics import PROLOGUE_MAX_ROWS
-from decode_boundary.model.chain import (
-    AttentionBoundary,
+from decode_boundary.model.chain import AttentionBoundary
+from decode_boundary.model.checks import (
     check_outputs,
     outputs_identical,
     run_simulated,
@@ -115,18 +115,29 @@ def test_precompile_covers_every_gemm_a_step_launches(monkeypatch):
     was compiled by ``precompile`` first, so no capture compiles. The
     publishing variants are compiled through the all-reduce (on the GPU), not
     here: the publisher is made to decline."""
+    import decode_boundary.gemm.api as api
     import decode_boundary.gemm.launcher as launcher
 
     seen = {False: set(), True: set()}
-    original = launcher._launch_config
+    original, original_warmup = launcher._launch_config, launcher.warmup_low_latency
+    compiling = []  # non-empty inside warmup_low_latency: a compile, not a launch
 
-    def recording(layer, a, out, tactic, publish, finish=None, launching=True):
-        grid, args, kwargs = original(layer, a, out, tactic, publish, finish, launching)
-        seen[launching].add((tuple(layer.weight.shape), tactic, kwargs["A_BF16"],
-                             kwargs["QUANT_OUT"], kwargs.get("FINISH_MIXES", False)))
+    def recording(layer, a, out, tactic, publish, finish=None):
+        grid, args, kwargs = original(layer, a, out, tactic, publish, finish)
+        seen[not compiling].add((tuple(layer.weight.shape), tactic, kwargs["A_BF16"],
+                                 kwargs["QUANT_OUT"], kwargs.get("FINISH_MIXES", False)))
         return grid, args, kwargs
 
+    def warmup(*args, **kwargs):
+        compiling.append(True)
+        try:
+            return original_warmup(*args, **kwargs)
+        finally:
+            compiling.pop()
+
     monkeypatch.setattr(launcher, "_launch_config", recording)
+    monkeypatch.setattr(launcher, "warmup_low_latency", warmup)
+    monkeypatch.setattr(api, "warmup_low_latency", warmup)
     ab = AttentionBoundary(MODELS["tiny"], 1, 0, None, torch.device("cpu"), capacity=24, seed=5)
     rows_list = [1, 5, 20]
     ab.precompile(rows_list)
@@ -177,7 +188,7 @@ def test_each_models_collapse_with_the_next_mixes():
     really collapses with the new pre), their residual_out and mixes are."""
     import dataclasses
 
-    from decode_boundary.model.chain import check_mixes
+    from decode_boundary.model.checks import check_mixes
 
     for name in ("v4-flash", "v4-pro"):
         assert MODELS[name].collapse_pre == "same"
@@ -208,7 +219,7 @@ def test_the_mixes_kernel_in_the_chain(monkeypatch):
     consumer, fused and unfused bit-identical, the reference met, the mixes
     within MIXES_ATOL of the spec of residual_out."""
     from decode_boundary.boundary import consumer
-    from decode_boundary.model.chain import check_mixes
+    from decode_boundary.model.checks import check_mixes
 
     monkeypatch.setattr(consumer, "MIXES_FUSED_MAX_ROWS", 0)
     ab = AttentionBoundary(MODELS["tiny"], 1, 0, None, torch.device("cpu"), capacity=8, seed=4)
@@ -236,8 +247,8 @@ def test_mixes_aside_in_the_chain(monkeypatch):
     MIXES_ASIDE_MIN_ROWS (here patched to 4), aside from it.
     V4's collapse needs the mixes in the consumer: there the flag changes
     nothing, bit for bit."""
-    from decode_boundary.model import chain
-    from decode_boundary.model.chain import check_mixes
+    from decode_boundary.boundary import consumer
+    from decode_boundary.model.checks import check_mixes
 
     ranks = simulated_boundaries(MODELS["tiny"], 2, capacity=8, seed=7)
     assert ranks[0].mixes_aside_possible
@@ -257,7 +268,7 @@ def test_mixes_aside_in_the_chain(monkeypatch):
         partials = [b.reference_partial(x) for b, x in zip(ranks, inputs, strict=True)]
         assert check_outputs(aside[0], ranks[0].reference(inputs[0], partials)) == []
         assert check_mixes(aside[0], ranks[0]) == []
-        monkeypatch.setattr(chain, "MIXES_ASIDE_MIN_ROWS", 4)
+        monkeypatch.setattr(consumer, "MIXES_ASIDE_MIN_ROWS", 4)
         launched = _count_launches(monkeypatch)
         auto = run_simulated(ranks, inputs, fused=True, mixes_aside="auto")
         assert launched.count("next_mixes_kernel") == (2 if rows >= 4 else 0), launched
@@ -287,7 +298,7 @@ def test_gpu_mixes_aside_streams_and_graphs():
     residual_out is the inline path's bit for bit; the layer input and q are
     held to the reference (another consumer tactic: benchmarks/mixes_aside_ab.py
     found one layer-input element apart at M = 8)."""
-    from decode_boundary.model.chain import MIX_NAMES, OUTPUT_NAMES, check_mixes
+    from decode_boundary.model.checks import MIX_NAMES, OUTPUT_NAMES, check_mixes
 
     device = torch.device("cuda", torch.cuda.current_device())
     ab = AttentionBoundary(MODELS["v4.1-flash"], 4, 0, None, device, capacity=40, seed=12)

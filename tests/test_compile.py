@@ -94,7 +94,10 @@ def test_boundary_step_compiles_with_eager_bits(fused):
     produce = compiled(lambda p, lin, x: _produce(p, lin, x, fused))
 
     def reduce_fn(ar, out, mixing, buf):
-        return ar(out, *mixing, 1e-6, mxfp8_out=buf)
+        residual, post, comb, pre, gamma = mixing
+        result = ar(out, residual=residual, post=post, comb=comb, pre=pre, norm_weight=gamma,
+                    norm_eps=1e-6, mxfp8_out=buf)
+        return result.residual_out, result.layer_input
 
     reduce_c = compiled(reduce_fn)
 
@@ -137,7 +140,10 @@ def test_single_rank_whole_step_in_one_graph():
 
     def step(ar, pub, data, scale):
         partial = pub(wo_b, x)
-        residual_out, layer_input = ar(partial, *mixing, 1e-6, mxfp8_out=(data, scale))
+        residual, post, comb, pre, gamma = mixing
+        residual_out, layer_input, *_ = ar(partial, residual=residual, post=post, comb=comb,
+                                           pre=pre, norm_weight=gamma, norm_eps=1e-6,
+                                           mxfp8_out=(data, scale))
         q = db.mxfp8_mm(nxt, db.QuantizedActivation(data, scale, torch.bfloat16, data.shape))
         return residual_out, layer_input, q
 

@@ -37,8 +37,9 @@ class Step:
     def __call__(self, attn, residual, post, comb, pre, gamma):
         o = db.mxfp8_mm(self.wo_a, attn)
         partial = self.publisher(self.wo_b, o)
-        residual_out, layer_input = self.ar(partial, residual, post, comb, pre, gamma, 1e-6,
-                                            mxfp8_out=(self.data, self.scale))
+        residual_out, layer_input, *_ = self.ar(partial, residual=residual, post=post, comb=comb,
+                                                pre=pre, norm_weight=gamma, norm_eps=1e-6,
+                                                mxfp8_out=(self.data, self.scale))
         nxt_in = db.QuantizedActivation(self.data, self.scale, torch.bfloat16, self.data.shape)
         return residual_out, layer_input, db.mxfp8_mm(self.nxt, nxt_in)
 

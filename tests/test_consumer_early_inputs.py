@@ -7,15 +7,14 @@ the stage / status / scratch words, before launching anything."""
 import pytest
 import torch
 
-from decode_boundary.boundary.consumer import (
+from decode_boundary.boundary.consumer import consume, sumsq_columns
+from decode_boundary.boundary.consumer_inputs import (
     EARLY_INPUTS,
-    ConsumerTactic,
     _byte_span,
     check_early_inputs,
-    consume,
-    sumsq_columns,
 )
 from decode_boundary.boundary.consumer_kernel import FULL, PLAIN, RESIDUAL_ONLY
+from decode_boundary.boundary.consumer_tactics import ConsumerTactic
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes
 
 H, HC, CAP, M, TP = 64, 2, 4, 2, 2
@@ -143,11 +142,14 @@ def test_the_all_reduce_checks_the_partial_it_publishes():
     x = buf[:M * H].view(M, H)  # the partial lives inside the residual's memory
     ar = BoundaryAllReduce(H, HC, CAP, 2, device="cpu")
     with pytest.raises(ValueError, match="residual overlaps partial"):
-        ar(x, residual, d["post"], d["comb"], d["pre"], d["norm_weight"], 1e-6)
+        ar(x, residual=residual, post=d["post"], comb=d["comb"], pre=d["pre"],
+           norm_weight=d["norm_weight"], norm_eps=1e-6)
     ar.reset()
     fresh = BoundaryAllReduce(H, HC, CAP, 2, device="cpu")
-    args = (d["post"], d["comb"], d["pre"], d["norm_weight"], 1e-6)
-    got = ar(d["xs"][0], inputs["residual"], *args)
-    want = fresh(d["xs"][0], inputs["residual"], *args)
-    for a, b in zip(got, want, strict=True):
+    args = dict(post=d["post"], comb=d["comb"], pre=d["pre"], norm_weight=d["norm_weight"],
+                norm_eps=1e-6)
+    got = ar(d["xs"][0], residual=inputs["residual"], **args)
+    want = fresh(d["xs"][0], residual=inputs["residual"], **args)
+    for a, b in zip(got[:2], want[:2], strict=True):  # residual_out, layer_input
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    assert got.mxfp8 is None and got.mixes is None

@@ -21,19 +21,20 @@ from independent_ref import mhc_mixes_fp64
 
 from decode_boundary.boundary import consumer
 from decode_boundary.boundary.consumer import (
-    ConsumerTactic,
-    MhcMixes,
     consume,
     fuses_mixes,
     holds_mix_weights,
-    mix_columns,
     sumsq_columns,
 )
+from decode_boundary.boundary.consumer_inputs import MhcMixes
 from decode_boundary.boundary.consumer_kernel import FULL, RESIDUAL_ONLY
-from decode_boundary.boundary.mixes_kernel import _split_bf16
-from decode_boundary.boundary.reference import consumer_ref, mhc_mixes_ref
-from decode_boundary.common.mhc_combine import _combine_pre_post, _pre_from_shares
-from decode_boundary.common.tagged_words import _tagged
+from decode_boundary.boundary.consumer_tactics import ConsumerTactic
+from decode_boundary.boundary.reference import consumer_ref
+from decode_boundary.common.contract import mix_columns
+from decode_boundary.common.tagged_words import tag_word
+from decode_boundary.mixes.mhc_combine import combine_pre_post, pre_from_shares
+from decode_boundary.mixes.mixes_kernel import _split_bf16
+from decode_boundary.mixes.reference import mhc_mixes_ref
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes
 
 TP, M, HC, H = 2, 3, 4, 256
@@ -330,19 +331,19 @@ def _pre_probe(mix_ptr, status_ptr, shares_ptr, scale_ptr, base_ptr, tag_ptr, pr
                post_ptr, eps, hc_eps, bound, COMBINE: tl.constexpr, HC: tl.constexpr,
                HIDDEN: tl.constexpr, CHUNKS: tl.constexpr, SLOTS: tl.constexpr,
                MIX_ROW: tl.constexpr):
-    """COMBINE: chunk 0's _combine_pre_post on the row as it is; else program c
+    """COMBINE: chunk 0's combine_pre_post on the row as it is; else program c
     publishes share c, then computes the pre as a V4 non-combining program."""
     chunk = tl.program_id(0)
     tag = tl.load(tag_ptr)
     if COMBINE:
-        pre, _ = _combine_pre_post(mix_ptr, status_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr,
+        pre, _ = combine_pre_post(mix_ptr, status_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr,
                                    0, tag, eps, hc_eps, bound, HC, HIDDEN, CHUNKS, CHUNKS, SLOTS,
                                    MIX_ROW, CHUNKS * SLOTS, False)
     else:
         j = tl.arange(0, SLOTS)
-        tl.store(mix_ptr + chunk * SLOTS + j, _tagged(tl.load(shares_ptr + chunk * SLOTS + j),
+        tl.store(mix_ptr + chunk * SLOTS + j, tag_word(tl.load(shares_ptr + chunk * SLOTS + j),
                                                       tag))
-        pre = _pre_from_shares(mix_ptr, status_ptr, scale_ptr, base_ptr, 0, tag, eps, hc_eps,
+        pre = pre_from_shares(mix_ptr, status_ptr, scale_ptr, base_ptr, 0, tag, eps, hc_eps,
                                bound, HC, HIDDEN, CHUNKS, CHUNKS, SLOTS, MIX_ROW, False)
         for t in tl.static_range(HC):
             tl.store(pre_ptr + chunk * HC + t, pre[t])

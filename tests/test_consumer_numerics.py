@@ -36,8 +36,9 @@ from independent_ref import (
 )
 
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
-from decode_boundary.boundary.consumer import ConsumerTactic, consume, sumsq_columns
+from decode_boundary.boundary.consumer import consume, sumsq_columns
 from decode_boundary.boundary.consumer_kernel import FULL
+from decode_boundary.boundary.consumer_tactics import ConsumerTactic
 from decode_boundary.boundary.reference import consumer_ref
 from decode_boundary.gemm.reference import bf16_ulp
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes
@@ -208,8 +209,8 @@ def test_boundary_all_reduce_lamport_at_an_eps_that_matters(cooperative_in_the_i
         outs = []
         for ar, x in zip(ars, d["xs"], strict=True):
             q = mxfp8_buffers(x.shape[0])
-            res_out, layer = ar(x, d["residual"], d["post"], d["comb"], d["pre"], d["gamma"],
-                                EPS, q)
+            res_out, layer, *_ = ar(x, residual=d["residual"], post=d["post"], comb=d["comb"],
+                                    pre=d["pre"], norm_weight=d["gamma"], norm_eps=EPS, mxfp8_out=q)
             check_step(d, res_out, layer, q)
             outs.append((res_out, layer, q[0].view(torch.uint8), q[1]))
         for a, b in zip(*outs, strict=True):
@@ -314,8 +315,8 @@ def test_gpu_consumer_at_an_eps_that_matters(tactic):
             ar.publish(x)
         for ar, x in zip(ars, d["xs"], strict=True):
             q = mxfp8_buffers(x.shape[0], h, dev)
-            res_out, layer = ar(x, d["residual"], d["post"], d["comb"], d["pre"], d["gamma"],
-                                EPS, q)
+            res_out, layer, *_ = ar(x, residual=d["residual"], post=d["post"], comb=d["comb"],
+                                    pre=d["pre"], norm_weight=d["gamma"], norm_eps=EPS, mxfp8_out=q)
             check_step(d, res_out, layer, q)
 
 
@@ -353,7 +354,8 @@ def test_baseline_bars_at_the_real_shapes():
         baseline_rtol,
         check_baseline,
     )
-    from decode_boundary.model.chain import AttentionBoundary, check_outputs
+    from decode_boundary.model.chain import AttentionBoundary
+    from decode_boundary.model.checks import check_outputs
     from decode_boundary.model.config import MODELS
 
     assert baseline_rtol("baseline") == EAGER_RTOL

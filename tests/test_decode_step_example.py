@@ -52,14 +52,14 @@ def test_readme_decode_step_on_one_cpu_rank():
     def boundary():  # the README's, also returning the GEMM outputs it checks here
         o = mxfp8_mm(wo_a, attn)
         partial = publish_wo_b(wo_b, o)
-        return o, partial, all_reduce(partial, residual, post, comb, pre, gamma, 1e-20,
-                                      mxfp8_out=next_in)
+        return o, partial, all_reduce(partial, residual=residual, post=post, comb=comb, pre=pre,
+                                      norm_weight=gamma, norm_eps=1e-20, mxfp8_out=next_in)
 
     publish_wo_b.precompile(wo_b, M)
     all_reduce.precompile([M])
     first = None
     for _ in range(4):  # crosses every mailbox stage
-        o, partial, (residual_out, layer_input) = boundary()
+        o, partial, (residual_out, layer_input, *_) = boundary()
         check_gemm(o, decode_mxfp8(*mxfp8_bytes(attn)), layer_values(wo_a), groups=2,
                    depth=summation_depth(K_A, selected_tactic(wo_a, M)), what="wo_a",
                    min_strict=0.8)

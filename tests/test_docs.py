@@ -161,3 +161,35 @@ def test_readme_api_tables_match_the_package():
         module = importlib.import_module(row[0].strip("`"))
         for name in re.findall(r"`([A-Za-z_]\w*)(?:\(\))?`", row[1]):
             assert hasattr(module, name), f"{name} is not in {module.__name__}"
+
+
+# History a package file must not carry: its code and docstrings hold contracts and
+# reasons; what was tried and measured lives in git and docs/EXPERIMENTS.md. Written
+# so that this file does not match itself.
+HISTORY = {
+    "an experiment number": re.compile(r"\b(?:item|attempt)s? \d+", re.I),
+    "a commit hash": re.compile(r"(?<![\w.])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}(?!\w)"),
+    "a time in microseconds": re.compile(r"\d(?:\.\d+)?\s*(?:µs|us)\b"),
+}
+
+
+def history_in(text: str) -> list[str]:
+    """(what, line) of every line of ``text`` that carries history."""
+    return [f"{what}: {line.strip()}" for line in text.splitlines()
+            for what, pattern in HISTORY.items() if pattern.search(line)]
+
+
+def test_history_patterns():
+    assert history_in("measured in NOTES " + "item" + " 21, 15.9 vs 16.3 us per step")
+    assert history_in("# attempt" + " 18: 40.4 -> 33.4 " + "µs")
+    assert history_in("bench at " + "b4bea" + "60")
+    assert not history_in("SENTINEL_BITS = -32768  # 0x8000; hc_eps = 1e-6; e4m3fn; mul.rn")
+    assert not history_in('ax.set_ylabel("µs per boundary")  # a unit, not a measurement')
+
+
+def test_no_history_in_the_package():
+    """No experiment numbers, commit hashes or times in microseconds anywhere in
+    the package (code, comments, docstrings)."""
+    found = [f"{path.relative_to(ROOT)}: {hit}" for path in sorted(PACKAGE.rglob("*.py"))
+             for hit in history_in(path.read_text())]
+    assert not found, "\n".join(found)

@@ -10,7 +10,6 @@ from independent_ref import (
     bf16_rne,
     check_gemm,
     decode_mxfp8,
-    gemm_fp64,
     layer_values,
     mxfp8_bytes,
     summation_depth,
@@ -176,21 +175,26 @@ def test_public_paths_by_row_range():
     check_mxfp8_mm(mxfp8_mm(layer, many), many, layer.weight, layer.weight_scale)
 
 
-def test_ineligible_layer_falls_back_and_bias_is_added():
-    """N % 16 != 0: no kernel takes the layer, the reference computation runs.
+def test_ineligible_layer_is_refused_and_the_reference_computes_it():
+    """N % 16 != 0: no kernel takes the layer, so ``mxfp8_mm`` refuses it with a
+    ValueError naming the shape rule (no silent slow path), and so does a
+    misaligned weight; the reference, callable by its own name, computes it.
     Exact bar: integer operands whose FP32 sums are exact, so the output is the
-    FP64 product rounded once; the bias (BF16, magnitudes within 2^16 of the
-    product's, so their FP32 sum is exact) is added after it, rounded once."""
+    FP64 product rounded once."""
     g = gen(3)
     layer = exact_layer(40, 64, g, base=(120, 130))
     qa = exact_activation(3, 64, g, base=(124, 130))
     assert low_latency_mm(layer, qa) is None
-    out = mxfp8_mm(layer, qa)
-    exact, _ = gemm_fp64(decode_mxfp8(qa.data, qa.scale), layer_values(layer))
+    with pytest.raises(ValueError, match=r"cannot take this layer: .*N = 40.*% 16 == 0"):
+        mxfp8_mm(layer, qa)
+    out = mxfp8_mm_ref(qa, layer.weight, layer.weight_scale).reshape(3, 40)
     check_gemm(out, decode_mxfp8(qa.data, qa.scale), layer_values(layer), exact_sums=True)
-    layer.bias = torch.randn(40, generator=g).bfloat16()
-    want = bf16_rne(bf16_rne(exact).double() + layer.bias.double())
-    assert torch.equal(mxfp8_mm(layer, qa).view(torch.int16), want.view(torch.int16))
+    eligible = make_layer(64, 128, generator=g)
+    shifted = torch.empty(eligible.weight_scale.numel() + 1, dtype=torch.uint8)[1:]
+    shifted.copy_(eligible.weight_scale)
+    eligible.weight_scale = shifted
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        mxfp8_mm(eligible, make_input(2, 128, generator=g))
 
 
 def test_bad_arguments_raise_clear_errors():

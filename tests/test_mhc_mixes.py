@@ -1,4 +1,4 @@
-"""The reference of a sublayer's mHC mixes (``boundary.reference.mhc_mixes_ref``,
+"""The reference of a sublayer's mHC mixes (``mixes.reference.mhc_mixes_ref``,
 docs/DESIGN.md §5.1) against an independent FP64 computation
 (tests/independent_ref.py ``mhc_mixes_fp64``), the properties the spec
 implies, and its argument checks.
@@ -16,7 +16,7 @@ import pytest
 import torch
 from independent_ref import mhc_mixes_fp64
 
-from decode_boundary.boundary.reference import mhc_mixes_ref
+from decode_boundary.mixes.reference import mhc_mixes_ref
 
 HC, H = 4, 256
 HC_EPS, ITERS = 1e-6, 20

@@ -48,7 +48,8 @@ def _step(ranks, linears, xs, mixing, fused):
         data = torch.full((rows, HIDDEN), float("nan")).to(torch.float8_e4m3fn)
         scale = torch.full((mxfp8_scale_bytes(rows, HIDDEN),), 0xAB, dtype=torch.uint8)
         residual, post, comb, pre, gamma = mixing
-        res_out, layer_in = ar(out, residual, post, comb, pre, gamma, 1e-6, mxfp8_out=(data, scale))
+        res_out, layer_in, *_ = ar(out, residual=residual, post=post, comb=comb, pre=pre,
+                                   norm_weight=gamma, norm_eps=1e-6, mxfp8_out=(data, scale))
         results.append((res_out, layer_in, data.view(torch.uint8).clone(), scale.clone()))
     return outs, boxes, results
 

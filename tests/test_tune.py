@@ -16,7 +16,7 @@ import torch
 
 from decode_boundary import cli
 from decode_boundary.bench import tune
-from decode_boundary.boundary.consumer import ConsumerTactic
+from decode_boundary.boundary.consumer_tactics import ConsumerTactic
 from decode_boundary.gemm import selected_tactic, tactics
 from decode_boundary.gemm.tactics import TABLE, Tactic, is_valid, k_pieces
 from decode_boundary.model.config import MODELS

@@ -38,17 +38,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from decode_boundary.boundary.reference import consumer_mixes_ref, consumer_ref, mhc_mixes_ref
+from decode_boundary.boundary.reference import consumer_mixes_ref, consumer_ref
 from decode_boundary.env import disable_multicast
-from decode_boundary.model.chain import (
-    MIXES_ATOL,
-    OUTPUT_NAMES,
-    AttentionBoundary,
-    BoundaryInputs,
-    BoundaryOutputs,
-    check_mixes,
-    check_outputs,
-)
+from decode_boundary.mixes.reference import mhc_mixes_ref
+from decode_boundary.model.chain import AttentionBoundary, BoundaryInputs, BoundaryOutputs
+from decode_boundary.model.checks import MIXES_ATOL, OUTPUT_NAMES, check_mixes, check_outputs
 from decode_boundary.mxfp8.format import E4M3_MAX
 
 FP8_ROW_ALIGN = 16  # cuBLASLt FP8 needs every dimension a multiple of 16

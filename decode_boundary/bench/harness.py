@@ -26,11 +26,10 @@ import torch.distributed as dist
 
 from decode_boundary.common.timing import copies_for_cold_l2, copy_rate, graph_time_us
 from decode_boundary.launch import RankContext
-from decode_boundary.model.chain import (
+from decode_boundary.model.chain import AttentionBoundary, BoundaryOutputs
+from decode_boundary.model.checks import (
     MIX_NAMES,
     OUTPUT_NAMES,
-    AttentionBoundary,
-    BoundaryOutputs,
     check_mixes,
     check_outputs,
     outputs_identical,

@@ -14,7 +14,7 @@ consumer with the mixes, as the chain runs it), ``consumer`` (publish +
 today's consumer without them: the issue's yardstick), ``separate`` (the
 user's tail alone) and ``consumer_then_separate`` (what a user runs in all);
 V4.1 also ``mixes_kernel``: publish + consumer + our own mixes kernel after it
-(``boundary.mixes_kernel``, what the chain runs beyond
+(``mixes.mixes_kernel``, what the chain runs beyond
 ``consumer.MIXES_FUSED_MAX_ROWS``), whatever M. The chain leaves the combine to
 the next GEMM (``combine_mixes=False``), so the pair it runs is timed too:
 ``fused_with_gemm`` (publish + consumer with the mixes' shares + fused_wqa_wkv
@@ -31,10 +31,11 @@ import torch
 
 from decode_boundary.boundary import consumer
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
-from decode_boundary.boundary.reference import mhc_mixes_ref
 from decode_boundary.common.timing import graph_time_us
 from decode_boundary.gemm import mxfp8_mm
-from decode_boundary.model.chain import MIXES_ATOL, AttentionBoundary
+from decode_boundary.mixes.reference import mhc_mixes_ref
+from decode_boundary.model.chain import AttentionBoundary
+from decode_boundary.model.checks import MIXES_ATOL
 from decode_boundary.mxfp8.format import QuantizedActivation, mxfp8_scale_bytes
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
@@ -109,14 +110,15 @@ class MixesTimer:
         """The consumer without mixes (residual-only where ``pre`` is None)."""
         if pre is not None and mxfp8_out is None:
             mxfp8_out = self._mxfp8_buffers(v, inputs.rows)
-        return self.plain(partial, inputs.residual, inputs.post, inputs.comb, pre, v.norm_weight,
-                          self.config.eps, mxfp8_out=mxfp8_out)
+        return self.plain(partial, residual=inputs.residual, post=inputs.post, comb=inputs.comb,
+                          pre=pre, norm_weight=v.norm_weight, norm_eps=self.config.eps,
+                          mxfp8_out=mxfp8_out)
 
     def _consumer_with_gemm(self, v: AttentionBoundary, inputs, partial):
         """The consumer without mixes (given pre), then fused_wqa_wkv on its
         MXFP8 layer input: (residual_out, layer_input, q)."""
         next_in = self._mxfp8_buffers(v, inputs.rows)
-        res_out, layer_input = self._consumer(v, inputs, partial, inputs.pre, next_in)
+        res_out, layer_input, *_ = self._consumer(v, inputs, partial, inputs.pre, next_in)
         q = mxfp8_mm(v.fused_wqa_wkv, QuantizedActivation(*next_in, torch.bfloat16,
                                                           layer_input.shape))
         return res_out, layer_input, q
@@ -125,10 +127,9 @@ class MixesTimer:
     def _fused_with_gemm(v: AttentionBoundary, inputs, partial):
         """The chain's consumer and fused_wqa_wkv, the combine left to the
         GEMM: (residual_out, layer_input, q, mixes)."""
-        res_out, layer_input, next_in, mixes, finish = v.reduce(inputs, partial,
-                                                                combine_mixes=False)
-        return res_out, layer_input, mxfp8_mm(v.fused_wqa_wkv, next_in, finish_mixes=finish), \
-            mixes
+        res = v.reduce(inputs, partial, mixes="next_gemm")
+        return res.residual_out, res.layer_input, \
+            mxfp8_mm(v.fused_wqa_wkv, res.mxfp8, finish_mixes=res.mixes), tuple(res.mixes)
 
     def steps(self, inputs) -> dict[str, list]:
         """name -> one callable per weight copy."""

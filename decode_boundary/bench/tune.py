@@ -47,16 +47,13 @@ from types import SimpleNamespace
 import torch
 
 from decode_boundary import env
-from decode_boundary.boundary.consumer import (
-    MIXES_ASIDE_MIN_ROWS,
-    ConsumerTactic,
-    fuses_mixes,
-)
+from decode_boundary.boundary.consumer import MIXES_ASIDE_MIN_ROWS, fuses_mixes
+from decode_boundary.boundary.consumer_tactics import ConsumerTactic
 from decode_boundary.common.timing import graph_time_us, rotated_copies
 from decode_boundary.gemm import mxfp8_mm, tactics
 from decode_boundary.gemm.reference import check_mxfp8_mm
 from decode_boundary.gemm.tactics import Tactic, default_tactic, is_valid, k_pieces, row_bucket
-from decode_boundary.model.chain import check_mixes, check_outputs, outputs_identical
+from decode_boundary.model.checks import check_mixes, check_outputs, outputs_identical
 from decode_boundary.model.config import MODELS
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
@@ -211,7 +208,7 @@ def merged_consumer_table(current: Sequence[tuple[int, ConsumerTactic]],
     return tuple(merged)
 
 
-# The tables' source, one line per entry (gemm/tactics.py, boundary/consumer.py).
+# The tables' source, one line per entry (gemm/tactics.py, boundary/consumer_tactics.py).
 _SHAPE_LINE = re.compile(r"^    \((\d+), (\d+), (\d+)\): \{  # (.+)$")
 _GEMM_LINE = re.compile(r"^        (\d+): _t\([\d, ]+\),  # (.+)$")
 _CONSUMER_START = re.compile(r"^([A-Z_]+) = \($")

@@ -40,9 +40,9 @@ row's units (the same bits in every program, on every rank). Two ways to meet
   normalising it.
 
 **The next sublayer's mixes** (``MIXES``, docs/DESIGN.md §5.1): the
-device side is :mod:`.consumer_mixes` (its docstring gives the protocol);
+device side is :mod:`decode_boundary.mixes.consumer_mixes` (its docstring gives the protocol);
 ``COMBINE=False`` computes and publishes the shares but leaves the combine
-(pre, post, comb) to the next GEMM (``common.mhc_combine``).
+(pre, post, comb) to the next GEMM (``mixes.mhc_combine``).
 
 The FP32 operation order is that of :mod:`.reference` (launch with
 ``enable_fp_fusion=False``): ``reduced`` and ``residual_out`` are bit-exact;
@@ -127,38 +127,34 @@ import triton
 import triton.language as tl
 
 from ..common.contract import ABORT_BITS, SENTINEL_BITS, STAGE_ACTIVE, STAGE_NEXT, STAGES
-from ..common.mhc_combine import (
-    _combine_comb,
-    _combine_mixes,
-    _combine_pre_post,
-    _no_logits,
-    _pre_from_shares,
-)
 from ..common.rounding import quantize_groups, swizzled_offset, to_bf16_rne, zero_scale_padding
 from ..common.tagged_words import NORM_TIMEOUT_BIT as NORM_TIMEOUT_BIT  # a status bit, re-exported
 from ..common.tagged_words import (
-    _bit_or,
-    _f32_nan,
-    _gave_up,
-    _probe_partials,
-    _spin,
-    _tagged,
-    _untagged,
+    bit_or,
+    f32_nan,
+    gave_up,
+    probe_partials,
+    spin,
+    tag_word,
+    untag,
 )
 from ..common.timeline import END, MARK1, MARK2, START, WAITED, stamp
-from .consumer_mixes import (
-    _NEXT_MIXES,
-    _NO_MIXES,
-    _SAME_PRE,
-    _load_mix_weights,
-    _publish_mix_partials,
+from ..mixes.consumer_mixes import NEXT_MIXES as NEXT_MIXES  # the MIXES values, re-exported
+from ..mixes.consumer_mixes import NO_MIXES as NO_MIXES
+from ..mixes.consumer_mixes import SAME_PRE as SAME_PRE
+from ..mixes.consumer_mixes import load_mix_weights, publish_mix_partials
+from ..mixes.mhc_combine import (
+    combine_comb,
+    combine_pre_post,
+    combine_shares,
+    no_logits,
+    pre_from_shares,
 )
-from .consumer_mixes import NEXT_MIXES as NEXT_MIXES  # the MIXES values, re-exported
-from .consumer_mixes import NO_MIXES as NO_MIXES
-from .consumer_mixes import SAME_PRE as SAME_PRE
 
 PLAIN, RESIDUAL_ONLY, FULL = 0, 1, 2  # MODE values (host side)
 _PLAIN, _FULL = tl.constexpr(PLAIN), tl.constexpr(FULL)
+_NO_MIXES, _NEXT_MIXES, _SAME_PRE = (tl.constexpr(NO_MIXES), tl.constexpr(NEXT_MIXES),
+                                     tl.constexpr(SAME_PRE))
 SENTINEL = tl.constexpr(SENTINEL_BITS)  # an unwritten slot element, as int16 bits
 _STAGES = tl.constexpr(STAGES)
 _NEXT, _ACTIVE = tl.constexpr(STAGE_NEXT), tl.constexpr(STAGE_ACTIVE)  # stage_state indices
@@ -191,7 +187,7 @@ def _aborted_ranks(slots, cmask, TP: tl.constexpr):
     for r in tl.static_range(TP):
         bits = slots[r].to(tl.int16, bitcast=True)
         code = code | (tl.where(cmask & (bits == _ABORT), 1, 0) << r)
-    return tl.reduce(code, 0, _bit_or)
+    return tl.reduce(code, 0, bit_or)
 
 
 @triton.jit
@@ -220,7 +216,7 @@ def _wait_slots(slot, cmask, row_stride, status_ptr, wait_bound,
     still missing then sets its bit in the status word, a rank whose slot holds
     the abort poison its abort bit. Returns the slots (tuple of BF16), the
     first one NaN after either (so the sums are NaN, never finite and wrong)."""
-    slots, flags = _spin(_probe_slots, slot, cmask, row_stride, status_ptr, wait_bound, TP,
+    slots, flags = spin(_probe_slots, slot, cmask, row_stride, status_ptr, wait_bound, TP,
                          True, USE_PTX)
     if (flags & 1) != 0:
         missing = 0
@@ -314,7 +310,7 @@ def _publish_partial(sumsq_ptr, m, chunk, partial, tag, UNITS: tl.constexpr,
     PER_CHUNK: tl.constexpr = BLOCK_H // 32
     k = tl.arange(0, PER_CHUNK)
     units = chunk * PER_CHUNK + k
-    tl.store(sumsq_ptr + m * UNITS + units, _tagged(tl.where(k == 0, partial, 0.0), tag),
+    tl.store(sumsq_ptr + m * UNITS + units, tag_word(tl.where(k == 0, partial, 0.0), tag),
              mask=units < UNITS)
 
 
@@ -325,10 +321,10 @@ def _wait_partials(sumsq_ptr, status_ptr, m, tag, wait_bound, UNITS: tl.constexp
     bound passes (then ``NORM_TIMEOUT_BIT`` and a NaN total); returns the row's
     sum of squares, one fixed tree over the units."""
     units = tl.arange(0, UNITS_P2)
-    words, flags = _spin(_probe_partials, sumsq_ptr + m * UNITS + units, units < UNITS, tag,
+    words, flags = spin(probe_partials, sumsq_ptr + m * UNITS + units, units < UNITS, tag,
                          status_ptr, wait_bound, 0, False, USE_PTX)
-    stale = _gave_up(flags, status_ptr)
-    return tl.where(stale, _f32_nan(), tl.sum(_untagged(words), axis=0))
+    stale = gave_up(flags, status_ptr)
+    return tl.where(stale, f32_nan(), tl.sum(untag(words), axis=0))
 
 
 @triton.jit
@@ -414,13 +410,13 @@ def consumer_kernel(
         if (MIXES != _NO_MIXES) and MIX_WEIGHTS_EARLY:
             # A weight, like the GEMMs': in flight while the publisher runs, not queued
             # behind the next GEMM's weight stream after the wait (consumer.py's tables).
-            fn = _load_mix_weights(hc_fn_ptr, cols, cmask, HC, HIDDEN, SLOTS)
+            fn = load_mix_weights(hc_fn_ptr, cols, cmask, HC, HIDDEN, SLOTS)
     if USE_PDL:
         # Released here: the dependent GEMM's weight stream then overlaps this kernel's
         # body; released before the wait or after the norm hand-off, the same bytes only
-        # moved the contention (benchmarks/NOTES.md). With RELEASE_LATE (the fused mixes'
-        # tactic at some M) after this program's share instead: the stream then does not
-        # contend with the share's work (NOTES "V4-family mixes" item 21).
+        # moved the contention. With RELEASE_LATE (the fused mixes' tactic at some M)
+        # after this program's share instead: the stream then does not contend with the
+        # share's work.
         tl.extra.cuda.gdc_wait()
         if not RELEASE_LATE:
             tl.extra.cuda.gdc_launch_dependents()
@@ -451,8 +447,8 @@ def consumer_kernel(
                                               cols, cmask, TP, HC, HIDDEN, MODE, COLLAPSE,
                                               LAMPORT, USE_PTX)
             if MIXES != _NO_MIXES:
-                _publish_mix_partials(mix_ptr,
-                                      _load_mix_weights(hc_fn_ptr, cols, cmask, HC, HIDDEN, SLOTS),
+                publish_mix_partials(mix_ptr,
+                                      load_mix_weights(hc_fn_ptr, cols, cmask, HC, HIDDEN, SLOTS),
                                       m, c, streams, tag, HC, SLOTS, MIX_ROW)
             if COLLAPSE:
                 _publish_partial(sumsq_ptr, m, c, tl.sum(prenorm * prenorm, axis=0), tag, UNITS,
@@ -460,12 +456,12 @@ def consumer_kernel(
                 tl.store(prenorm_ptr + row_off + cols, prenorm.to(tl.bfloat16), mask=cmask)
         tl.debug_barrier()  # this program's scratch stores precede its reads below
         if (MIXES != _NO_MIXES) and COMBINE:
-            new_pre = _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr,
+            new_pre = combine_shares(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr,
                                      post_out_ptr, comb_out_ptr, m, tag, eps, hc_eps,
                                      sinkhorn_rounds, wait_bound, HC, HIDDEN, CHUNKS, CHUNKS_P2,
                                      SLOTS, MIX_ROW, TOTALS_OFF, USE_PTX)
         elif MIXES == _SAME_PRE:  # the combine is the next kernel's: the pre alone, here
-            new_pre = _pre_from_shares(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, m, tag,
+            new_pre = pre_from_shares(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, m, tag,
                                        eps, hc_eps, wait_bound, HC, HIDDEN, CHUNKS, CHUNKS_P2,
                                        SLOTS, MIX_ROW, USE_PTX)
         if MIXES == _SAME_PRE:
@@ -508,30 +504,30 @@ def consumer_kernel(
             # Every program's share before any program waits for it: chunk 0 sums them
             # (one fixed order).
             if not MIX_WEIGHTS_EARLY:
-                fn = _load_mix_weights(hc_fn_ptr, cols, cmask, HC, HIDDEN, SLOTS)
-            _publish_mix_partials(mix_ptr, fn, m, chunk, streams, tag, HC, SLOTS, MIX_ROW)
+                fn = load_mix_weights(hc_fn_ptr, cols, cmask, HC, HIDDEN, SLOTS)
+            publish_mix_partials(mix_ptr, fn, m, chunk, streams, tag, HC, SLOTS, MIX_ROW)
         if USE_PDL and RELEASE_LATE:
             tl.extra.cuda.gdc_launch_dependents()
         if MIXES == _SAME_PRE:  # the collapse needs the new pre: every program computes it
             if (chunk == 0) & COMBINE:  # comb's Sinkhorn waits until its partial is out
-                new_pre, logits = _combine_pre_post(
+                new_pre, logits = combine_pre_post(
                     mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, post_out_ptr, m,
                     tag, eps, hc_eps, wait_bound, HC, HIDDEN, CHUNKS, CHUNKS_P2, SLOTS, MIX_ROW,
                     TOTALS_OFF, USE_PTX)
             else:
-                new_pre = _pre_from_shares(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, m,
+                new_pre = pre_from_shares(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, m,
                                            tag, eps, hc_eps, wait_bound, HC, HIDDEN, CHUNKS,
                                            CHUNKS_P2, SLOTS, MIX_ROW, USE_PTX)
-                logits = _no_logits(HC)
+                logits = no_logits(HC)
             prenorm = _collapse(streams, new_pre, HC)
             _publish_partial(sumsq_ptr, m, chunk, tl.sum(prenorm * prenorm, axis=0), tag, UNITS,
                              BLOCK_H)
             if (chunk == 0) & COMBINE:
                 # comb's softmax and Sinkhorn rounds while the token's other partials
                 # arrive: nobody in this launch needs comb, and the hand-off needs only
-                # this program's partial, already out (after the norm they were the
-                # kernel's tail: 0.2-0.5 us per step in the chain, NOTES mixes item 11).
-                _combine_comb(logits, comb_out_ptr, m, hc_eps, sinkhorn_rounds, HC, USE_PTX)
+                # this program's partial, already out (after the norm they would be the
+                # kernel's tail).
+                combine_comb(logits, comb_out_ptr, m, hc_eps, sinkhorn_rounds, HC, USE_PTX)
         if MODE == _FULL:
             total = _wait_partials(sumsq_ptr, status_ptr, m, tag, wait_bound, UNITS, UNITS_P2,
                                    USE_PTX)
@@ -542,7 +538,7 @@ def consumer_kernel(
                         cols, cmask, HIDDEN, BLOCK_H, QUANT)
         if (MIXES == _NEXT_MIXES) and COMBINE:  # noqa: SIM102 (a constexpr test: pruned)
             if chunk == 0:  # nobody here waits for the next mixes: after the norm
-                _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr,
+                combine_shares(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr,
                                post_out_ptr, comb_out_ptr, m, tag, eps, hc_eps, sinkhorn_rounds,
                                wait_bound, HC, HIDDEN, CHUNKS, CHUNKS_P2, SLOTS, MIX_ROW,
                                TOTALS_OFF, USE_PTX)

@@ -27,10 +27,11 @@ import triton
 import triton.language as tl
 
 from .. import env
+from ..common.compiled import load_module
 from ..common.contract import STAGE_ACTIVE, STAGE_NEXT
 from ..common.mailbox_store import publish_row
 from ..common.rounding import to_bf16_rne
-from .publish_kernel import PUBLISH_WARPS, load_module, publish_block
+from .publish_kernel import PUBLISH_WARPS, publish_block
 
 _NEXT, _ACTIVE = tl.constexpr(STAGE_NEXT), tl.constexpr(STAGE_ACTIVE)  # stage_state indices
 

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..common.contract import SENTINEL, STAGES, advance_mix_rows, check_mailbox_size
+from ..common.contract import SENTINEL, STAGES, check_mailbox_size
 from ..env import disable_multicast, logger
+from ..mixes.handoff import MixRows
 from .consumer import sumsq_columns
 
 
@@ -46,9 +47,14 @@ class Mailbox:
     sumsq: torch.Tensor
     prenorm: torch.Tensor
     keepalive: object = None
-    # The consumer's mix rows (next sublayer's mixes), allocated by an all-reduce
-    # that computes them; tagged like sumsq, so zeroed with it.
-    mix_words: torch.Tensor | None = None
+    # The consumer's mix rows (next sublayer's mixes) and their write count,
+    # allocated by an all-reduce that computes them; tagged like sumsq, so zeroed with it.
+    mix_rows: MixRows | None = None
+
+    @property
+    def mix_words(self) -> torch.Tensor | None:
+        """The mix rows' tensor (None without mixes)."""
+        return self.mix_rows.words if self.mix_rows is not None else None
 
     def rearm(self) -> None:
         """Sentinel fill, stage words and status cleared, the norm hand-off's generations
@@ -59,9 +65,9 @@ class Mailbox:
         self.status.zero_()
         self.generation.zero_()
         self.sumsq.zero_()
-        if self.mix_words is not None:
-            self.mix_words.zero_()
-            advance_mix_rows(self.mix_words)  # a finish left before it is stale
+        if self.mix_rows is not None:
+            self.mix_rows.words.zero_()
+            self.mix_rows.advance()  # a combine left before it is stale
 
 
 def _words(rank, tp, capacity, hidden, device, buffer, peer_ptrs, keepalive=None) -> Mailbox:

@@ -18,40 +18,38 @@ step: docs/FAILURES.md), so a direct call cannot write a peer with bad input.
 
 An op names its instance by an int ``handle`` (:func:`register`, at
 construction; :func:`instance`); the registry holds weak references, so an
-instance lives no longer than its owner keeps it. This module imports the
-class only for type checking: ``all_reduce`` imports it, never the reverse.
+instance lives no longer than its owner keeps it. The ops use the instance's
+eager paths (``ar.launches``: ``publish_eager``, ``publish_finalize_eager``,
+``reduce_eager``) and its ``mailbox``; this module never imports the class
+(``all_reduce`` imports it).
 """
 
 from __future__ import annotations
 
 import itertools
 import weakref
-from typing import TYPE_CHECKING
 
 import torch
 
 from .consumer_kernel import FULL, PLAIN
-
-if TYPE_CHECKING:
-    from .all_reduce import BoundaryAllReduce
 
 _HANDLES = itertools.count()
 _INSTANCES: dict[int, weakref.ref] = {}
 _SCRATCH = ("stage_state", "status", "generation", "sumsq", "prenorm")
 
 
-def register(ar: BoundaryAllReduce) -> int:
+def register(ar) -> int:
     """A new handle naming ``ar`` for the custom ops (held weakly)."""
     handle = next(_HANDLES)
     _INSTANCES[handle] = weakref.ref(ar)
     return handle
 
 
-def instance(handle: int) -> BoundaryAllReduce:
-    """The live all-reduce a custom op's ``handle`` names."""
+def instance(handle: int):
+    """The live (open) all-reduce a custom op's ``handle`` names."""
     ref = _INSTANCES.get(handle)
     ar = ref() if ref is not None else None
-    if ar is None or ar._box is None:
+    if ar is None or ar.closed:
         raise RuntimeError(f"BoundaryAllReduce {handle} is closed or gone")
     return ar
 
@@ -60,7 +58,7 @@ def sync_words(handle: int, **passed: torch.Tensor) -> None:
     """After a launch on the instance's own device words: make the tensors an
     op was handed (the same words, or an eager backend's functional copies of
     them, which it copies back afterwards) hold what the kernels wrote."""
-    box = instance(handle)._box
+    box = instance(handle).mailbox
     for name, tensor in passed.items():
         own = getattr(box, name)
         if tensor.data_ptr() != own.data_ptr():
@@ -68,24 +66,24 @@ def sync_words(handle: int, **passed: torch.Tensor) -> None:
 
 
 @torch.library.custom_op("decode_boundary::boundary_publish", mutates_args=("stage_state",))
-def _publish_op(handle: int, x: torch.Tensor, stage_state: torch.Tensor) -> None:
+def publish_op(handle: int, x: torch.Tensor, stage_state: torch.Tensor) -> None:
     """``x`` into every peer's mailbox; ACTIVE of this rank's stage words set."""
-    instance(handle)._publish_launch(x)
+    instance(handle).launches.publish_eager(x)
     sync_words(handle, stage_state=stage_state)
 
 
 @torch.library.custom_op("decode_boundary::boundary_publish_finalize",
                          mutates_args=("stage_state",))
-def _publish_finalize_op(handle: int, gemm2_permuted: torch.Tensor,
+def publish_finalize_op(handle: int, gemm2_permuted: torch.Tensor,
                          expert_weights: torch.Tensor, idx: torch.Tensor,
                          shared_output: torch.Tensor, stage_state: torch.Tensor) -> torch.Tensor:
-    partial = instance(handle)._publish_finalize_launch(gemm2_permuted, expert_weights, idx,
-                                                        shared_output)
+    partial = instance(handle).launches.publish_finalize_eager(gemm2_permuted, expert_weights, idx,
+                                                      shared_output)
     sync_words(handle, stage_state=stage_state)
     return partial
 
 
-@_publish_finalize_op.register_fake
+@publish_finalize_op.register_fake
 def _(handle, gemm2_permuted, expert_weights, idx, shared_output, stage_state):
     return shared_output.new_empty(shared_output.shape, dtype=torch.bfloat16)
 
@@ -97,7 +95,7 @@ def _no_mixes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 @torch.library.custom_op("decode_boundary::boundary_reduce",
                          mutates_args=(*_SCRATCH, "mxfp8_data", "mxfp8_scale", "mix_words"))
-def _reduce_op(handle: int, x: torch.Tensor, publish: bool, reduce_mode: int,
+def reduce_op(handle: int, x: torch.Tensor, publish: bool, reduce_mode: int,
                residual: torch.Tensor | None, post: torch.Tensor | None,
                comb: torch.Tensor | None, pre: torch.Tensor | None,
                norm_weight: torch.Tensor | None, eps: float, stage_state: torch.Tensor,
@@ -118,15 +116,16 @@ def _reduce_op(handle: int, x: torch.Tensor, publish: bool, reduce_mode: int,
         residual=residual, post=post, comb=comb, pre=pre, norm_weight=norm_weight, eps=eps,
         mxfp8_out=None if mxfp8_data is None else (mxfp8_data, mxfp8_scale),
         mix_weights=None if hc_fn is None else (hc_fn, hc_scale, hc_base))
-    first, second, *mixes = ar._reduce_launch(x, reduce_mode, publish, **inputs)
+    result = ar.launches.reduce_eager(x, reduce_mode, publish, **inputs)
     sync_words(handle, stage_state=stage_state, status=status, generation=generation,
                sumsq=sumsq, prenorm=prenorm,
                **({} if mix_words is None else dict(mix_words=mix_words)))
-    mixes = mixes[0] if mixes else _no_mixes(x)
-    return (first, second if second is not None else x.new_empty(0), *mixes)
+    mixes = tuple(result.mixes) if result.mixes is not None else _no_mixes(x)
+    second = result.layer_input
+    return (result.residual_out, second if second is not None else x.new_empty(0), *mixes)
 
 
-@_reduce_op.register_fake
+@reduce_op.register_fake
 def _(handle, x, publish, reduce_mode, residual, post, comb, pre, norm_weight, eps,
       stage_state, status, generation, sumsq, prenorm, mxfp8_data, mxfp8_scale, hc_fn,
       hc_scale, hc_base, mix_words):

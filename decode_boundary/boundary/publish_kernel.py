@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from .. import env
+from ..common.compiled import load_module
 from ..common.contract import STAGE_ACTIVE, STAGE_NEXT
 from ..common.mailbox_store import publish_row
 
@@ -75,12 +76,6 @@ def publish_kernel(
     publish_row(x, peer_ptrs_ptr, stage, rank, m, cols, mask, capacity, TP=TP, HIDDEN=HIDDEN)
     if (m == 0) & (chunk == 0):
         tl.store(stage_ptr + _ACTIVE, stage)
-
-
-def load_module(compiled) -> None:
-    """Load a kernel compiled by ``warmup`` onto the current device now (Triton
-    loads lazily, at the first launch, which may otherwise fall in a capture)."""
-    compiled.run  # noqa: B018 - the property loads the module on first access
 
 
 def publish_block(hidden: int) -> int:

@@ -1,44 +1,80 @@
 """What happens to a step that an input rejects (docs/FAILURES.md), for
-:class:`.all_reduce.BoundaryAllReduce`: the host checks that run before
-anything of the step reaches a peer or the stage words (``consume`` checks the
-tensors in detail after them, still before its ``before_launch``), and the
-abort that tells the peers when one fails.
-"""
+:class:`.all_reduce.BoundaryAllReduce`: the checks of its construction
+arguments and of a call, which run before anything of the step reaches a peer
+or the stage words (``consume`` checks the tensors in detail after them, still
+before its ``before_launch``), and the poison that tells the peers when one
+fails (``BoundaryAllReduce.abort_step`` decides when). The all-reduce is read
+through its public attributes only."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
+import torch.distributed as dist
 
-from ..common.contract import ABORT_BITS, SENTINEL, STAGE_ACTIVE, STAGE_NEXT, STAGES
-from . import host_wait
-from .consumer import is_nonnegative_real, mixes_aside_ok
-from .consumer_kernel import ABORT_BIT, FULL, PLAIN, RESIDUAL_ONLY
+from ..common.contract import ABORT_BITS, STAGE_ACTIVE, STAGE_NEXT, STAGES
+from ..mixes.handoff import MIXES_CHOICES
+from .consumer import mixes_aside_ok
+from .consumer_inputs import COLLAPSES, is_hc_eps, is_nonnegative_real, is_positive_int
+from .consumer_kernel import FULL, PLAIN, RESIDUAL_ONLY
+from .mailbox import Mailbox
 from .publish_kernel import publish
-from .transport import all_gather
-
-if TYPE_CHECKING:
-    from .all_reduce import BoundaryAllReduce
+from .transport import TRANSPORTS, all_gather
 
 
-def check_reduce_call(ar: BoundaryAllReduce, x: torch.Tensor, mode: int, inputs: dict) -> None:
+def construction_problems(transport: str, hc_mult: int, top_k: int, wait_timeout_s: float,
+                          hc_eps, collapse_pre: str | None, hc_sinkhorn_iters) -> list[str]:
+    """The refusals of a rank's own construction arguments (empty when fine):
+    they travel with the geometry exchange, so that a rank refusing alone does
+    not leave its peers waiting in it."""
+    problems = []
+    if transport not in TRANSPORTS:
+        problems.append(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if hc_mult < 1 or top_k < 1:
+        problems.append(f"hc_mult and top_k must be positive, got {hc_mult}, {top_k}")
+    if wait_timeout_s <= 0:
+        problems.append(f"wait_timeout_s must be positive, got {wait_timeout_s}")
+    if not is_hc_eps(hc_eps):
+        problems.append(f"hc_eps must be a finite real number >= 2**-126 (the smallest "
+                        f"normal FP32), got {hc_eps!r}")
+    if collapse_pre is not None:
+        if collapse_pre not in COLLAPSES:
+            problems.append(f"collapse_pre must be None or one of {sorted(COLLAPSES)}, got "
+                            f"{collapse_pre!r}")
+        if hc_mult & (hc_mult - 1):
+            problems.append(f"the mixes need a power-of-two hc_mult, got {hc_mult}")
+        if not is_positive_int(hc_sinkhorn_iters):
+            problems.append(f"hc_sinkhorn_iters must be an int >= 1, got "
+                            f"{hc_sinkhorn_iters!r}")
+    return problems
+
+
+def check_mixes_choice(ar, mode: int, choice) -> None:
+    """``mixes=`` of a call: None or one of ``MIXES_CHOICES``, given only to a
+    full call of an all-reduce that computes mixes; "side_stream" only with
+    the previous pre and an hc the mixes kernel takes."""
+    if choice is None:
+        return
+    if not isinstance(choice, str) or choice not in MIXES_CHOICES:
+        raise ValueError(f"mixes must be None or one of {MIXES_CHOICES}, got {choice!r}")
+    if choice == "side_stream" and not (mode == FULL and
+                                        mixes_aside_ok(ar.hc_mult, ar.collapse_pre)):
+        raise ValueError(
+            "mixes='side_stream' needs a full call of an all-reduce with "
+            "collapse_pre='previous' and an hc the mixes kernel takes; this one has "
+            f"collapse_pre={ar.collapse_pre!r}, hc={ar.hc_mult}"
+            + ("" if mode == FULL else ", and the call is not a full one"))
+    if mode != FULL or ar.collapse_pre is None:
+        raise ValueError(f"mixes={choice!r} given, but this all-reduce computes no mixes "
+                         "(collapse_pre=None) or the call is not a full one")
+
+
+def check_reduce_call(ar, x: torch.Tensor, mode: int, inputs: dict) -> None:
     """The all-reduce's own checks of a reduce call (``consume`` checks the
     tensors in detail): x, the mode against the construction flags, the
-    structure of residual / mxfp8_out, the tensors' types, eps, combine_mixes,
-    mixes_aside."""
+    structure of residual / mxfp8_out, the tensors' types, eps, the mixes
+    choice."""
     check_partial(ar, x)
-    combine_mixes = inputs.get("combine_mixes", True)
-    if not isinstance(combine_mixes, bool):
-        raise ValueError(f"combine_mixes must be a bool, got {combine_mixes!r}")
-    aside = inputs.get("mixes_aside", False)
-    if not isinstance(aside, bool):
-        raise ValueError(f"mixes_aside must be a bool, got {aside!r}")
-    if aside and not (mode == FULL and mixes_aside_ok(ar.hc_mult, ar.collapse_pre)):
-        raise ValueError(
-            "mixes_aside=True needs a full call of an all-reduce with collapse_pre='previous' "
-            f"and an hc the mixes kernel takes; this one has collapse_pre={ar.collapse_pre!r}, "
-            f"hc={ar.hc_mult}" + ("" if mode == FULL else ", and the call is not a full one"))
+    check_mixes_choice(ar, mode, inputs.get("mixes"))
     if mode == PLAIN:
         return
     if mode == RESIDUAL_ONLY and not ar.residual_only:
@@ -75,10 +111,10 @@ def check_reduce_call(ar: BoundaryAllReduce, x: torch.Tensor, mode: int, inputs:
             raise ValueError(f"norm_eps must be a finite real number >= 0, got {eps!r}")
 
 
-def check_partial(ar: BoundaryAllReduce, x: torch.Tensor) -> None:
+def check_partial(ar, x: torch.Tensor) -> None:
     """``x``, this rank's partial: BF16 [M, hidden], contiguous, on the
     all-reduce's device, 1 <= M <= capacity; the all-reduce open."""
-    ar._open()
+    ar.mailbox  # noqa: B018  (raises once closed)
     h = ar.hidden_size
     if x.dtype != torch.bfloat16 or x.ndim != 2 or x.shape[1] != h:
         raise ValueError(f"x must be bf16 [M, {h}], got {x.dtype} {list(x.shape)}")
@@ -90,51 +126,28 @@ def check_partial(ar: BoundaryAllReduce, x: torch.Tensor) -> None:
         raise ValueError(f"x has {x.shape[0]} rows; expected 1..capacity = {ar.capacity}")
 
 
-def abort_step(ar: BoundaryAllReduce, error: Exception, like: object, published: bool) -> None:
-    """Abort this step after ``error`` rejected it (docs/FAILURES.md), before
-    ``error`` is raised. tp = 1: nothing waits for us; a publish of this step
-    is wiped (sentinel fill) and the instance stays usable. tp > 1: the abort
-    poison (``ABORT_BITS``) goes where this step's partial would have gone:
-    into this rank's slot of every peer's mailbox for all ``capacity`` rows
-    (any M a peer uses), at stage NEXT and NEXT + 1 (a peer that already
-    consumed this step with a partial published earlier meets it at its next
-    one), the stage words advance as a consume would; or, in the gather
-    transport, this rank takes part in the step's all-gather with a poison
-    of ``like``'s rows (else the last accepted M) without waiting for it.
-    Then this rank's status word names it, compile barriers of this epoch
-    count it as arrived, and its steps refuse until ``reset(collective=True)``.
-    Nothing runs while tracing or capturing (nothing of the step executes)."""
-    ar._published = None
-    box = ar._box
-    if box is None or ar._capturing() or torch.compiler.is_compiling():
-        return
-    if ar.tp == 1:
-        if published and box.buffer is not None:
-            box.buffer.fill_(SENTINEL)
-        return
-    why = f"{type(error).__name__}: {error}"
-    ar._failed = f"this rank aborted it: {why}"
-    hidden = ar.hidden_size
-    if ar.transport == "mailbox":
-        poison = torch.full((ar.capacity, hidden), ABORT_BITS, dtype=torch.int16,
-                            device=ar.device).view(torch.bfloat16)
-        words = box.stage_state
-        stage = words[STAGE_NEXT].clone()
-        publish(poison, box.peer_ptrs, words, ar.rank, ar.capacity)  # stage s
-        words[STAGE_NEXT] = (stage + 1) % STAGES
-        publish(poison, box.peer_ptrs, words, ar.rank, ar.capacity)  # stage s + 1
-        words[STAGE_ACTIVE] = stage  # as after consuming step s: NEXT = s + 1, ACTIVE = s
-    else:
-        rows = getattr(like, "shape", (0,))[0] if getattr(like, "ndim", 0) == 2 else 0
-        rows = rows if 0 < rows <= ar.capacity else ar._last_rows
-        poison = torch.full((rows, hidden), ABORT_BITS, dtype=torch.int16,
-                            device=ar.device).view(torch.bfloat16)
-        gathered = torch.empty(ar.tp * rows, hidden, dtype=torch.bfloat16,
-                               device=ar.device)
-        work = all_gather(gathered, poison, ar.group, async_op=True)
-        ar._abort_work = (work, poison, gathered)  # kept alive until reset waits for it
-    box.status.bitwise_or_(ABORT_BIT | 1 << ar.rank)
-    if ar._multi_process():
-        host_wait.signal_abort(ar.group, why)
-    error.add_note(f"BoundaryAllReduce rank {ar.rank} aborted this step: its peers raise "
-                   "RuntimeError naming it; call reset(collective=True) on every rank")
+def poison_mailboxes(box: Mailbox, device: torch.device) -> None:
+    """The abort poison (``ABORT_BITS``) where this rank's partial would have
+    gone: its slot of every peer's mailbox for all ``capacity`` rows (any M a
+    peer uses), at stage NEXT and NEXT + 1 (a peer that already consumed this
+    step with a partial published earlier meets it at its next one); the stage
+    words advance as a consume would."""
+    poison = torch.full((box.capacity, box.hidden), ABORT_BITS, dtype=torch.int16,
+                        device=device).view(torch.bfloat16)
+    words = box.stage_state
+    stage = words[STAGE_NEXT].clone()
+    publish(poison, box.peer_ptrs, words, box.rank, box.capacity)  # stage s
+    words[STAGE_NEXT] = (stage + 1) % STAGES
+    publish(poison, box.peer_ptrs, words, box.rank, box.capacity)  # stage s + 1
+    words[STAGE_ACTIVE] = stage  # as after consuming step s: NEXT = s + 1, ACTIVE = s
+
+
+def poison_gather(group: dist.ProcessGroup, tp: int, rows: int, hidden: int,
+                  device: torch.device) -> tuple:
+    """The gather transport's abort: this rank takes part in the step's
+    all-gather with a poison of ``rows`` rows without waiting for it; the
+    (work, poison, gathered) to keep alive until a reset waits for it."""
+    poison = torch.full((rows, hidden), ABORT_BITS, dtype=torch.int16,
+                        device=device).view(torch.bfloat16)
+    gathered = torch.empty(tp * rows, hidden, dtype=torch.bfloat16, device=device)
+    return all_gather(gathered, poison, group, async_op=True), poison, gathered

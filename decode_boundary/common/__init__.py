@@ -1,3 +1,7 @@
-"""Device helpers shared by the GEMM and boundary kernels: ``rounding`` (BF16
-and MXFP8 rounding, the scale swizzle) and ``mailbox_store`` (the store every
-mailbox publisher makes). They import nothing of this package but its formats."""
+"""Device helpers shared by the GEMM, the all-reduce and the mixes kernels:
+``rounding`` (BF16 and MXFP8 rounding, the scale swizzle), ``mailbox_store``
+(the store every mailbox publisher makes), ``tagged_words`` (tagged words and
+bounded spins), ``contract`` (the publish contract and the mix row's
+geometry), ``compiled`` (loading a kernel compiled ahead), ``timeline`` and
+``timing`` (stamps and the one timer). They import nothing of this package but
+its formats."""

@@ -20,16 +20,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from numbers import Integral
-from typing import NamedTuple
 
 import torch
 
 STAGES = 3  # a peer may be one boundary ahead: stage s+1 is being written while s is read
 STAGE_NEXT, STAGE_ACTIVE = 0, 1  # indices into stage_state
-# Publishers address a peer's mailbox with int32 element offsets (the GEMM's 64-row
-# publishing epilogue kept 13 registers more with int64 ones, one resident program
-# per SM less: benchmarks/NOTES.md attempt 16), so a mailbox [STAGES, tp, capacity,
-# hidden] holds at most this many elements.
+# Publishers address a peer's mailbox with int32 element offsets (int64 ones cost the
+# GEMM's 64-row publishing epilogue registers, one resident program per SM), so a
+# mailbox [STAGES, tp, capacity, hidden] holds at most this many elements.
 MAILBOX_MAX_ELEMENTS = 2**31 - 1
 
 
@@ -69,7 +67,7 @@ class PublishTarget:
 # mix_slots(hc) words per chunk of its columns, chunks of >= MIX_MIN_BLOCK columns,
 # then the combining program's sums of them. Written by the consumer (or the mixes
 # kernel), read by whichever kernel combines: the consumer, the mixes kernel or the
-# GEMM after the consumer (FINISH_MIXES).
+# GEMM after the consumer (FINISH_MIXES: decode_boundary.mixes.handoff).
 MIX_MIN_BLOCK = 64
 
 
@@ -96,80 +94,6 @@ def mix_columns(hidden: int, hc: int) -> int:
     """Row length of the per-token mix scratch (int64 tagged words, a multiple
     of 16: 128-byte lines): the shares, then the combining program's sums."""
     return -(-(mix_totals_offset(hidden, hc) + mix_slots(hc)) // 16) * 16
-
-
-class MixesFinish(NamedTuple):
-    """A consumer launch's next mHC mixes, left for the next kernel to combine
-    (``consume(..., combine_mixes=False)``; the device side is
-    ``common.mhc_combine.finish_token_mixes``): the mix rows and scratch words
-    that launch used, the mix parameters, the outputs to fill (pre [M, hc],
-    post [M, hc], comb [M, hc, hc] FP32) and the geometry of the launch's
-    shares. The finishing kernel must run after the consumer in stream order
-    and read these only after its grid wait (the consumer's grid complete);
-    nothing may touch the mix rows or ``generation`` in between. A share
-    missing there (never expected) sets ``NORM_TIMEOUT_BIT`` in ``status``
-    after the bound and makes that token's mixes NaN; the all-reduce's next
-    ``check()`` reports it.
-
-    Host-side bookkeeping: ``launched``, a one-element list the GEMM sets to
-    True when it launches with this finish (the all-reduce that returned it
-    refuses its next call while it is False: pre, post and comb would stay
-    unwritten); ``epoch``, the mix rows' epoch (:func:`mix_rows_epoch`) of the
-    consumer launch that left it: a GEMM refuses the finish once a later
-    launch (or a re-arm) has rewritten the rows, and -1 marks a finish made
-    only to compile the variant (``deferred_finish``), which no launch takes;
-    ``stream``, the CUDA stream it was made on (0 off the GPU): the GEMM must
-    launch on it (its grid wait orders it after the consumer only there)."""
-
-    mix_words: torch.Tensor  # int64 [rows, mix_columns(H, hc)]
-    generation: torch.Tensor  # int32 [rows]: generation[m] is the shares' tag
-    status: torch.Tensor  # int32 [1]: a timeout sets NORM_TIMEOUT_BIT
-    hc_scale: torch.Tensor  # FP32 [3]
-    hc_base: torch.Tensor  # FP32 [(2 + hc) * hc]
-    pre: torch.Tensor
-    post: torch.Tensor
-    comb: torch.Tensor
-    eps: float  # the mixes' RMS eps
-    hc_eps: float
-    rounds: int  # Sinkhorn rounds after the first column normalisation
-    wait_bound: int  # ns with use_ptx, spins without
-    hc: int
-    hidden: int
-    chunks: int  # the consumer launch's chunks per token: one share each
-    slots: int
-    mix_row: int
-    totals_off: int
-    use_ptx: bool
-    launched: list | None = None
-    epoch: int = -1
-    stream: int = 0
-
-
-def current_stream_id(device: torch.device) -> int:
-    """The current CUDA stream's id on ``device`` (0 off the GPU): where a
-    MixesFinish is left and where its GEMM must launch."""
-    return torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
-
-
-# Host-side count of the launches that (re)wrote each mix-row buffer, by its storage:
-# a MixesFinish records the count of the launch that left it (MixesFinish.epoch).
-_MIX_ROWS_EPOCHS: dict[tuple[str, int], int] = {}
-
-
-def _mix_rows_key(mix_words: torch.Tensor) -> tuple[str, int]:
-    return str(mix_words.device), mix_words.untyped_storage().data_ptr()
-
-
-def mix_rows_epoch(mix_words: torch.Tensor) -> int:
-    """How many consumer launches (or re-arms) have written these mix rows."""
-    return _MIX_ROWS_EPOCHS.get(_mix_rows_key(mix_words), 0)
-
-
-def advance_mix_rows(mix_words: torch.Tensor) -> int:
-    """Count one more launch (or re-arm) writing these mix rows; the new epoch."""
-    key = _mix_rows_key(mix_words)
-    _MIX_ROWS_EPOCHS[key] = _MIX_ROWS_EPOCHS.get(key, 0) + 1
-    return _MIX_ROWS_EPOCHS[key]
 
 
 # The launch arguments of a producer that does not publish (kernels compile the

@@ -1,5 +1,5 @@
 """Device helpers of bounded waits and tagged words (the consumer's norm
-hand-off and mix shares, :mod:`.mhc_combine`).
+hand-off and mix shares, :mod:`decode_boundary.mixes.mhc_combine`).
 
 A *tagged word* is an int64 whose high half is a launch's tag (the token's
 generation + 1) and whose low half is an FP32 value, stored with one aligned
@@ -32,7 +32,7 @@ def _now(spins, like, USE_PTX: tl.constexpr):
 
 
 @triton.jit
-def _bit_or(a, b):
+def bit_or(a, b):
     return a | b
 
 
@@ -49,11 +49,11 @@ def _poll_verdict(unwritten, start, spins, wait_bound, status_ptr, CHECK_STATUS:
     stop = (_now(spins, unwritten, USE_PTX) - start) > wait_bound
     if CHECK_STATUS:
         stop = stop | (tl.load(status_ptr + unwritten * 0, volatile=True) != 0)
-    return tl.reduce(unwritten | tl.where(stop, 2, 0), 0, _bit_or)  # bit 2: the probe's poison
+    return tl.reduce(unwritten | tl.where(stop, 2, 0), 0, bit_or)  # bit 2: the probe's poison
 
 
 @triton.jit
-def _probe_partials(row, live, tag, UNUSED: tl.constexpr):
+def probe_partials(row, live, tag, UNUSED: tl.constexpr):
     """One volatile poll of a token's sum-of-squares row: (the words, per unit 1
     where the word does not carry ``tag`` yet)."""
     words = tl.load(row, mask=live, other=0, volatile=True)
@@ -61,7 +61,7 @@ def _probe_partials(row, live, tag, UNUSED: tl.constexpr):
 
 
 @triton.jit
-def _spin(probe, ptr, mask, arg, status_ptr, wait_bound, N: tl.constexpr,
+def spin(probe, ptr, mask, arg, status_ptr, wait_bound, N: tl.constexpr,
           CHECK_STATUS: tl.constexpr, USE_PTX: tl.constexpr):
     """Poll with ``probe(ptr, mask, arg, N)`` -> (value, flags per element: bit
     0 pending, bit 2 poison) until nothing is pending or the bound passes (with
@@ -69,7 +69,7 @@ def _spin(probe, ptr, mask, arg, status_ptr, wait_bound, N: tl.constexpr,
     (the last value, the OR of the last poll's flags: bit 0 = something is
     still pending, bit 2 = poison seen)."""
     value, hole = probe(ptr, mask, arg, N)
-    flags = tl.reduce(hole, 0, _bit_or)
+    flags = tl.reduce(hole, 0, bit_or)
     if (flags & 1) != 0:
         spins = 0
         start = _now(spins, hole, USE_PTX)
@@ -84,23 +84,23 @@ def _spin(probe, ptr, mask, arg, status_ptr, wait_bound, N: tl.constexpr,
 
 
 @triton.jit
-def _tagged(value, tag):
+def tag_word(value, tag):
     """FP32 ``value`` in the low half of an int64 word, ``tag`` in the high half."""
     return (tag.to(tl.int64) << 32) | (value.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
 
 
 @triton.jit
-def _untagged(words):
+def untag(words):
     return (words & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _f32_nan():
+def f32_nan():
     return tl.full((), _F32_NAN, tl.int32).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _gave_up(flags, status_ptr):
+def gave_up(flags, status_ptr):
     """Whether a spin of tagged words gave up (its flags' bit 0: still pending);
     then ``NORM_TIMEOUT_BIT`` goes into the status word (several programs may
     set it together: ``atomic_or``)."""

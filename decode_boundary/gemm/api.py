@@ -15,9 +15,10 @@ input's original dtype (computed as BF16).
 ``mxfp8_mm`` runs any row count with :func:`selected_tactic` (the table's
 tactic, else the heuristic: tactics.py), the same
 tactic for a BF16 input and for its ``quantize_mxfp8``, so both give the same
-output bits (the summation order follows the tactic); layers no
-kernel takes ((N / groups) % 16 != 0, misaligned buffers) get the reference
-computation, which is correct but slow. Malformed operands raise ValueError.
+output bits (the summation order follows the tactic). A layer no kernel
+takes ((N / groups) % 16 != 0, K % 32 != 0, misaligned buffers) raises
+``ValueError``: ``mxfp8_mm_ref`` (reference.py) computes any layer, slowly.
+Malformed operands raise ValueError.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Iterable
 
 import torch
 
-from decode_boundary.common.contract import MixesFinish
+from decode_boundary.mixes.handoff import NextMixes
 from decode_boundary.mxfp8.format import QuantizedActivation, check_quantized
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
@@ -37,7 +38,6 @@ from .launcher import (
     warmup_low_latency,
     weight_operands,
 )
-from .reference import mxfp8_mm_ref
 from .tactics import PROLOGUE_MAX_ROWS, Tactic, default_tactic
 
 
@@ -48,17 +48,26 @@ def _shape(layer) -> tuple[int, int, int]:
 
 
 def mxfp8_eligible(layer) -> bool:
-    """Whether ``layer``'s weights are ones the kernel takes (else: reference
-    path). Under torch.compile the alignment is checked at run time instead
-    (inside the op: a traced graph cannot read addresses)."""
+    """Whether ``layer``'s weights are ones the kernel takes (else ``mxfp8_mm``
+    refuses it; ``mxfp8_mm_ref`` computes any layer). Under torch.compile the
+    alignment is checked at run time instead (inside the op: a traced graph
+    cannot read addresses)."""
+    return _refusal(layer) is None
+
+
+def _refusal(layer) -> str | None:
+    """Why the kernel cannot take ``layer`` (None: it can)."""
     try:
         storage, scale, n, k, groups = weight_operands(layer)
-    except ValueError:
-        return False
+    except ValueError as error:
+        return str(error)
     if (n // groups) % 16 or k % 32:
-        return False
-    return torch.compiler.is_compiling() or (storage.data_ptr() % 16 == 0
-                                             and scale.data_ptr() % 16 == 0)
+        return (f"its shape N = {n} ({groups} group(s)), K = {k} needs (N / groups) % 16 == 0 "
+                "and K % 32 == 0")
+    if not torch.compiler.is_compiling() and (storage.data_ptr() % 16 or
+                                              scale.data_ptr() % 16):
+        return "its weight and weight_scale must start at 16-byte aligned addresses"
+    return None
 
 
 def selected_tactic(layer_or_shape, rows: int) -> Tactic:
@@ -106,22 +115,17 @@ def _finish(layer, out: torch.Tensor, dtype, shape) -> torch.Tensor:
     return out.view(*shape[:-1], out.shape[-1]).to(dtype)
 
 
-def _reference(layer, a) -> torch.Tensor:
-    qa = a if isinstance(a, QuantizedActivation) else quantize_mxfp8(a)
-    return mxfp8_mm_ref(qa, layer.weight, layer.weight_scale, getattr(layer, "groups", 1)) \
-        .reshape(qa.rows, -1)
-
-
-def _run(layer, x, tactic_for, finish=None, mxfp8_out: bool = False):
+def _run(layer, x, tactic_for, mixes: NextMixes | None = None, mxfp8_out: bool = False):
     """Run ``layer`` on ``x`` with ``tactic_for(rows)`` (None: not this entry
     point's); the input kind picks the kernel variant, not the tactic.
-    ``mxfp8_out``: the MXFP8 of the output, from the epilogue where the tactic
-    allows it (and no bias is added), else quantized after."""
+    ``mixes``: a combine left to this launch. ``mxfp8_out``: the MXFP8 of the
+    output, from the epilogue where the tactic allows it (and no bias is
+    added), else quantized after."""
     a, rows, dtype, shape = _activation(layer, x)
     n = layer.weight.shape[1]
     device = layer.weight.device
     if rows == 0:
-        if finish is not None:  # it would be dropped: pre, post and comb left unwritten
+        if mixes is not None:  # it would be dropped: pre, post and comb left unwritten
             raise ValueError("finish_mixes needs the GEMM of the consumer's rows, got 0 rows")
         out = _finish(layer, torch.empty(0, n, dtype=torch.bfloat16, device=device), dtype,
                       shape)
@@ -129,13 +133,22 @@ def _run(layer, x, tactic_for, finish=None, mxfp8_out: bool = False):
     tactic = tactic_for(rows)
     if tactic is None:
         return None
+    finish = mixes.launch_args(device) if mixes is not None else None
     if mxfp8_out and _epilogue_quantizes(layer, tactic, dtype):
         out = empty_mxfp8(rows, n, device)
         launch_low_latency(layer, a, out, tactic, finish=finish)
+        _mark_finished(mixes)
         return QuantizedActivation(out.data, out.scale, dtype, torch.Size((*shape[:-1], n)))
     out = torch.empty(rows, n, dtype=torch.bfloat16, device=device)
-    out = _finish(layer, launch_low_latency(layer, a, out, tactic, finish=finish), dtype, shape)
+    out = launch_low_latency(layer, a, out, tactic, finish=finish)
+    _mark_finished(mixes)
+    out = _finish(layer, out, dtype, shape)
     return quantize_mxfp8(out) if mxfp8_out else out
+
+
+def _mark_finished(mixes: NextMixes | None) -> None:
+    if mixes is not None:
+        mixes.mark_finished()
 
 
 def _traced_mm(layer, x) -> torch.Tensor:
@@ -152,29 +165,35 @@ def _traced_mm(layer, x) -> torch.Tensor:
     return _finish(layer, out, dtype, shape)
 
 
-def mxfp8_mm(layer, x, *, finish_mixes: MixesFinish | None = None, mxfp8_out: bool = False):
+def mxfp8_mm(layer, x, *, finish_mixes: NextMixes | None = None, mxfp8_out: bool = False):
     """``layer``'s GEMM of ``x`` with the selected tactic (any row count).
-    ``finish_mixes``: the next mHC mixes a consumer launch left to this GEMM
-    (``consume(..., combine_mixes=False)``, the kernel right before this one
-    on the stream): M more programs of this launch combine them while the
-    products run (eager launches of a layer the kernel takes, M >= 1; the
-    output bits do not change).
+    ``finish_mixes``: the next mHC mixes of the all-reduce call right before
+    this GEMM on the stream (its result's ``mixes``); where that call left
+    their combine to this GEMM (``mixes="next_gemm"``), M more programs of
+    this launch combine them while the products run (eager launches of a
+    layer the kernel takes, M >= 1; the output bits do not change), else
+    it changes nothing.
     ``mxfp8_out``: return the output as MXFP8 (a ``QuantizedActivation``),
     byte for byte ``quantize_mxfp8(mxfp8_mm(layer, x))``: written so by the
     GEMM's own epilogue where :func:`mxfp8_out_in_epilogue` (no quantizer
     launch, no BF16 round trip), else quantized after the GEMM."""
     weight_operands(layer)  # malformed weights raise here
+    if finish_mixes is not None and not isinstance(finish_mixes, NextMixes):
+        raise ValueError(f"finish_mixes must be the NextMixes of an all-reduce call, got "
+                         f"{type(finish_mixes).__name__}")
+    if finish_mixes is not None and not finish_mixes.left_to_gemm:
+        finish_mixes = None  # combined already: nothing for this GEMM to finish
     if finish_mixes is not None and (torch.compiler.is_compiling()
                                      or not mxfp8_eligible(layer)):
         raise ValueError("finish_mixes needs an eager launch of a layer the kernel takes "
                          "(mxfp8_eligible)")
-    if torch.compiler.is_compiling():
-        out = _traced_mm(layer, x)
-    elif not mxfp8_eligible(layer):
-        a, _, dtype, shape = _activation(layer, x)
-        out = _finish(layer, _reference(layer, a), dtype, shape)
-    else:
+    refusal = _refusal(layer)
+    if refusal is not None:
+        raise ValueError(f"mxfp8_mm: the kernel cannot take this layer: {refusal} "
+                         "(decode_boundary.gemm.mxfp8_mm_ref computes any layer, slowly)")
+    if not torch.compiler.is_compiling():
         return _run(layer, x, lambda rows: selected_tactic(layer, rows), finish_mixes, mxfp8_out)
+    out = _traced_mm(layer, x)
     return quantize_mxfp8(out) if mxfp8_out else out
 
 
@@ -208,7 +227,7 @@ def shape_representatives(layers: Iterable) -> list:
 
 def precompile(layer, rows_list: Iterable[int], publish=None, bf16_input: bool | None = None,
                stream: torch.cuda.Stream | None = None,
-               finish_mixes: MixesFinish | None = None, mxfp8_out: bool = False):
+               finish_mixes: NextMixes | None = None, mxfp8_out: bool = False):
     """Compile the kernels ``mxfp8_mm`` (or, with ``publish``, the publishing
     launch) uses for each row count and allocate their split-K scratch,
     launching nothing (but the quantizer, once, where a BF16 input of that many
@@ -226,7 +245,8 @@ def precompile(layer, rows_list: Iterable[int], publish=None, bf16_input: bool |
     if not mxfp8_eligible(layer):
         return
     rows_list = list(rows_list)
-    if finish_mixes is not None and len(set(rows_list)) != 1:
+    finish = finish_mixes.finish if finish_mixes is not None else None
+    if finish is not None and len(set(rows_list)) != 1:
         raise ValueError(f"a finish_mixes serves one row count (its pre is [rows, hc]), got "
                          f"rows {rows_list}: precompile each row count with its own")
     kinds = (False, True) if bf16_input is None else (bf16_input,)
@@ -242,7 +262,7 @@ def precompile(layer, rows_list: Iterable[int], publish=None, bf16_input: bool |
             in_epilogue = mxfp8_out and _epilogue_quantizes(layer, tactic, torch.bfloat16)
             if mxfp8_out and not in_epilogue:  # quantized after the GEMM
                 _load_quantizer(rows, n, layer.weight.device)
-            warmup_low_latency(layer, rows, tactic, publish, bf16, stream, finish_mixes,
+            warmup_low_latency(layer, rows, tactic, publish, bf16, stream, finish,
                                mxfp8_out=in_epilogue)
 
 

@@ -63,17 +63,15 @@ import triton
 
 from decode_boundary.common.contract import (
     NO_PUBLISH,
-    MixesFinish,
     check_publish_target,
-    current_stream_id,
     max_mix_chunks,
     mix_columns,
-    mix_rows_epoch,
     mix_slots,
     mix_totals_offset,
 )
 from decode_boundary.common.timeline import launch_args
 from decode_boundary.env import interpret_mode, use_pdl
+from decode_boundary.mixes.handoff import MixesFinish
 from decode_boundary.mxfp8.format import QuantizedActivation, check_scale_buffer, mxfp8_scale_bytes
 
 from .mxfp8_gemm_kernel import mxfp8_gemm_kernel
@@ -241,13 +239,11 @@ def _check_out(out, rows: int, n: int, tactic: Tactic, publish):
     return data, out.scale
 
 
-def _finish_args(finish: MixesFinish | None, rows: int, device: torch.device, dummy,
-                 launching: bool = True):
-    """(positional, constexpr) arguments of ``FINISH_MIXES`` (dummies without);
-    ``launching``: for a launch, not only a compile (the finish must be current)."""
+def _finish_args(finish: MixesFinish | None, rows: int, device: torch.device, dummy):
+    """(positional, constexpr) arguments of ``FINISH_MIXES`` (dummies without)."""
     if finish is None:
         return (dummy,) * 8 + (0.0, 0.0, 0, 0), {}
-    _check_finish(finish, rows, device, launching)
+    _check_finish(finish, rows, device)
     f = finish
     return (f.mix_words, f.generation, f.status, f.hc_scale, f.hc_base, f.pre, f.post, f.comb,
             float(f.eps), float(f.hc_eps), int(f.rounds), int(f.wait_bound)), dict(
@@ -256,24 +252,11 @@ def _finish_args(finish: MixesFinish | None, rows: int, device: torch.device, du
         TOTALS_OFF=f.totals_off, USE_PTX=f.use_ptx)
 
 
-def _check_finish(f: MixesFinish, rows: int, device: torch.device,
-                  launching: bool = True) -> None:
-    """A ``MixesFinish`` as ``consume`` makes it, for these rows; for a launch
-    also current (its shares not rewritten since) and on its stream."""
+def _check_finish(f: MixesFinish, rows: int, device: torch.device) -> None:
+    """A ``MixesFinish`` as ``consume`` makes it, for these rows (whether it is
+    current is the hand-off's check: ``NextMixes.launch_args``)."""
     if not isinstance(f, MixesFinish):
         raise ValueError(f"finish_mixes must be a MixesFinish, got {type(f).__name__}")
-    if launching:
-        if f.epoch < 0:
-            raise ValueError("finish_mixes was made to compile the finishing variant "
-                             "(deferred_finish), not left by a consumer launch")
-        if f.epoch != mix_rows_epoch(f.mix_words):
-            raise ValueError("finish_mixes is older than the last consumer launch (or re-arm) "
-                             "on its mix rows: its shares have been rewritten (launch the "
-                             "GEMM with a call's MixesFinish right after that call)")
-        if current_stream_id(device) != f.stream:
-            raise ValueError("finish_mixes was left on another stream: the GEMM must run on "
-                             "the consumer's stream, right after it (its grid wait orders it "
-                             "after the consumer only there)")
     hc = f.hc
     n_mix = (2 + hc) * hc
     want = dict(pre=(torch.float32, (rows, hc)), post=(torch.float32, (rows, hc)),
@@ -307,13 +290,10 @@ def _check_finish(f: MixesFinish, rows: int, device: torch.device,
 
 # 64-row tensor-core tiles of 4 warps and 128-wide K-pieces compile to ~175
 # registers per thread: two programs per SM, where 168 allows three. The cap pays
-# only where the third program shortens the grid's waves (benchmarks/NOTES.md
-# attempt 18: V4-Pro wo_b at 64 rows, 896 programs, 40.4 -> 33.4 µs, same bits);
-# where it does not (grouped wo_a, 256 programs: one wave either way) it cost
-# ~0.4 µs. The 64-wide-piece tiles compile at 168 as they are, and the cap makes
-# ptxas spill them (fused_wqa_wkv 11.7 -> 15.6 µs, TP-2 wo_b 26.8 -> 30.4): not
-# capped. The publishing and mixes-finishing variants hold more live values and
-# were not measured capped: they compile as they are.
+# only where the third program shortens the grid's waves (same bits); where it does
+# not (one wave either way) it costs time. The 64-wide-piece tiles compile at 168 as
+# they are, and the cap makes ptxas spill them: not capped. The publishing and
+# mixes-finishing variants hold more live values and compile as they are.
 CAPPED_REGISTERS = 168
 _UNCAPPED_PROGRAMS_PER_SM, _CAPPED_PROGRAMS_PER_SM = 2, 3
 
@@ -336,8 +316,7 @@ def register_cap(tactic: Tactic, programs: int, device: torch.device) -> int | N
     return CAPPED_REGISTERS if capped_waves < waves else None
 
 
-def _launch_config(layer, a, out, tactic: Tactic, publish, finish: MixesFinish | None = None,
-                   launching: bool = True):
+def _launch_config(layer, a, out, tactic: Tactic, publish, finish: MixesFinish | None = None):
     """(grid, positional args, keyword args) shared by launch and warmup, so a
     warmed-up kernel is exactly the one a launch looks up. ``a`` is a BF16
     [rows, G*K] tensor or a QuantizedActivation (2-D data); with ``finish``,
@@ -358,7 +337,7 @@ def _launch_config(layer, a, out, tactic: Tactic, publish, finish: MixesFinish |
     if publish is not None:
         check_publish_target(publish, n, rows, device)
     buffers = _buffers(device, n, rows, tactic, publish)
-    mix_args, mix_kwargs = _finish_args(finish, rows, device, buffers[0], launching)
+    mix_args, mix_kwargs = _finish_args(finish, rows, device, buffers[0])
     grid = (n // tactic.block_n + (rows if finish is not None else 0), tactic.split_k,
             -(-rows // tactic.rows_tile))
     programs = grid[0] * grid[1] * grid[2]
@@ -394,8 +373,6 @@ def launch_low_latency(layer, a, out, tactic: Tactic, publish=None,
     grid, args, kwargs = _launch_config(layer, a, out, tactic, publish, finish)
     if grid[2]:
         mxfp8_gemm_kernel[grid](*args, **kwargs)
-        if finish is not None and finish.launched is not None:
-            finish.launched[0] = True  # the all-reduce's next call checks it
     return out
 
 
@@ -425,5 +402,5 @@ def warmup_low_latency(layer, rows: int, tactic: Tactic, publish=None, bf16_inpu
         torch.empty(rows, n, dtype=torch.bfloat16, device=device)
     if publish is not None and any(ptr % 16 for ptr in publish.peer_ptrs.tolist()):
         raise ValueError("publish.peer_ptrs must hold 16-byte aligned mailbox addresses")
-    grid, args, kwargs = _launch_config(layer, a, out, tactic, publish, finish, launching=False)
+    grid, args, kwargs = _launch_config(layer, a, out, tactic, publish, finish)
     return mxfp8_gemm_kernel.warmup(*args, grid=grid, **kwargs)

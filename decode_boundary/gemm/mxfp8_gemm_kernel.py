@@ -20,8 +20,8 @@ it fits (``A_UPFRONT``: ``tactics.activation_upfront``, at most
 ``MAX_UPFRONT_BYTES_PER_THREAD`` per thread, less for a BF16 input): every piece's loads are issued
 back to back before the first product, because a product ends in a cross-warp
 sum (a CTA barrier) and a load placed after a barrier is issued only once it
-passes: per-piece loads would cost one L2 round trip per piece (the stamps of
-benchmarks/NOTES.md: 1.8-2.8 µs of body after the weights had arrived at M = 1).
+passes: per-piece loads would cost one L2 round trip per piece (the timeline's
+stamps showed it as body time after the weights had arrived).
 
 **Two products, one per row range** (``ROWS``, the activation tile):
 
@@ -117,7 +117,7 @@ mixes (summing each token's shares, then pre, post and comb) to it, so that
 this grid's wait no longer waits for the consumer's serial combine. The grid
 then has M more columns in front (``pid_n < M``; in front so they are
 dispatched with the first weight owners): the one at split 0, row block 0
-combines token ``pid_n`` (``common.mhc_combine.finish_token_mixes``) after
+combines token ``pid_n`` (``mixes.mhc_combine.finish_token_mixes``) after
 the grid wait, while the weight owners run their products; the copies at
 other grid positions exit at once. They load nothing before the
 wait and write only pre, post, comb and the mix row's totals words (and,
@@ -139,9 +139,9 @@ import triton.language as tl
 
 from decode_boundary.common.contract import STAGE_ACTIVE, STAGE_NEXT
 from decode_boundary.common.mailbox_store import publish_row
-from decode_boundary.common.mhc_combine import finish_token_mixes
 from decode_boundary.common.rounding import quantize_groups, swizzled_offset, to_bf16_rne
 from decode_boundary.common.timeline import END, MARK1, MARK2, START, WAITED, stamp, stamp_after
+from decode_boundary.mixes.mhc_combine import finish_token_mixes
 
 _STAGE_NEXT = tl.constexpr(STAGE_NEXT)
 _STAGE_ACTIVE = tl.constexpr(STAGE_ACTIVE)
@@ -335,7 +335,7 @@ def _finish_mixes_program(mix_ptr, generation_ptr, status_ptr, hc_scale_ptr, hc_
                           MIX_ROW: tl.constexpr, TOTALS_OFF: tl.constexpr,
                           USE_PTX: tl.constexpr):
     """``FINISH_MIXES``: token m's next mixes, combined from the shares the
-    consumer before this GEMM left (``common.mhc_combine``), by a program that
+    consumer before this GEMM left (``mixes.mhc_combine``), by a program that
     loads no weight. Timeline marks: WAITED and MARK2 at the grid wait, MARK1
     once combined."""
     if USE_PDL:

@@ -27,9 +27,8 @@ import torch
 import torch.distributed as dist
 
 from decode_boundary import env
-from decode_boundary.boundary.all_reduce import BoundaryAllReduce
-from decode_boundary.boundary.consumer import MIXES_ASIDE_MIN_ROWS, mixes_aside_ok
-from decode_boundary.boundary.reference import consumer_mixes_ref, mhc_mixes_ref
+from decode_boundary.boundary.all_reduce import BoundaryAllReduce, BoundaryResult
+from decode_boundary.boundary.reference import consumer_mixes_ref
 from decode_boundary.gemm import mxfp8_mm, mxfp8_out_in_epilogue
 from decode_boundary.gemm import precompile as gemm_precompile
 from decode_boundary.gemm.linear import Mxfp8Linear, load_linear
@@ -38,17 +37,10 @@ from decode_boundary.model.config import BoundaryConfig
 from decode_boundary.mxfp8.format import QuantizedActivation, mxfp8_scale_bytes, quantize_mxfp8_ref
 from decode_boundary.publishing_linear import PublishingMxfp8Linear
 
-OUTPUT_NAMES = ("residual_out", "layer_input", "q")  # BoundaryOutputs' tensors (and its mixes)
-MIX_NAMES = ("next_pre", "next_post", "next_comb")
 WEIGHT_STD = 0.02  # synthetic weights: the scale of a trained projection's entries
 # Synthetic mHC mix parameters of the next sublayer: hc_fn entries of this size give
 # mixes of order 1 from unit-RMS streams (the dots are scaled by their rsqrt).
 HC_FN_STD = 0.02
-# pre / post / comb against the mixes reference of the same residual_out: FP32 dots
-# of length hc * H summed in another order, then sigmoid / softmax / Sinkhorn
-# (tests/test_consumer_mixes.py). Against the chain's reference they are checked like
-# every output (CHAIN_RTOL): its residual_out may differ by the GEMMs' last bits.
-MIXES_ATOL = 1e-5
 
 
 @dataclass
@@ -243,7 +235,7 @@ class AttentionBoundary:
 
         ``mixes_aside`` (where :attr:`mixes_aside_possible`: V4.1): the next
         mixes run on the all-reduce's side stream, off the chain's critical
-        path (``BoundaryAllReduce(mixes_aside=True)``); the step's
+        path (the all-reduce's ``mixes="side_stream"``); the step's
         ``next_pre`` / ``next_post`` / ``next_comb`` are complete only after
         :meth:`join_mixes` (the next step joins by itself). Elsewhere (V4,
         whose collapse needs them in the consumer) it changes nothing.
@@ -252,20 +244,25 @@ class AttentionBoundary:
         cost more than the mixes inside the step). The layer input (so q) may
         differ from the inline path's in its last bits: the consumer without
         the mixes runs its own tactic, another sum-of-squares order."""
-        aside = self._aside(inputs, mixes_aside)  # refused before anything is published
-        return self.consume(inputs, self.produce(inputs, fused), aside)
+        self.mixes_choice(mixes_aside)  # refused before anything is published
+        return self.consume(inputs, self.produce(inputs, fused), mixes_aside)
 
-    def _aside(self, inputs: BoundaryInputs, mixes_aside: bool | str) -> bool:
+    def mixes_choice(self, mixes_aside: bool | str) -> str:
+        """The all-reduce's ``mixes=`` for the chain's ``mixes_aside``: the
+        combine left to ``fused_wqa_wkv`` ("next_gemm"), on the side stream
+        where this model can ("side_stream"), or "auto" (the all-reduce picks
+        by the row count where it can)."""
         if not (isinstance(mixes_aside, bool) or mixes_aside == "auto"):
             raise ValueError(f"mixes_aside must be True, False or 'auto', got {mixes_aside!r}")
-        if mixes_aside == "auto":
-            mixes_aside = inputs.rows >= MIXES_ASIDE_MIN_ROWS
-        return bool(mixes_aside) and self.mixes_aside_possible
+        if not self.mixes_aside_possible:
+            return "next_gemm"
+        return "auto" if mixes_aside == "auto" else \
+            "side_stream" if mixes_aside else "next_gemm"
 
     @property
     def mixes_aside_possible(self) -> bool:
         """Whether ``mixes_aside`` moves this model's next mixes to a side stream."""
-        return mixes_aside_ok(self.config.hc_mult, self.config.collapse_pre)
+        return self.all_reduce.side_stream_possible
 
     def join_mixes(self) -> None:
         """Make the current stream wait for mixes a step left aside (none: no-op)."""
@@ -300,32 +297,27 @@ class AttentionBoundary:
                 mixes_aside: bool | str = False) -> BoundaryOutputs:
         """The consumer (all-reduce + mHC + RMSNorm + MXFP8 + the next mixes'
         shares) and ``fused_wqa_wkv``, whose extra programs combine the mixes
-        (``combine_mixes=False``); with ``mixes_aside`` (:meth:`__call__`) the
+        (``mixes="next_gemm"``); with ``mixes_aside`` (:meth:`__call__`) the
         mixes kernel on the side stream instead."""
-        aside = self._aside(inputs, mixes_aside)
-        residual_out, layer_input, next_in, mixes, finish = self.reduce(
-            inputs, partial, combine_mixes=False, mixes_aside=aside)
-        q = mxfp8_mm(self.fused_wqa_wkv, next_in, finish_mixes=finish)
-        return BoundaryOutputs(residual_out, layer_input, q, *mixes)
+        result = self.reduce(inputs, partial, self.mixes_choice(mixes_aside))
+        q = mxfp8_mm(self.fused_wqa_wkv, result.mxfp8, finish_mixes=result.mixes)
+        return BoundaryOutputs(result.residual_out, result.layer_input, q, *result.mixes)
 
-    def reduce(self, inputs: BoundaryInputs, partial: torch.Tensor, combine_mixes: bool = True,
-               mixes_aside: bool = False):
-        """The consumer alone: (residual_out, layer_input, the next layer's
-        MXFP8 input, the next sublayer's (pre, post, comb)) from the published
-        ``partial``; ``combine_mixes=False``: the combine left to the next
-        GEMM, whose ``MixesFinish`` (or None) comes last."""
+    def reduce(self, inputs: BoundaryInputs, partial: torch.Tensor,
+               mixes: str | None = None) -> BoundaryResult:
+        """The consumer alone from the published ``partial``: the all-reduce's
+        :class:`BoundaryResult` (its ``mxfp8`` the next layer's input, its
+        ``mixes`` the next sublayer's; ``mixes``: the all-reduce's choice)."""
         c, rows = self.config, inputs.rows
         data = torch.empty(rows, c.hidden, dtype=torch.float8_e4m3fn, device=self.device)
         scale = torch.empty(mxfp8_scale_bytes(rows, c.hidden), dtype=torch.uint8,
                             device=self.device)
         pre = inputs.pre if c.collapse_pre == "previous" else None
-        residual_out, layer_input, mixes, *finish = self.all_reduce(
-            partial, inputs.residual, inputs.post, inputs.comb, pre,
-            self.norm_weight, c.eps, mxfp8_out=(data, scale), mix_weights=self.mix_weights,
-            combine_mixes=combine_mixes, mixes_aside=mixes_aside,
+        return self.all_reduce(
+            partial, residual=inputs.residual, post=inputs.post, comb=inputs.comb, pre=pre,
+            norm_weight=self.norm_weight, norm_eps=c.eps, mxfp8_out=(data, scale),
+            mix_weights=self.mix_weights, mixes=mixes,
         )
-        next_in = QuantizedActivation(data, scale, torch.bfloat16, layer_input.shape)
-        return residual_out, layer_input, next_in, mixes, *finish
 
     def reference_partial(self, inputs: BoundaryInputs) -> torch.Tensor:
         """This rank's ``wo_b`` partial from the pure-torch references."""
@@ -355,78 +347,3 @@ class AttentionBoundary:
 
 def _mm_ref(linear, x: torch.Tensor) -> torch.Tensor:
     return mxfp8_mm_ref(quantize_mxfp8_ref(x), linear.weight, linear.weight_scale, linear.groups)
-
-
-def simulated_boundaries(config: BoundaryConfig, tp: int, capacity: int, seed: int = 0,
-                         device: torch.device | str = "cpu") -> list[AttentionBoundary]:
-    """``tp`` ranks of one process sharing simulated mailboxes (interpreter
-    runs): drive them with :func:`run_simulated`."""
-    all_reduces = BoundaryAllReduce.simulated(
-        tp, config.hidden, config.hc_mult, capacity, config.top_k, device=device,
-        quantize_layer_input=True, residual_only=False, collapse_pre=config.collapse_pre,
-        hc_eps=config.hc_eps, hc_sinkhorn_iters=config.hc_sinkhorn_iters,
-    )
-    return [AttentionBoundary(config, tp, rank, None, torch.device(device), capacity, seed=seed,
-                              all_reduce=ar) for rank, ar in enumerate(all_reduces)]
-
-
-def run_simulated(boundaries: list[AttentionBoundary], inputs: list[BoundaryInputs],
-                  fused: bool = True, mixes_aside: bool | str = False
-                  ) -> list[BoundaryOutputs]:
-    """One step of simulated ranks: every rank produces (and publishes) first,
-    then every rank consumes."""
-    for b, x in zip(boundaries, inputs, strict=True):
-        b._aside(x, mixes_aside)  # a bad flag is refused before any rank publishes
-    partials = [b.produce(x, fused) for b, x in zip(boundaries, inputs, strict=True)]
-    return [b.consume(x, p, mixes_aside)
-            for b, x, p in zip(boundaries, inputs, partials, strict=True)]
-
-
-# Relative L2 error allowed against the reference: each stage re-rounds to BF16
-# (2^-9 relative) and MXFP8 (2^-4 per element, averaging out over K), and
-# our GEMMs sum in another order than the reference, so an element near an MXFP8
-# or BF16 rounding boundary can land one step away; 2e-2 bounds the whole chain.
-CHAIN_RTOL = 2e-2
-
-
-def check_outputs(out: BoundaryOutputs, ref: BoundaryOutputs, rtol: float = CHAIN_RTOL,
-                  names: tuple = OUTPUT_NAMES + MIX_NAMES) -> list[str]:
-    """Failures (empty when fine) of a path's outputs ``names`` against the reference."""
-    failures = []
-    for name in names:
-        got, want = getattr(out, name).float(), getattr(ref, name).float()
-        if got.shape != want.shape:
-            failures.append(f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}")
-            continue
-        if not torch.isfinite(got).all():
-            failures.append(f"{name}: non-finite values")
-            continue
-        err = ((got - want).norm() / want.norm().clamp(min=1e-30)).item()
-        if err > rtol:
-            failures.append(f"{name}: relative error {err:.2e} > {rtol:.0e}")
-    return failures
-
-
-def check_mixes(out: BoundaryOutputs, ab: AttentionBoundary,
-                atol: float = MIXES_ATOL) -> list[str]:
-    """Failures (empty when fine) of a path's next mixes against the spec
-    (``mhc_mixes_ref``) of its own ``residual_out``, within ``atol``."""
-    c = ab.config
-    want = mhc_mixes_ref(out.residual_out, *ab.mix_weights, c.eps, c.hc_eps,
-                         c.hc_sinkhorn_iters)
-    failures = []
-    for name, exp in zip(MIX_NAMES, want, strict=True):
-        err = (getattr(out, name).double() - exp.double()).abs().max().item()
-        if not err <= atol:  # NaN fails too
-            failures.append(f"{name}: {err:.2e} from the mixes of its residual_out "
-                            f"(> {atol:.0e})")
-    return failures
-
-
-def outputs_identical(a: BoundaryOutputs, b: BoundaryOutputs) -> bool:
-    """Bit-identical outputs (BF16 and FP32 compared as raw bit patterns)."""
-    return all(
-        torch.equal(getattr(a, n).view(torch.int16), getattr(b, n).view(torch.int16))
-        for n in OUTPUT_NAMES
-    ) and all(torch.equal(getattr(a, n).view(torch.int32), getattr(b, n).view(torch.int32))
-              for n in MIX_NAMES)

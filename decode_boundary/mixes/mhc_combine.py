@@ -34,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tagged_words import _bit_or, _f32_nan, _gave_up, _probe_partials, _spin, _tagged, _untagged
+from ..common.tagged_words import bit_or, f32_nan, gave_up, probe_partials, spin, tag_word, untag
 
 
 @triton.jit
@@ -50,7 +50,7 @@ def finish_token_mixes(mix_ptr, generation_ptr, status_ptr, hc_scale_ptr, hc_bas
     first probe finds them. Their tag is ``generation[m]`` itself (the
     consumer's chunk 0 advanced it to the launch's tag before it ended)."""
     tag = tl.load(generation_ptr + m, volatile=True)
-    _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, post_out_ptr,
+    combine_shares(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, post_out_ptr,
                    comb_out_ptr, m, tag, eps, hc_eps, rounds, wait_bound, HC, HIDDEN, CHUNKS,
                    CHUNKS_P2, SLOTS, MIX_ROW, TOTALS_OFF, USE_PTX)
 
@@ -59,8 +59,8 @@ def finish_token_mixes(mix_ptr, generation_ptr, status_ptr, hc_scale_ptr, hc_bas
 def _probe_mix_row(ptrs, live, tag, UNUSED: tl.constexpr):
     """One volatile poll of a token's mix row [chunks, SLOTS]: (the words, per
     chunk 1 where a word does not carry ``tag`` yet)."""
-    words, hole = _probe_partials(ptrs, live, tag, UNUSED)
-    return words, tl.reduce(hole, 1, _bit_or)
+    words, hole = probe_partials(ptrs, live, tag, UNUSED)
+    return words, tl.reduce(hole, 1, bit_or)
 
 
 @triton.jit
@@ -73,11 +73,11 @@ def _share_totals(mix_ptr, status_ptr, m, tag, wait_bound, CHUNKS: tl.constexpr,
     bits in every program that calls it."""
     c = tl.arange(0, CHUNKS_P2)[:, None]
     j = tl.arange(0, SLOTS)[None, :]
-    words, flags = _spin(_probe_mix_row, mix_ptr + m * MIX_ROW + c * SLOTS + j,
+    words, flags = spin(_probe_mix_row, mix_ptr + m * MIX_ROW + c * SLOTS + j,
                          (c < CHUNKS) & (j < SLOTS), tag, status_ptr, wait_bound, 0, False,
                          USE_PTX)
-    stale = _gave_up(flags, status_ptr)
-    return tl.where(stale, _f32_nan(), _pairwise_sum(_untagged(words), CHUNKS_P2, SLOTS))
+    stale = gave_up(flags, status_ptr)
+    return tl.where(stale, f32_nan(), _pairwise_sum(untag(words), CHUNKS_P2, SLOTS))
 
 
 @triton.jit
@@ -180,22 +180,22 @@ def _normalise_columns(comb, hc_eps, HC: tl.constexpr, USE_PTX: tl.constexpr):
 
 
 @triton.jit
-def _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, post_out_ptr,
+def combine_shares(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, post_out_ptr,
                    comb_out_ptr, m, tag, eps, hc_eps, rounds, wait_bound, HC: tl.constexpr,
                    HIDDEN: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
                    SLOTS: tl.constexpr, MIX_ROW: tl.constexpr, TOTALS_OFF: tl.constexpr,
                    USE_PTX: tl.constexpr):
     """Token m's pre, post and comb from the shares in one go
-    (:func:`_combine_pre_post`, then :func:`_combine_comb`). Returns pre."""
-    pre, logits = _combine_pre_post(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr,
+    (:func:`combine_pre_post`, then :func:`combine_comb`). Returns pre."""
+    pre, logits = combine_pre_post(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr,
                                     post_out_ptr, m, tag, eps, hc_eps, wait_bound, HC, HIDDEN,
                                     CHUNKS, CHUNKS_P2, SLOTS, MIX_ROW, TOTALS_OFF, USE_PTX)
-    _combine_comb(logits, comb_out_ptr, m, hc_eps, rounds, HC, USE_PTX)
+    combine_comb(logits, comb_out_ptr, m, hc_eps, rounds, HC, USE_PTX)
     return pre
 
 
 @triton.jit
-def _combine_pre_post(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, post_out_ptr,
+def combine_pre_post(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr, post_out_ptr,
                       m, tag, eps, hc_eps, wait_bound, HC: tl.constexpr, HIDDEN: tl.constexpr,
                       CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, SLOTS: tl.constexpr,
                       MIX_ROW: tl.constexpr, TOTALS_OFF: tl.constexpr, USE_PTX: tl.constexpr):
@@ -203,7 +203,7 @@ def _combine_pre_post(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_pt
     ``NORM_TIMEOUT_BIT`` and makes them NaN), sum them in one fixed tree, and
     compute pre and post as ``reference.mhc_mixes_ref`` does; store them.
     Returns (pre as a tuple of HC scalars, comb's HC * HC logits [source,
-    target] flat, for :func:`_combine_comb`)."""
+    target] flat, for :func:`combine_comb`)."""
     NMIX: tl.constexpr = (2 + HC) * HC
     # The parameters first: their loads overlap the poll instead of following it.
     scale = (tl.load(hc_scale_ptr), tl.load(hc_scale_ptr + 1), tl.load(hc_scale_ptr + 2))
@@ -214,13 +214,13 @@ def _combine_pre_post(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_pt
                            MIX_ROW, USE_PTX)
     row = mix_ptr + m * MIX_ROW
     # The totals live one per thread group; every thread needs all of them.
-    tl.store(row + TOTALS_OFF + tl.arange(0, SLOTS), _tagged(totals, tag))
+    tl.store(row + TOTALS_OFF + tl.arange(0, SLOTS), tag_word(totals, tag))
     # This program's own stores, ordered by the CTA barrier: plain loads see them (from
     # L1; volatile ones would each be a system-scope round trip).
     tl.debug_barrier()
     total = ()
     for i in tl.static_range(NMIX + 1):
-        total = total + (_untagged(tl.load(row + TOTALS_OFF + i)),)
+        total = total + (untag(tl.load(row + TOTALS_OFF + i)),)
     rstd = _mix_rstd(total[NMIX], eps, HC, HIDDEN, USE_PTX)
     pre = ()
     for t in tl.static_range(HC):
@@ -260,14 +260,14 @@ def _pre_of(total, rstd, scale, base, hc_eps, USE_PTX: tl.constexpr):
 
 
 @triton.jit
-def _pre_from_shares(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, m, tag, eps, hc_eps,
+def pre_from_shares(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, m, tag, eps, hc_eps,
                      wait_bound, HC: tl.constexpr, HIDDEN: tl.constexpr, CHUNKS: tl.constexpr,
                      CHUNKS_P2: tl.constexpr, SLOTS: tl.constexpr, MIX_ROW: tl.constexpr,
                      USE_PTX: tl.constexpr):
     """``SAME_PRE``: token m's pre computed by a program that does not combine,
     from the shares themselves (no hand-off from chunk 0, one L2 round trip
     less on the token's critical path): :func:`_share_totals` as in
-    :func:`_combine_pre_post`, so the same totals; the HC + 1 of them the pre
+    :func:`combine_pre_post`, so the same totals; the HC + 1 of them the pre
     needs come out of the [SLOTS] vector as masked sums (x plus zeros: exact),
     then the same expressions. Returns pre as a tuple of HC scalars (NaN where
     the poll gave up)."""
@@ -289,7 +289,7 @@ def _pre_from_shares(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, m, tag, eps
 
 
 @triton.jit
-def _no_logits(HC: tl.constexpr):
+def no_logits(HC: tl.constexpr):
     """HC * HC zeros: the comb logits of a program that does not combine."""
     logits = ()
     for _ in tl.static_range(HC * HC):
@@ -298,7 +298,7 @@ def _no_logits(HC: tl.constexpr):
 
 
 @triton.jit
-def _combine_comb(logits, comb_out_ptr, m, hc_eps, rounds, HC: tl.constexpr,
+def combine_comb(logits, comb_out_ptr, m, hc_eps, rounds, HC: tl.constexpr,
                   USE_PTX: tl.constexpr):
     """comb [source, target] from its logits (flat s * HC + t): a softmax over
     t, ``+ hc_eps``, the column normalisation, then ``rounds`` Sinkhorn rounds

@@ -2,8 +2,8 @@
 consumer (V4.1's collapse with the previous pre, many tokens; spec:
 ``reference.mhc_mixes_ref``; docs/DESIGN.md §5.1). The consumer's fused
 mixes (:mod:`.consumer_mixes`) have every (token, chunk) program read its
-columns of ``hc_fn``: M x 2 MB through L2 at H = 5120, which at M = 32-64
-cost the chain 14-21 µs (benchmarks/NOTES.md). Here a program owns
+columns of ``hc_fn``: M x 2 MB through L2 at H = 5120, which dominates the
+step at M = 32-64. Here a program owns
 ``BLOCK_H`` columns of ``TOKENS`` tokens, so ``hc_fn`` is read once per
 token group.
 
@@ -17,7 +17,7 @@ its tokens computes the chunk's (2 + HC) * HC dots on BF16 tensor cores and
 the sum of squares, and stores them tagged into each token's row at ``c *
 SLOTS`` — the consumer's shares, word for word. Then program (c, g) combines
 token g * TOKENS + i for every i = c mod chunks: the consumer's
-``_combine_mixes`` (bounded poll of the token's shares, one fixed sum, scalar
+``combine_shares`` (bounded poll of the token's shares, one fixed sum, scalar
 sigmoid / softmax / Sinkhorn).
 ``COOPERATIVE=False`` (the interpreter, whose programs run one by one): one
 program per group walks every chunk, then combines every token.
@@ -46,10 +46,10 @@ the wait) into three BF16 parts, hi + mid + lo = the value exactly for 2^-110
 <= |x| < 3.39e38 and 0 (``_split_bf16``; below, lo loses bits under BF16's
 subnormals, <= 2^-134 absolute; above, hi overflows), so each product is
 exact and only the tensor cores' FP32 accumulation rounds: three BF16 MMAs
-per stream (the FP32 FMA dot took 18 µs of the kernel's 24 at 4 warps; with
-``tf32x3``, six TF32 MMAs a stream and 2 bits of hc_fn lost, the shares took
-~5 µs; benchmarks/NOTES.md). Without ``USE_PTX`` (the interpreter, whose BF16
-dot is wrong, or PTX switched off) the same parts are multiplied as FP32 (as
+per stream (an FP32 FMA dot took most of the kernel; ``tf32x3``, six TF32
+MMAs a stream, loses 2 bits of hc_fn and was slower). Without ``USE_PTX``
+(the interpreter, whose BF16 dot is wrong, or PTX switched off) the same
+parts are multiplied as FP32 (as
 BF16 values, exact in TF32 too). The dots are not the reference's summation
 order: pre/post/comb match it within FP32 rounding, as the fused mixes do,
 not bit for bit.
@@ -60,11 +60,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.mhc_combine import _combine_mixes
-from ..common.tagged_words import _tagged
+from ..common.compiled import load_module
+from ..common.tagged_words import tag_word
 from ..common.timeline import END, MARK1, MARK2, START, WAITED, launch_args, stamp, stamp_after
-from .consumer_mixes import _load_mix_weights
-from .publish_kernel import load_module
+from .consumer_mixes import load_mix_weights
+from .mhc_combine import combine_shares
 
 TOKENS = 16  # tokens per program: tl.dot's smallest M
 # sm_90: 255 registers (hc_fn's parts held), no spills, 16 KB shared (64 x 4: 168, but
@@ -92,7 +92,7 @@ def _chunk_parts(hc_fn_ptr, chunk, HC: tl.constexpr, HIDDEN: tl.constexpr,
                  BLOCK_H: tl.constexpr, SLOTS: tl.constexpr):
     """Chunk ``chunk``'s columns of hc_fn, loaded and split (``_split_bf16``)."""
     cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
-    return _split_bf16(_load_mix_weights(hc_fn_ptr, cols, cols < HIDDEN, HC, HIDDEN, SLOTS), HC)
+    return _split_bf16(load_mix_weights(hc_fn_ptr, cols, cols < HIDDEN, HC, HIDDEN, SLOTS), HC)
 
 
 @triton.jit
@@ -120,7 +120,7 @@ def _store_shares(streams_ptr, mix_ptr, fn, chunk, tokens, live, tags, HC: tl.co
         squares = squares + tl.sum(wide * wide, axis=1)
     j = tl.arange(0, SLOTS)[None, :]
     part = tl.where(j < NMIX, acc, tl.where(j == NMIX, squares[:, None], 0.0))
-    tl.store(mix_ptr + rows * MIX_ROW + chunk * SLOTS + j, _tagged(part, tags[:, None]),
+    tl.store(mix_ptr + rows * MIX_ROW + chunk * SLOTS + j, tag_word(part, tags[:, None]),
              mask=live[:, None])
 
 
@@ -173,7 +173,7 @@ def next_mixes_kernel(
     while i < TOKENS:
         m = group * TOKENS + i
         if m < m_total:
-            _combine_mixes(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr,
+            combine_shares(mix_ptr, status_ptr, hc_scale_ptr, hc_base_ptr, pre_out_ptr,
                            post_out_ptr, comb_out_ptr, m, tl.load(generation_ptr + m), eps,
                            hc_eps, sinkhorn_rounds, wait_bound, HC, HIDDEN, CHUNKS, CHUNKS_P2,
                            SLOTS, MIX_ROW, TOTALS_OFF, USE_PTX)

@@ -30,13 +30,13 @@ import torch
 import torch.distributed as dist
 import triton
 
+from decode_boundary.bench.launch import RankContext, launch
 from decode_boundary.bench.report import git_commit
+from decode_boundary.bench.timing import graph_time_us
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
 from decode_boundary.boundary.consumer_tactics import ConsumerTactic
 from decode_boundary.boundary.reference import consumer_ref
-from decode_boundary.common.timing import graph_time_us
 from decode_boundary.env import disable_multicast
-from decode_boundary.launch import RankContext, launch
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes
 
 HIDDENS = (5120, 4096, 7168)

@@ -2,7 +2,8 @@
 
 Every program of the GEMMs and the consumer stamps ``%globaltimer`` when it
 starts, when it has passed its grid-dependency wait and when it ends, and
-marks inside (``decode_boundary.common.timeline``; mark1: the GEMM's products
+marks inside (stamped by ``decode_boundary.common.timeline``, read by
+``bench.timeline``; mark1: the GEMM's products
 done, the consumer's slots in and residual_out stored; mark2: the GEMM's weight
 slice in, the consumer's token's RMSNorm partials met). The fused boundary
 (grouped wo_a -> publishing wo_b -> consumer -> fused_wqa_wkv) runs as a CUDA graph of many
@@ -27,6 +28,7 @@ import functools
 
 import torch
 
+from decode_boundary.bench import timeline
 from decode_boundary.bench.harness import (
     one_gpu_boundary,
     one_gpu_parser,
@@ -34,9 +36,8 @@ from decode_boundary.bench.harness import (
     one_gpu_write,
 )
 from decode_boundary.bench.mixes import fused_mixes_up_to
+from decode_boundary.bench.timing import graph_time_us
 from decode_boundary.boundary import consumer
-from decode_boundary.common import timeline
-from decode_boundary.common.timing import graph_time_us
 from decode_boundary.model.chain import AttentionBoundary
 from decode_boundary.model.config import MODELS
 

@@ -29,8 +29,9 @@ tests/test_api.py): ``mxfp8.format``, ``env`` (formats) -> ``common`` (device
 helpers) -> ``mxfp8.quantize_kernel``, ``mixes`` (the next sublayer's mHC
 mixes: the hand-off to the next GEMM) -> ``gemm`` (the GEMM), ``boundary``
 (the all-reduce; neither imports the other) -> ``publishing_linear`` (where
-the two meet), ``launch`` -> ``model`` (the model chain) -> ``bench`` (the
-benchmarks) -> ``cli``.
+the two meet) -> ``model`` (the model chain) -> ``bench`` (everything that
+measures: the timer, the timeline's analysis, the per-GPU launcher, baselines,
+the report, the tuner) -> ``cli``.
 """
 
 from __future__ import annotations

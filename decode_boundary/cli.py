@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from decode_boundary.bench import report
-from decode_boundary.launch import RankError, in_torchrun, launch
+from decode_boundary.bench.launch import RankError, in_torchrun, launch
 from decode_boundary.model.config import MODELS, BoundaryConfig
 
 if TYPE_CHECKING:

@@ -98,7 +98,7 @@ def _check_group(group) -> None:
         + ", ".join(f"{k}={v}" for k, v in NO_MULTICAST_ENV.items())
         + " in the environment of every rank, or import decode_boundary.env / call "
         "decode_boundary.env.disable_multicast(), before torch.distributed.init_process_group "
-        "(decode_boundary.launch does this)")
+        "(decode_boundary.bench.launch does this)")
 
 
 def env_flag(name: str, default: bool = False) -> bool:

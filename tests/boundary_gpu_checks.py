@@ -1,5 +1,5 @@
 """Per-rank checks of ``BoundaryAllReduce`` on real GPUs, run by
-``tests/test_boundary_multigpu.py`` through :func:`decode_boundary.launch.launch`
+``tests/test_boundary_multigpu.py`` through :func:`decode_boundary.bench.launch.launch`
 (one process per GPU; importable so ``spawn`` can pickle them).
 
 Every rank draws the same inputs (one seed for all ranks, all partials), so it
@@ -15,10 +15,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from decode_boundary.bench.launch import RankContext
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
 from decode_boundary.boundary.reference import consumer_ref, moe_finalize_ref, reduce_ref
 from decode_boundary.gemm.reference import bf16_ulp
-from decode_boundary.launch import RankContext
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes, quantize_mxfp8_ref
 
 HC, TOP_K, EPS, CAPACITY = 4, 6, 1e-6, 64

@@ -1,5 +1,5 @@
 """Per-rank checks of the whole boundary chain on real GPUs, run by
-``tests/test_chain_multigpu.py`` through :func:`decode_boundary.launch.launch`
+``tests/test_chain_multigpu.py`` through :func:`decode_boundary.bench.launch.launch`
 (importable so ``spawn`` can pickle them).
 
 The fused path (``wo_b`` publishing from its epilogue) and the unfused one
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from decode_boundary.bench.harness import verify_rows
-from decode_boundary.launch import RankContext
+from decode_boundary.bench.launch import RankContext
 from decode_boundary.model.chain import AttentionBoundary, BoundaryInputs
 from decode_boundary.model.checks import MIX_NAMES, OUTPUT_NAMES
 from decode_boundary.model.config import MODELS

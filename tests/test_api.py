@@ -12,7 +12,7 @@ import decode_boundary
 PACKAGE = Path(decode_boundary.__file__).parent
 # Layer of each module path prefix (lower imports nothing higher).
 LAYERS = [("mxfp8/format.py", 0), ("env.py", 0), ("common/", 1), ("mxfp8/", 2), ("mixes/", 2),
-          ("gemm/", 3), ("boundary/", 3), ("publishing_linear.py", 4), ("launch.py", 4),
+          ("gemm/", 3), ("boundary/", 3), ("publishing_linear.py", 4),
           ("model/", 5), ("bench/", 6), ("cli.py", 7)]
 
 

@@ -197,7 +197,7 @@ def test_gpu_user_steps_under_the_bench_timer(model):
     """Each user step of the model at TP-4 shapes on one GPU, as the bench runs
     it: checked eagerly, then timed in a CUDA graph (the aside one joined at
     its end), then checked again on the graph's last outputs."""
-    from decode_boundary.common.timing import graph_time_us
+    from decode_boundary.bench.timing import graph_time_us
 
     ab = AttentionBoundary(MODELS[model], 4, 0, None, torch.device("cuda"), capacity=16, seed=2)
     try:

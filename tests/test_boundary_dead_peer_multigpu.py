@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from survivors import report_and_exit, run_ranks, timed_error
 
-from decode_boundary.launch import free_port
+from decode_boundary.bench.launch import free_port
 
 pytestmark = pytest.mark.multigpu
 HIDDEN, HC, CAP, M, EPS = 5120, 4, 8, 2, 1e-6

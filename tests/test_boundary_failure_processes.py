@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from survivors import report_and_exit, run_ranks, timed_error
 
+from decode_boundary.bench.launch import RankContext, free_port, launch
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
 from decode_boundary.boundary.reference import consumer_ref
-from decode_boundary.launch import RankContext, free_port, launch
 
 HIDDEN, HC, CAP, M, EPS = 64, 2, 3, 2, 1e-6
 HOST_TIMEOUT_S = 3.0

@@ -10,7 +10,7 @@ import os
 import boundary_gpu_checks as gpu_checks
 import pytest
 
-from decode_boundary.launch import launch
+from decode_boundary.bench.launch import launch
 
 pytestmark = pytest.mark.multigpu
 HIDDEN = int(os.environ.get("DECODE_BOUNDARY_TEST_HIDDEN", "5120"))

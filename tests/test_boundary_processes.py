@@ -8,9 +8,9 @@ where the spec says exact, on both ranks alike.
 
 import torch
 
+from decode_boundary.bench.launch import RankContext, launch
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
 from decode_boundary.boundary.reference import consumer_ref
-from decode_boundary.launch import RankContext, launch
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes, quantize_mxfp8_ref, unswizzle_scales
 
 HIDDEN, HC, M = 64, 2, 3

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from decode_boundary import env
+from decode_boundary.bench.launch import RankContext, launch
 from decode_boundary.boundary import all_reduce as all_reduce_module
 from decode_boundary.boundary import consumer as consumer_module
 from decode_boundary.boundary.all_reduce import MAX_TP, BoundaryAllReduce
@@ -30,7 +31,6 @@ from decode_boundary.common.contract import (
     check_stage,
 )
 from decode_boundary.env import NO_MULTICAST_ENV
-from decode_boundary.launch import RankContext, launch
 
 HIDDEN, HC, CAP, TOP_K = 64, 2, 4, 2
 COLLECTIVES = ("all_gather_object", "all_gather_into_tensor", "all_reduce", "barrier",
@@ -84,7 +84,7 @@ def test_nccl_group_created_before_multicast_was_off_is_refused(monkeypatch, fre
 
 
 def test_nccl_group_with_multicast_off_early_is_accepted(monkeypatch, fresh_env_state):
-    """What launch.py and an import of decode_boundary.env do: the variables set
+    """What bench/launch.py and an import of decode_boundary.env do: the variables set
     before torch.distributed is initialized, so any NCCL group is accepted; a
     gloo group is never refused."""
     monkeypatch.setattr(dist, "is_initialized", lambda: False)

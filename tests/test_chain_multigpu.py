@@ -10,7 +10,7 @@ import os
 import chain_gpu_checks as gpu_checks
 import pytest
 
-from decode_boundary.launch import launch
+from decode_boundary.bench.launch import launch
 
 pytestmark = pytest.mark.multigpu
 

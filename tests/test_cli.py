@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from decode_boundary import cli
 from decode_boundary.bench import report
+from decode_boundary.bench.launch import RankError, launch
 from decode_boundary.env import NO_MULTICAST_ENV
-from decode_boundary.launch import RankError, launch
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 REPO = Path(__file__).resolve().parent.parent

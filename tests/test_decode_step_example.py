@@ -22,6 +22,8 @@ from independent_ref import (
 )
 
 from decode_boundary import (
+    MODELS,
+    AttentionBoundary,
     BoundaryAllReduce,
     Mxfp8Linear,
     PublishingMxfp8Linear,
@@ -31,6 +33,7 @@ from decode_boundary import (
 from decode_boundary.boundary.reference import consumer_ref
 from decode_boundary.gemm import selected_tactic
 from decode_boundary.gemm.reference import bf16_ulp
+from decode_boundary.model.checks import check_mixes, check_outputs, outputs_identical
 
 
 def test_readme_decode_step_on_one_cpu_rank():
@@ -45,7 +48,8 @@ def test_readme_decode_step_on_one_cpu_rank():
     residual = torch.randn(M, HC, H).bfloat16()
     post, pre = torch.rand(M, HC), torch.rand(M, HC)
     comb = torch.rand(M, HC, HC)
-    gamma = torch.ones(H).bfloat16()
+    norm_weight = torch.ones(H).bfloat16()  # the RMSNorm's gamma
+    norm_eps = 1e-6  # the model's rms_norm_eps
     next_in = (torch.empty(M, H, dtype=torch.float8_e4m3fn),
                torch.empty(mxfp8_scale_bytes(M, H), dtype=torch.uint8))
 
@@ -53,21 +57,24 @@ def test_readme_decode_step_on_one_cpu_rank():
         o = mxfp8_mm(wo_a, attn)
         partial = publish_wo_b(wo_b, o)
         return o, partial, all_reduce(partial, residual=residual, post=post, comb=comb, pre=pre,
-                                      norm_weight=gamma, norm_eps=1e-20, mxfp8_out=next_in)
+                                      norm_weight=norm_weight, norm_eps=norm_eps,
+                                      mxfp8_out=next_in)
 
     publish_wo_b.precompile(wo_b, M)
     all_reduce.precompile([M])
     first = None
     for _ in range(4):  # crosses every mailbox stage
-        o, partial, (residual_out, layer_input, *_) = boundary()
+        o, partial, out = boundary()
+        residual_out, layer_input = out.residual_out, out.layer_input
+        assert out.mixes is None and out.mxfp8 is not None  # no mix weights; MXFP8 asked for
         check_gemm(o, decode_mxfp8(*mxfp8_bytes(attn)), layer_values(wo_a), groups=2,
                    depth=summation_depth(K_A, selected_tactic(wo_a, M)), what="wo_a",
                    min_strict=0.8)
         check_gemm(partial, decode_mxfp8(*mxfp8_bytes(o)), layer_values(wo_b),
                    depth=summation_depth(2 * N_A, selected_tactic(wo_b, M)), what="wo_b",
                    min_strict=0.8)
-        want_res, want_layer, _ = consumer_ref([partial], residual, post, comb, pre, gamma,
-                                               1e-20)
+        want_res, want_layer, _ = consumer_ref([partial], residual, post, comb, pre,
+                                               norm_weight, norm_eps)
         assert torch.equal(residual_out.view(torch.int16), want_res.view(torch.int16))
         diff = (layer_input.double() - want_layer.double()).abs()
         assert bool((diff <= bf16_ulp(want_layer.double())).all())
@@ -76,3 +83,21 @@ def test_readme_decode_step_on_one_cpu_rank():
         first = first or step
         assert all(torch.equal(a, b) for a, b in zip(step, first, strict=True))
     all_reduce.check()
+
+
+def test_readme_attention_boundary_on_cpu():
+    """The README's simplest entry point, transcribed for the CPU (tiny model,
+    interpreter): one rank's whole boundary, precompiled, then called; its
+    outputs within the chain's tolerance of the pure-torch reference and its
+    next mixes within MIXES_ATOL of the spec, fused and unfused bit-identical."""
+    rows = int(torch.randint(1, 5, ()))
+    ab = AttentionBoundary(MODELS["tiny"], tp=1, rank=0, group=None,
+                           device=torch.device("cpu"), capacity=8,
+                           seed=int(torch.randint(0, 1000, ())))
+    ab.precompile([rows])
+    inputs = ab.make_inputs(rows=rows, seed=int(torch.randint(0, 1000, ())))
+    out = ab(inputs)
+    assert not check_outputs(out, ab.reference(inputs))
+    assert not check_mixes(out, ab)
+    assert outputs_identical(out, ab(inputs, fused=False))
+    ab.close()

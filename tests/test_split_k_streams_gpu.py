@@ -17,7 +17,7 @@ import pytest
 import torch
 from gemm_helpers import make_layer
 
-from decode_boundary.common.timing import graph_time_us
+from decode_boundary.bench.timing import graph_time_us
 from decode_boundary.gemm import launch_low_latency, launcher, precompile, selected_tactic
 
 pytestmark = pytest.mark.gpu

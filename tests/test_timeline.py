@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from decode_boundary.bench import timeline as analysis
 from decode_boundary.common import timeline
 
 
@@ -36,7 +37,7 @@ def test_kernel_times_are_microseconds_from_t0_and_unset_marks_read_nan():
     rows = torch.randint(1, 50_000, (3, timeline.STAMPS), generator=g)
     rows[:, mark2] = -t0  # stored 0: a mark this kernel never sets
     stamps = torch.cat([torch.zeros(2, timeline.STAMPS, dtype=torch.int64), rows + t0])
-    got = timeline.kernel_times(stamps, 2, 3, t0)
+    got = analysis.kernel_times(stamps, 2, 3, t0)
     us = rows.double() / 1e3
     assert got["programs"] == 3
     assert got["first_start"] == us[:, start].min().item()
@@ -46,7 +47,7 @@ def test_kernel_times_are_microseconds_from_t0_and_unset_marks_read_nan():
     assert got["last_end"] == us[:, end].max().item()
     assert got["first_end"] == us[0, end].item()
     assert math.isnan(got["median_mark2"])
-    assert set(timeline.FIELDS) <= set(got)
+    assert set(analysis.FIELDS) <= set(got)
 
 
 def test_step_medians_group_launches_by_step_from_each_steps_first_start():
@@ -59,7 +60,7 @@ def test_step_medians_group_launches_by_step_from_each_steps_first_start():
             for p in range(programs):
                 start = 1_000_000 + s * 10_000 + k * 3_000 + p * 100
                 rows.append([start, start + 500, start + 700, start + 800, start + 2_000])
-    got = timeline.step_medians(torch.tensor(rows, dtype=torch.int64), launches, calls, skip=2)
+    got = analysis.step_medians(torch.tensor(rows, dtype=torch.int64), launches, calls, skip=2)
     assert [k["kernel"] for k in got["kernels"]] == ["0: consumer_kernel", "1: next_mixes_kernel"]
     first, second = got["kernels"]
     assert first["programs"] == programs and first["first_start"] == 0.0

@@ -1,6 +1,6 @@
 """GEMM timings: our MXFP8 GEMM and the cuBLAS baselines a user could pick,
 each over its own rotated weight copies with the one timer
-(``common.timing``), and the table ``decode-boundary gemm`` prints.
+(``bench.timing``), and the table ``decode-boundary gemm`` prints.
 ``decode-boundary gemm`` times through these.
 
 A shape is (name, N, K) or (name, N, K, groups): a grouped layer (``wo_a``) of
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from decode_boundary.common.timing import (
+from decode_boundary.bench.timing import (
     copies_for_cold_l2,
     copy_rate,
     graph_time_us,

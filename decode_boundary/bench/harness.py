@@ -5,7 +5,7 @@ Correctness comes first: per row count, fused and unfused outputs must be
 bit-identical, both must pass the chain's reference check, every baseline
 (``bench.paths.BASELINES``) must be close to it, and every rank must hold the same bits
 (SHA-256 of the outputs compared over the group). Then every path of
-``bench.paths.PATHS`` is timed with the one timer (``common.timing``: CUDA
+``bench.paths.PATHS`` is timed with the one timer (``bench.timing``: CUDA
 graphs of back-to-back calls on rotated weight copies, cold L2, ranks
 barriered), with the floor at the HBM rate measured in the same run, and a
 per-kernel breakdown (``bench.paths.STAGES``) at one M.
@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from decode_boundary.common.timing import copies_for_cold_l2, copy_rate, graph_time_us
-from decode_boundary.launch import RankContext
+from decode_boundary.bench.launch import RankContext
+from decode_boundary.bench.timing import copies_for_cold_l2, copy_rate, graph_time_us
 from decode_boundary.model.chain import AttentionBoundary, BoundaryOutputs
 from decode_boundary.model.checks import (
     MIX_NAMES,

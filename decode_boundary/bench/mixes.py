@@ -29,9 +29,9 @@ import functools
 
 import torch
 
+from decode_boundary.bench.timing import graph_time_us
 from decode_boundary.boundary import consumer
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
-from decode_boundary.common.timing import graph_time_us
 from decode_boundary.gemm import mxfp8_mm
 from decode_boundary.mixes.reference import mhc_mixes_ref
 from decode_boundary.model.chain import AttentionBoundary

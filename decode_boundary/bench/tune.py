@@ -4,7 +4,7 @@ the decode chain, and the table lines that pin them.
 Always the whole step, never a kernel alone: one rank's share of a TP-N
 boundary on this GPU (``harness.one_gpu_boundary``: the all-reduce over a group
 of one) runs the bench's fused path (``paths.PATHS["fused"]``) with the one
-timer (``common.timing.graph_time_us``: CUDA graphs of back-to-back steps over
+timer (``bench.timing.graph_time_us``: CUDA graphs of back-to-back steps over
 cold-L2 weight copies). Inside the chain a GEMM's programs start (PDL) while
 the kernel before it still runs and share its SMs and registers, so the
 fastest tactic alone is often not the fastest there.
@@ -47,9 +47,9 @@ from types import SimpleNamespace
 import torch
 
 from decode_boundary import env
+from decode_boundary.bench.timing import graph_time_us, rotated_copies
 from decode_boundary.boundary.consumer import MIXES_ASIDE_MIN_ROWS, fuses_mixes
 from decode_boundary.boundary.consumer_tactics import ConsumerTactic
-from decode_boundary.common.timing import graph_time_us, rotated_copies
 from decode_boundary.gemm import mxfp8_mm, tactics
 from decode_boundary.gemm.reference import check_mxfp8_mm
 from decode_boundary.gemm.tactics import Tactic, default_tactic, is_valid, k_pieces, row_bucket

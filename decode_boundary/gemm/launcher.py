@@ -46,7 +46,7 @@ stream=s)``. Every allocation outside capture also allocates for the stream
 ``default_capture_stream``, created here as ``torch.cuda.graph`` would create
 it, on the current device), so the usual pattern needs nothing more: warm up
 on the current or a side stream, then ``with torch.cuda.graph(g):`` (as
-``decode_boundary.common.timing.graph_time_us`` and the autotuner do). A graph
+``decode_boundary.bench.timing.graph_time_us`` and the autotuner do). A graph
 holds the scratch of the stream it was captured on: graphs captured on one
 stream share it, so they must not replay concurrently with each other or with
 eager launches on that stream; graphs that are to replay concurrently are

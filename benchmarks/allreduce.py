@@ -6,8 +6,8 @@ MXFP8) against (a) NCCL all-reduce + the same mHC/norm/quant in torch ops,
 Per (hidden, M, path): a CUDA graph of CALLS back-to-back calls, replayed
 REPS times between barriers, timed with CUDA events; the per-call time is the
 median replay / CALLS (rank 0's numbers; ranks run in lock step). Writes
-``benchmarks/results/allreduce-<gpu>-<date-time>.json`` (``--out`` for another
-folder) and prints a table.
+``benchmarks/results/allreduce[-sweep]-<gpu>.json``, a stable name each run
+overwrites (``--out`` for another folder), and prints a table.
 
     PYTHONPATH=. python benchmarks/allreduce.py            # spawns 2 ranks
     PYTHONPATH=. torchrun --nproc-per-node 2 benchmarks/allreduce.py
@@ -24,6 +24,7 @@ import argparse
 import datetime
 import json
 import pathlib
+import platform
 import sys
 
 import torch
@@ -202,12 +203,13 @@ def main() -> None:
     gpu = torch.cuda.get_device_name(0)
     commit = git_commit()
     record = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, commit=commit,
-                  command=" ".join(sys.argv), calls_per_graph=CALLS, replays=REPS,
+                  python=platform.python_version(), command=" ".join(sys.argv),
+                  calls_per_graph=CALLS, replays=REPS,
                   date=datetime.datetime.now().isoformat(timespec="seconds"), rows=rows)
     out_dir = args.out
     out_dir.mkdir(parents=True, exist_ok=True)
     kind = "allreduce-sweep" if args.sweep else "allreduce"
-    name = f"{kind}-{gpu.replace(' ', '_')}-{datetime.datetime.now():%Y-%m-%d-%H%M}.json"
+    name = f"{kind}-{gpu.replace(' ', '_')}.json"
     (out_dir / name).write_text(json.dumps(record, indent=1))
     print(_sweep_table(rows) if args.sweep else _table(rows))
     print(f"wrote {out_dir / name}")

@@ -12,6 +12,8 @@ import warnings
 
 import torch.multiprocessing as mp
 
+from decode_boundary.bench.launch import stop_processes
+
 
 def run_ranks(target, world: int, args: tuple, reports: int, timeout_s: float,
               exit_s: float = 0.0):
@@ -33,13 +35,7 @@ def run_ranks(target, world: int, args: tuple, reports: int, timeout_s: float,
                 rank, out = results.get(timeout=0.5)
                 got[rank] = out
     finally:
-        until = time.monotonic() + exit_s
-        for p in procs:
-            p.join(timeout=max(0.0, until - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(timeout=5)
+        stop_processes(procs, exit_s)
     return got, procs
 
 

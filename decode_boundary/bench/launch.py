@@ -157,7 +157,7 @@ def _spawn(fn: Callable, world_size: int, args: tuple, timeout_s: float) -> dict
             done[rank] = payload
     finally:
         # After a failure or a timeout, _failure has already waited: end the rest now.
-        _stop(procs, GRACE_S if len(done) == world_size else 0.0)
+        stop_processes(procs, GRACE_S if len(done) == world_size else 0.0)
     return done
 
 
@@ -209,7 +209,7 @@ def _failure(procs: list, done: dict, results, failures: dict) -> RankError:
     return RankError(first, "\n".join(f"rank {r} failed: {why}" for r, why in ordered.items()))
 
 
-def _stop(procs: list, grace_s: float) -> None:
+def stop_processes(procs: list, grace_s: float) -> None:
     """Let the children exit on their own for ``grace_s``, then end them (after a
     failure the survivors usually wait in a collective for the failed rank)."""
     deadline = time.monotonic() + grace_s

@@ -10,7 +10,7 @@ its consumer (``boundary``).
 sinkhorn_iters)`` with ``projected`` FP32 ``[M, (2 + hc) * hc]`` = ``s @
 hc_fn^T`` and ``rstd`` FP32 ``[M]`` = ``rsqrt(mean(s^2) + rms_eps)`` (``s`` a
 token's hc streams flattened) returns ``(pre [M, hc], post [M, hc], comb [M,
-hc, hc])`` FP32: steps 2-4 of ``boundary.reference.mhc_mixes_ref`` on ``mixes
+hc, hc])`` FP32: steps 2-4 of ``mixes.reference.mhc_mixes_ref`` on ``mixes
 = projected * rstd``, in its order of operations (comb indexed [source,
 target]; softmax along target; the first column normalisation, then
 ``sinkhorn_iters - 1`` rounds of rows then columns, each ``+ hc_eps``). It

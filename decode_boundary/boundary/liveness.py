@@ -114,6 +114,10 @@ class _Heartbeat:
     def stopped(self) -> bool:
         return self._stop.is_set()
 
+    def running(self) -> bool:
+        """The thread has not ended (it may still write "closed")."""
+        return self._thread.is_alive()
+
     def stop(self, join_s: float = 0.0) -> None:
         """Stop beating (the thread writes ``"closed"`` and ends within moments)."""
         self._stop.set()
@@ -122,6 +126,10 @@ class _Heartbeat:
 
 
 _BEATS: dict[str, _Heartbeat] = {}
+# Every heartbeat started, until the exit joins it: weakref.finalize's own exit
+# hook runs before ours (registered later) and may release the last hold, taking
+# the beat out of _BEATS without waiting for its "closed".
+_STARTED: list[_Heartbeat] = []
 # Reentrant: a holder collected while this thread holds the lock (a garbage
 # collection inside hold()) releases its share from within.
 _LOCK = threading.RLock()
@@ -170,6 +178,7 @@ def hold(group, store, rank: int, owner) -> Hold | None:
                                "bounds): %s", name, error)
                 return None
             _BEATS[name] = beat
+            _STARTED[:] = [b for b in _STARTED if b.running()] + [beat]
         beat.holders += 1
         share = Hold(name, beat)
     weakref.finalize(owner, share.release)
@@ -177,8 +186,10 @@ def hold(group, store, rank: int, owner) -> Hold | None:
 
 
 def _stop_all() -> None:
+    """At interpreter exit: stop every heartbeat and let each write "closed"."""
     with _LOCK:
-        beats = list(_BEATS.values())
+        beats = list(_STARTED)
+        _STARTED.clear()
         _BEATS.clear()
     for beat in beats:
         beat.stop(_STOP_JOIN_S)
@@ -189,6 +200,7 @@ def _forget_in_child() -> None:
     global _LOCK
     _LOCK = threading.RLock()
     _BEATS.clear()
+    _STARTED.clear()
 
 
 atexit.register(_stop_all)

@@ -193,7 +193,8 @@ def check_skipped_step(ctx: RankContext, timeout_s: float, hidden: int) -> dict:
                       norm_weight=d["gamma"], norm_eps=EPS, mxfp8_out=q)
             out[f"exact_after_reset_{name}"] = torch.equal(
                 plain.view(torch.int16), reduce_ref(list(d["xs"])).view(torch.int16)) and (
-                int(_mismatches((*full, q), d, d["xs"], True, False)) == 0)
+                int(_mismatches((full.residual_out, full.layer_input, q), d, d["xs"], True,
+                                False)) == 0)
         except RuntimeError as e:  # a post-reset timeout comes back as data, not a dead rank
             out[f"exact_after_reset_{name}"] = False
             out[f"after_reset_error_{name}"] = str(e)

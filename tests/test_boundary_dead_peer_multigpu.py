@@ -53,7 +53,7 @@ def _rank(rank: int, port: int, results) -> None:
         out = {}
         ar.check = lambda: None  # keep the step's outputs, check after
         start = time.monotonic()
-        res, layer = _step(ar, gen, rank, device)
+        res, layer, *_ = _step(ar, gen, rank, device)
         del ar.check
         out["step"], _ = timed_error(ar.check)
         out["step_s"] = time.monotonic() - start

@@ -146,15 +146,22 @@ class BoundaryAllReduce:
             # group's own timeout in the exchange (which then finds every rank there).
             self.wait_timeout_s = wait_timeout_s  # the bound's default derives from it
             self._heartbeat = host_wait.start_heartbeat(group, self)
-            host_wait.barrier(group, self.host_timeout, "construct",
-                              "the construction of BoundaryAllReduce",
-                              liveness_s=self.liveness_timeout_s)
             geometry = dict(capacity=capacity, hidden_size=hidden_size, hc_mult=hc_mult, tp=tp,
                             top_k=top_k, quantize_layer_input=bool(quantize_layer_input),
                             residual_only=bool(residual_only), dtype=str(MAILBOX_DTYPE),
                             transport=transport, collapse_pre=collapse_pre,
                             hc_eps=float(hc_eps), hc_sinkhorn_iters=hc_sinkhorn_iters)
-            placements = exchange(group, self.device, geometry, "; ".join(problems) or None)
+            try:
+                host_wait.barrier(group, self.host_timeout, "construct",
+                                  "the construction of BoundaryAllReduce",
+                                  liveness_s=self.liveness_timeout_s)
+                placements = exchange(group, self.device, geometry, "; ".join(problems) or None)
+            except BaseException:
+                # A refused construction holds no liveness mark: the traceback would keep
+                # this half-built instance (and its hold) alive.
+                if self._heartbeat is not None:
+                    self._heartbeat.release()
+                raise
         elif problems:
             raise ValueError(problems[0])
         self.hidden_size, self.hc_mult, self.capacity, self.top_k = (

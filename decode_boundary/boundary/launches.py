@@ -194,8 +194,10 @@ class Launches:
         if rest:
             if finish is None and how == "next_gemm":
                 how = "consumer"  # nothing could be left: the consumer combined
-            mixes = NextMixes(*rest[0], how, finish, self.ar.mailbox.mix_rows, epoch,
-                              current_stream_id(x.device))
+            # The stream matters only for a combine left to the GEMM (never under
+            # tracing, where reading the stream would enter the traced graph).
+            stream = current_stream_id(x.device) if finish is not None else 0
+            mixes = NextMixes(*rest[0], how, finish, self.ar.mailbox.mix_rows, epoch, stream)
         return BoundaryResult(first, second, quantized, mixes)
 
     def publish_eager(self, x: torch.Tensor) -> None:

@@ -171,8 +171,12 @@ def hold(group, store, rank: int, owner) -> Hold | None:
         if beat is not None and beat.stopped():
             beat = None  # released from within (see _LOCK) just now
         if beat is None:
+            key = mark_key(name, rank)
+            for old in _STARTED:  # a stopped beat of this key writes "closed" as it ends:
+                if old._key == key and old.running():  # let it, before the new first mark
+                    old.stop(_STOP_JOIN_S)
             try:
-                beat = _Heartbeat(store.clone(), mark_key(name, rank), group)
+                beat = _Heartbeat(store.clone(), key, group)
             except Exception as error:  # noqa: BLE001 - liveness is a refinement, never a refusal
                 logger.warning("no liveness heartbeat on group %s (the waits keep their own "
                                "bounds): %s", name, error)

@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                              f"GPU; gemm: per-rank shapes at this TP, default {GEMM_TP})")
     common.add_argument("--rows", type=_rows, nargs="+",
                         help=f"token counts M per step, each in [1, {MAX_ROWS}]")
-    common.add_argument("--out", type=Path, help="folder for the JSON (and PNG)")
+    common.add_argument("--out", type=_out_dir, help="folder for the JSON (and PNG)")
     common.add_argument("--json", action="store_true", help="also print the JSON to stdout")
     boundary = _Parser(add_help=False)
     boundary.add_argument("--weights", type=_weights_dir,
@@ -174,14 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run, verify and benchmark a DeepSeek V4.1 attention boundary.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("bench", parents=[common, boundary],
+    bench = sub.add_parser("bench", parents=[common, boundary],
                    help="verify, then time the fused boundary against the baselines",
                    description="Verify the boundary, then time every path (fused, unfused "
                                "and the baselines a user could build: the strongest is named "
                                "at each M) on all local GPUs, one process per GPU, or one "
                                "rank's share of a TP-N deployment on one GPU (--tp-shapes N). "
                                "Writes a table, JSON and a latency plot. Needs a CUDA GPU.")
-    sub.add_parser("verify", parents=[common, boundary],
+    verify = sub.add_parser("verify", parents=[common, boundary],
                    help="correctness only (Triton interpreter when there is no GPU)",
                    description="Check the boundary's outputs: fused and unfused bit-identical, "
                                "both within tolerance of the reference, every rank holding "
@@ -193,11 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
                                       "(or --shapes) against cuBLAS BF16 and FP8 row-wise and "
                                       "the HBM floor, cold L2. Needs a CUDA GPU.")
     gemm.add_argument("--shapes", type=_shapes, help="NxK,... instead of the model's projections")
-    _add_tune_parser(sub)
+    parser.subcommands = {"bench": bench, "verify": verify, "gemm": gemm,
+                          "tune": _add_tune_parser(sub)}
     return parser
 
 
-def _add_tune_parser(sub) -> None:
+def _add_tune_parser(sub) -> argparse.ArgumentParser:
     tune = sub.add_parser(
         "tune", help="choose the GEMM and consumer tactics inside the chain (one GPU) and "
                      "print the tables' lines",
@@ -215,8 +216,24 @@ def _add_tune_parser(sub) -> None:
                            "(default: every bucket, 1 2 4 8 16 32 48 64)")
     tune.add_argument("--rounds", type=_positive, default=3,
                       help="alternating rounds of the tables against the choice (default 3)")
-    tune.add_argument("--out", type=Path,
+    tune.add_argument("--out", type=_out_dir,
                       help="folder for the JSON (default: benchmarks/results of a checkout)")
+    return tune
+
+
+def _out_dir(text: str) -> Path:
+    """A folder for the results: an existing writable folder, or one that can be
+    created (it is, before any work, so a long run never ends on a bad path)."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be created ({exc.strerror})") from None
+    if not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not writable")
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,9 +245,11 @@ def main(argv: list[str] | None = None) -> int:
         # Before any work: the tables (and bench's plot) need the [bench] extra.
         for module in ("rich.console", *(("matplotlib",) if args.command == "bench" else ())):
             report.bench_extra(module)
+        # Argument errors found after parsing name the subcommand, as argparse's own do.
+        command = parser.subcommands[args.command]
         if args.command == "tune":
-            return _tune(parser, args)
-        return _gemm(parser, args) if args.command == "gemm" else _boundary(parser, args)
+            return _tune(command, args)
+        return _gemm(command, args) if args.command == "gemm" else _boundary(command, args)
     except SystemExit as exc:  # --help and parser.error(): return argparse's code
         return int(exc.code or 0)
     except report.MissingBenchExtra as exc:
@@ -266,6 +285,9 @@ def _boundary(parser: argparse.ArgumentParser, args) -> int:
         if args.weights:
             parser.error("--weights needs a GPU (without one, verify runs the tiny model "
                          "on synthetic weights)")
+        if args.model not in (None, INTERPRETER_MODEL):
+            parser.error(f"--model {args.model} needs a GPU: the Triton interpreter takes "
+                         f"hours at its size (without a GPU, verify runs {INTERPRETER_MODEL!r})")
         os.environ["TRITON_INTERPRET"] = "1"
         tp = args.tp or INTERPRETER_TP
     elif args.tp_shapes:

@@ -49,6 +49,8 @@ REPO = Path(__file__).resolve().parent.parent
         (["verify", "--timeout", "nan"], "--timeout", "seconds > 0"),
         (["gemm", "--shapes", "5120x100"], "--shapes", "K % 32"),
         (["gemm", "--shapes", "5120by2048"], "--shapes", "not NxK"),
+        (["verify", "--out", __file__], "--out", "not a folder"),
+        (["verify", "--out", "/proc/no/such/folder"], "--out", "cannot be created"),
     ],
 )
 def test_argument_errors_exit_2_with_one_line(capsys, argv, argument, message):
@@ -117,12 +119,15 @@ def test_timing_commands_without_gpu_point_to_verify(capsys, monkeypatch, comman
     [
         (["verify", "--tp", "3"], "must divide"),
         (["verify", "--hidden", "100"], "multiple of 32"),
+        (["verify", "--model", "v4.1-flash"], "needs a GPU"),
     ],
 )
 def test_verify_without_gpu_rejects_what_it_cannot_run(capsys, monkeypatch, argv, message):
+    """One line naming the subcommand, exit 2, before any kernel runs."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cli.main(argv) == 2
-    assert message in capsys.readouterr().err
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("decode-boundary verify: error:") and message in line
 
 
 def test_default_out_dir(tmp_path):

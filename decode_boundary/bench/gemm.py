@@ -69,7 +69,7 @@ def time_inductor_bf16(x_groups: torch.Tensor, weight: torch.Tensor) -> float:
                        fullgraph=True)
     # Every (shape, M) of a table is one more compile of the same function, which
     # Dynamo counts as a recompile: past its default limit (8) the fullgraph call
-    # fails (benchmarks/gemm.py --quick did at its ninth). Each is a graph of its own.
+    # fails (a table's ninth did). Each is a graph of its own.
     with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
         return graph_time_us([functools.partial(mm, x_groups, w) for w in weights])
 
@@ -117,12 +117,18 @@ def random_layer(n: int, k: int, groups: int, device: torch.device) -> Mxfp8Line
         for _ in range(groups)])
 
 
+# Row counts that also time Inductor's max-autotune BF16 GEMM (one autotuned compile
+# per shape and M: slow), the rows where the GEMM targets compare with it.
+INDUCTOR_ROWS = (1, 16, 32, 64)
+
+
 def gemm_table(shapes: Sequence[tuple], rows: Sequence[int], device: torch.device,
                advance=lambda label: None) -> dict:
-    """Per (shape, rows): our MXFP8 GEMM on MXFP8 input, cuBLAS BF16 and cuBLAS
-    FP8 row-wise (GEMM only: activations quantized beforehand), in µs, and the
-    floor. Returns ``{"copy_rate_gbps", "gemms": [{"name", "n", "k", "groups",
-    "rows", "floor_us", "us"}]}``."""
+    """Per (shape, rows): our MXFP8 GEMM on MXFP8 input, cuBLAS BF16, Inductor
+    BF16 (at ``INDUCTOR_ROWS``, else None) and cuBLAS FP8 row-wise (GEMM only:
+    activations quantized beforehand), in µs, and the floor. Returns
+    ``{"copy_rate_gbps", "gemms": [{"name", "n", "k", "groups", "rows",
+    "floor_us", "us"}]}``."""
     rate = copy_rate(device)
     entries = []
     for name, n, k, *rest in shapes:
@@ -135,6 +141,8 @@ def gemm_table(shapes: Sequence[tuple], rows: Sequence[int], device: torch.devic
             xg = x.view(m, groups, k).transpose(0, 1)  # [G, M, K] for the bmm
             us = {"ours": time_ours(layer, quantize_mxfp8(x), copies=ours),
                   "cublas_bf16": time_cublas_bf16(xg, bf16),
+                  "inductor_bf16": (time_inductor_bf16(xg, bf16) if m in INDUCTOR_ROWS
+                                    else None),
                   "cublas_fp8_rowwise": time_cublas_fp8_rowwise(layer, xg)}
             entries.append({"name": name, "n": n, "k": k, "groups": groups, "rows": m,
                             "floor_us": mxfp8_weight_bytes(n, k) / rate * 1e6, "us": us})

@@ -306,7 +306,8 @@ class BoundaryAllReduce:
         capture that left them ends; the next call of this instance joins by
         itself. Eager mixes joined under a capture raise ``RuntimeError`` (a
         capture cannot wait for work outside it: join before it begins)."""
-        self._in_flight.join(self.capturing)
+        if self._in_flight.pending is not None:  # (the capture query only then: every call)
+            self._in_flight.join(self.capturing)
 
     def deferred_finish(self, rows: int, eps: float = 0.0) -> NextMixes | None:
         """The hand-off a full call of ``rows`` tokens with ``mixes="next_gemm"``
@@ -471,9 +472,7 @@ class BoundaryAllReduce:
 
     def _ready(self) -> Mailbox:
         """The mailbox, unless closed or a step failed since the last reset."""
-        box = self._open()
-        self._guard.refuse_if_failed()
-        return box
+        return self.launches.ready()
 
     def compile_variants(self, compilers: dict, force_barrier: bool = False) -> None:
         """Compile the variants (key -> compile-only call) not compiled yet, then

@@ -164,9 +164,7 @@ class Launches:
         mixes = MhcMixes(fn, torch.empty(3, **f32), torch.empty((2 + hc) * hc, **f32),
                          ar.hc_eps, ar.hc_sinkhorn_iters, ar.collapse_pre)
         tactic = ar.tactic or consumer_tactic(m, h, ar.collapse_pre)
-        bound = self.wait_bound
-        if isinstance(bound, WaitTimeout):
-            bound = wait_bound(bound.seconds, ar.device)
+        bound = wait_bound(self.wait_bound.seconds, ar.device)  # a WaitTimeout, converted
         outputs = (torch.empty(m, hc, **f32), torch.empty(m, hc, **f32),
                    torch.empty(m, hc, hc, **f32))
         finish = mixes_finish(mixes, box.mix_words, box.generation, box.status, outputs, eps,

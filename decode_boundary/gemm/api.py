@@ -183,14 +183,13 @@ def mxfp8_mm(layer, x, *, finish_mixes: NextMixes | None = None, mxfp8_out: bool
                          f"{type(finish_mixes).__name__}")
     if finish_mixes is not None and not finish_mixes.left_to_gemm:
         finish_mixes = None  # combined already: nothing for this GEMM to finish
-    if finish_mixes is not None and (torch.compiler.is_compiling()
-                                     or not mxfp8_eligible(layer)):
-        raise ValueError("finish_mixes needs an eager launch of a layer the kernel takes "
-                         "(mxfp8_eligible)")
     refusal = _refusal(layer)
     if refusal is not None:
         raise ValueError(f"mxfp8_mm: the kernel cannot take this layer: {refusal} "
                          "(decode_boundary.gemm.mxfp8_mm_ref computes any layer, slowly)")
+    if finish_mixes is not None and torch.compiler.is_compiling():
+        raise ValueError("finish_mixes needs an eager launch of a layer the kernel takes "
+                         "(mxfp8_eligible)")
     if not torch.compiler.is_compiling():
         return _run(layer, x, lambda rows: selected_tactic(layer, rows), finish_mixes, mxfp8_out)
     out = _traced_mm(layer, x)

@@ -49,8 +49,6 @@ from ..common.tagged_words import tag_word
 # MIXES values: none; the next sublayer's mixes out, the collapse with the given
 # pre (V4.1); the mixes out and the collapse with the pre just computed (V4).
 NO_MIXES, NEXT_MIXES, SAME_PRE = 0, 1, 2
-_NO_MIXES, _NEXT_MIXES, _SAME_PRE = (tl.constexpr(NO_MIXES), tl.constexpr(NEXT_MIXES),
-                                     tl.constexpr(SAME_PRE))
 
 
 @triton.jit

@@ -242,8 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
         args.command_line = shlex.join(["decode-boundary", *argv])
-        # Before any work: the tables (and bench's plot) need the [bench] extra.
-        for module in ("rich.console", *(("matplotlib",) if args.command == "bench" else ())):
+        # Before any work: the tables (and bench's plot) need the [bench] extra; tune
+        # prints plain lines.
+        for module in {"bench": ("rich.console", "matplotlib"), "tune": ()}.get(
+                args.command, ("rich.console",)):
             report.bench_extra(module)
         # Argument errors found after parsing name the subcommand, as argparse's own do.
         command = parser.subcommands[args.command]

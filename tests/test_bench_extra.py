@@ -53,6 +53,10 @@ from decode_boundary import cli
 
 code = cli.main(["verify", "--rows", "1"])
 print("exit", code)
+sys.stderr.flush()
+print("---", file=sys.stderr, flush=True)
+code = cli.main(["tune"])  # prints plain lines: no extra asked for (no GPU here: exit 2)
+print("tune exit", code)
 '''
 
 
@@ -61,6 +65,8 @@ def test_api_works_without_the_bench_extra():
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(int.from_bytes(os.urandom(2)))],
                           capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "exit 2"
-    err = done.stderr.strip().splitlines()
+    assert done.stdout.strip().splitlines()[-2:] == ["exit 2", "tune exit 2"]
+    verify_err, tune_err = (part.strip().splitlines() for part in done.stderr.split("---\n"))
+    err = verify_err
     assert len(err) == 1 and "decode-boundary[bench]" in err[0] and "rich" in err[0], err
+    assert len(tune_err) == 1 and "no CUDA GPU" in tune_err[0], tune_err

@@ -36,7 +36,7 @@ from decode_boundary.gemm import mxfp8_mm
 from decode_boundary.mixes.reference import mhc_mixes_ref
 from decode_boundary.model.chain import AttentionBoundary
 from decode_boundary.model.checks import MIXES_ATOL
-from decode_boundary.mxfp8.format import QuantizedActivation, mxfp8_scale_bytes
+from decode_boundary.mxfp8.format import mxfp8_scale_bytes
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
 from .baselines import collapse_rmsnorm
@@ -117,11 +117,8 @@ class MixesTimer:
     def _consumer_with_gemm(self, v: AttentionBoundary, inputs, partial):
         """The consumer without mixes (given pre), then fused_wqa_wkv on its
         MXFP8 layer input: (residual_out, layer_input, q)."""
-        next_in = self._mxfp8_buffers(v, inputs.rows)
-        res_out, layer_input, *_ = self._consumer(v, inputs, partial, inputs.pre, next_in)
-        q = mxfp8_mm(v.fused_wqa_wkv, QuantizedActivation(*next_in, torch.bfloat16,
-                                                          layer_input.shape))
-        return res_out, layer_input, q
+        res = self._consumer(v, inputs, partial, inputs.pre, self._mxfp8_buffers(v, inputs.rows))
+        return res.residual_out, res.layer_input, mxfp8_mm(v.fused_wqa_wkv, res.mxfp8)
 
     @staticmethod
     def _fused_with_gemm(v: AttentionBoundary, inputs, partial):

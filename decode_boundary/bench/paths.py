@@ -5,9 +5,7 @@ the CLI, ``benchmarks/*.py``, the tables and the plots share.
 dequantizes its weights and compiles its tail there) and returns a step,
 ``step(inputs) -> BoundaryOutputs``. ``STAGES[name](ab, step, inputs)`` gives
 each kernel (or library call) of that path alone, in chain order, as
-``{stage: callable}`` for the per-kernel breakdown. ``WO_B_BOUNDARY[name](ab,
-step, o, inputs)`` is the path's part from ``wo_b`` to the end of the
-all-reduce + mHC (the 2-GPU ``benchmarks/boundary.py``).
+``{stage: callable}`` for the per-kernel breakdown.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from collections.abc import Callable
 from decode_boundary.gemm import mxfp8_mm
 from decode_boundary.model.chain import AttentionBoundary, BoundaryInputs, BoundaryOutputs
 
-from .baselines import CompiledStep, EagerBaseline, StrongBaseline, all_reduce_then_mhc
+from .baselines import CompiledStep, EagerBaseline, StrongBaseline
 from .report import BASELINES  # (what fused is compared with, in order)
 from .user_step import UserStep
 
@@ -117,25 +115,3 @@ STAGES: dict[str, Callable[..., dict[str, Callable[[], object]]]] = {
     "strong_baseline": _strong_stages,
 }
 STAGE_STEPS = ("strong_baseline",)  # the breakdowns that take their path's built step
-
-
-def _strong_wo_b(ab, strong: StrongBaseline, o, inputs: BoundaryInputs):
-    return strong.mix(strong.all_reduce(o @ strong.wo_b.t()), inputs)
-
-
-def _eager_wo_b(ab, eager: EagerBaseline, o, inputs: BoundaryInputs):
-    return all_reduce_then_mhc(eager.wo_b(o), inputs.residual, inputs.post, inputs.comb,
-                               inputs.pre, eager.norm_weight, eager.eps, eager.group,
-                               quantize=True, mixes=eager.mixes)
-
-
-def _ours_wo_b(fused: bool):
-    return lambda ab, step, o, inputs: ab.reduce(inputs, ab.wo_b_published(o, fused))
-
-
-WO_B_BOUNDARY: dict[str, Callable] = {
-    "strong_baseline": _strong_wo_b,
-    "baseline": _eager_wo_b,
-    "unfused": _ours_wo_b(fused=False),
-    "fused": _ours_wo_b(fused=True),
-}

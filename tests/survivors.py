@@ -35,7 +35,7 @@ def run_ranks(target, world: int, args: tuple, reports: int, timeout_s: float,
                 rank, out = results.get(timeout=0.5)
                 got[rank] = out
     finally:
-        stop_processes(procs, exit_s)
+        stop_processes(procs, exit_s, term_s=0)  # a frozen (SIGSTOP) rank ignores SIGTERM
     return got, procs
 
 

@@ -25,6 +25,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from boundary_inputs import random_step
 from survivors import report_and_exit, run_ranks, timed_error
 
 from decode_boundary.boundary import liveness
@@ -40,12 +41,7 @@ SLOW_S = 30.0  # the slow rank's first compile
 
 
 def _inputs(seed: int, m: int) -> dict:
-    gen = torch.Generator().manual_seed(seed)  # every rank draws every rank's partial
-    return dict(xs=torch.randn(2, m, HIDDEN, generator=gen).bfloat16(),
-                residual=torch.randn(m, HC, HIDDEN, generator=gen).bfloat16(),
-                post=torch.rand(m, HC, generator=gen), comb=torch.rand(m, HC, HC, generator=gen),
-                pre=torch.rand(m, HC, generator=gen),
-                gamma=(1 + 0.1 * torch.randn(HIDDEN, generator=gen)).bfloat16())
+    return random_step(m, 2, seed, hc=HC, h=HIDDEN)  # every rank draws every rank's partial
 
 
 def _step(ar, d: dict, rank: int):

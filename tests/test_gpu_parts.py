@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "gpu_tests.sh"
 MARKS = "gpu or multigpu"
@@ -46,11 +48,16 @@ def _selected(nodes: set[str], files: list[str], expr: str) -> set[str]:
     return kept
 
 
-def test_every_gpu_test_runs_in_exactly_one_part():
+@pytest.fixture(scope="module")
+def every() -> set[str]:
+    """Every gpu / multigpu test of the suite (one collection, in a subprocess)."""
+    return _collect(sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
+                    "no:cacheprovider", "-m", MARKS, "tests")
+
+
+def test_every_gpu_test_runs_in_exactly_one_part(every):
     parts = _parts()
     assert {"gemm", "exhaustive", "boundary", "mixes", "chain", "compile"} <= set(parts)
-    every = _collect(sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
-                     "no:cacheprovider", "-m", MARKS, "tests")
     assert len(every) > 20  # the suite, not an empty collection
     for name, (files, _) in parts.items():
         for f in files:
@@ -69,7 +76,7 @@ def test_every_gpu_test_runs_in_exactly_one_part():
         {n for n in every if "every_pickable" in n}
 
 
-def test_the_script_runs_what_its_list_says(tmp_path):
+def test_the_script_runs_what_its_list_says(tmp_path, every):
     """The script's own pytest call for a part (collect-only) selects the tests
     its ``--list`` line names: the arguments reach pytest as listed, and its
     output lands in the part's log."""
@@ -77,8 +84,6 @@ def test_the_script_runs_what_its_list_says(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "GPU_TESTS_LOG_DIR": str(tmp_path)}
     got = _collect("bash", str(SCRIPT), "exhaustive", "--collect-only", "-p",
                    "no:cacheprovider", env=env)
-    every = _collect(sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
-                     "no:cacheprovider", "-m", MARKS, *files)
     assert got and got == _selected(every, files, expr)
     assert _node_ids((tmp_path / "gpu-tests-exhaustive.log").read_text()) == got
 

@@ -91,9 +91,12 @@ def test_descend_keeps_each_slots_fastest_and_the_earlier_on_ties():
                       for s, c in slots.items()}
         seen = []
 
-        def timer(choice, costs=costs, candidates=candidates, seen=seen):
-            seen.append(dict(choice))
+        def cost(choice, costs=costs, candidates=candidates):
             return sum(costs[s][candidates[s].index(t)] for s, t in choice.items())
+
+        def timer(choice, seen=seen):
+            seen.append(dict(choice))
+            return cost(choice)
 
         trials = []
         best = tune.descend(candidates, timer, trials)
@@ -101,10 +104,10 @@ def test_descend_keeps_each_slots_fastest_and_the_earlier_on_ties():
             want = min(range(len(options)), key=lambda i, s=s: (costs[s][i], i))
             assert best[s] == options[want]
         assert len(trials) == len(seen) == sum(slots.values())
-        assert [t["us"] for t in trials] == [timer(c) for c in seen[:len(trials)]]
+        assert [t["us"] for t in trials] == [cost(c) for c in seen]
         # slot by slot: the earlier slots already at their best, the later at their first
         order = list(candidates)
-        for choice, trial in zip(seen, trials, strict=False):
+        for choice, trial in zip(seen, trials, strict=True):
             i = order.index(trial["slot"])
             assert all(choice[s] == best[s] for s in order[:i])
             assert all(choice[s] == candidates[s][0] for s in order[i + 1:])

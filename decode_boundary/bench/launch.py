@@ -209,16 +209,17 @@ def _failure(procs: list, done: dict, results, failures: dict) -> RankError:
     return RankError(first, "\n".join(f"rank {r} failed: {why}" for r, why in ordered.items()))
 
 
-def stop_processes(procs: list, grace_s: float) -> None:
+def stop_processes(procs: list, grace_s: float, term_s: float = GRACE_S) -> None:
     """Let the children exit on their own for ``grace_s``, then end them (after a
-    failure the survivors usually wait in a collective for the failed rank)."""
+    failure the survivors usually wait in a collective for the failed rank):
+    terminated, killed if still alive ``term_s`` later (0: killed at once)."""
     deadline = time.monotonic() + grace_s
     for p in procs:
         p.join(timeout=max(0.0, deadline - time.monotonic()))
     for p in procs:
-        if p.is_alive():
+        if p.is_alive() and term_s > 0:
             p.terminate()
-            p.join(timeout=GRACE_S)
+            p.join(timeout=term_s)
         if p.is_alive():
             p.kill()
             p.join()

@@ -9,8 +9,13 @@ The result dict (schema ``SCHEMA``) is what ``decode-boundary`` writes:
   ``interpreter`` (kernels ran in the Triton interpreter), ``unreachable_pairs``
   (GPU pairs without peer access: the all-reduce used its NCCL fallback);
 * ``config``: the model's sizes, ``tp``, ``rows``, ``transport`` of the
-  all-reduce ("mailbox" peer stores, or "nccl" where peers are unreachable), ...;
-* bench / verify: ``verify`` [{``rows``, ``ok``, ``failures``, ``ranks_identical``}];
+  all-reduce ("mailbox" peer stores, or "nccl" where peers are unreachable),
+  ``baselines`` (on a GPU: the baselines verified and timed), ...;
+* bench / verify: ``verify`` [{``rows``, ``ok``, ``failures``, ``ranks_identical``}]
+  and, on a GPU, ``seconds`` (wall clock of rank 0's parts: ``precompile``,
+  ``first_call`` {baseline: {M: s}}, a compiled baseline's compile and autotuning,
+  ``verify``; bench adds ``timing`` {path: s}, ``breakdown``, ``mixes``; ``total``:
+  the whole command);
   bench adds ``copy_rate_gbps``, ``floor_us`` (every MXFP8 weight byte of the
   boundary — wo_a, wo_b, fused_wqa_wkv — at the copy rate, plus ``hop_us``, one
   measured hop where there are peers), ``weight_copies``, ``timings``

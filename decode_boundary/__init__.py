@@ -16,8 +16,11 @@ BoundaryAllReduce, mxfp8_mm``), in three groups:
   ``AttentionBoundary`` (one rank's whole boundary), ``MODELS`` (DSV4-family
   shapes).
 
-They load on first use: importing the package imports no Triton, so
-``TRITON_INTERPRET`` can still be set after it. Expert names stay in their
+They load on first use: importing the package imports no Triton. Where no
+CUDA device is visible and ``TRITON_INTERPRET`` is unset, the import sets it
+(``env.select_interpreter``: the kernels run on CPU tensors in Triton's
+interpreter, and a warning says so once); set ``TRITON_INTERPRET=0`` first to
+keep it off. Expert names stay in their
 modules: ``selected_tactic`` and ``shape_representatives`` in
 ``decode_boundary.gemm``, ``Tactic`` and ``TABLE`` in
 ``decode_boundary.gemm.tactics``, ``mxfp8_mm_ref`` in
@@ -40,7 +43,8 @@ import importlib
 
 # Importing the package sets NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and
 # NVSHMEM_DISABLE_NVLS=1 (env.py, at its import): NVLink multicast is never used, and a
-# process group created after this import cannot pick it up. env imports no Triton.
+# process group created after this import cannot pick it up. Without a CUDA device it
+# also selects Triton's interpreter, before anything imports Triton. env imports no Triton.
 from . import env  # noqa: E402, F401
 
 __version__ = "0.1.0"

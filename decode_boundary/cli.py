@@ -21,7 +21,16 @@ a command says so in one line (exit 2).
 Triton is imported inside the commands, never at the top (here or in what this
 module imports): ``triton.jit`` reads ``TRITON_INTERPRET`` when a function is
 decorated, and ``import triton`` already decorates Triton's own standard library
-(``tl.max``, ...), so ``verify`` without a GPU must set it before that import.
+(``tl.max``, ...), so ``verify`` without a GPU must set it before that import
+(the package's import sets it already where no CUDA device is visible;
+``verify`` sets it too for a run told there is none).
+
+Bare ``decode-boundary`` prints the usage and the commands (exit 2);
+``--version`` the package's, torch's and Triton's versions. ``bench`` runs the
+baselines of ``report.DEFAULT_BASELINES`` unless ``--baselines`` names others,
+prints one line per stage where stderr is no terminal (``report.progress``) and
+keeps Inductor's autotune tables out of its output (``baselines.quiet_autotune``);
+its JSON records the seconds each part took (``harness.run_rank``).
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ import torch
 
 from decode_boundary.bench import report
 from decode_boundary.bench.launch import RankError, in_torchrun, launch
+from decode_boundary.bench.report import BASELINES, DEFAULT_BASELINES
 from decode_boundary.model.config import MODELS, BoundaryConfig
 
 if TYPE_CHECKING:
@@ -98,6 +108,20 @@ def _rows(text: str) -> int:
     return value
 
 
+class _Distinct(argparse.Action):
+    """A list option whose values must differ (``--rows``, ``--baselines``): a
+    repeated M would be verified and timed twice and fill the table with
+    duplicate rows, so a repeat is refused (exit 2), not run."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        repeated = [str(v) for v in dict.fromkeys(v for v in values if values.count(v) > 1)]
+        if repeated:
+            what = "M = " if self.dest == "rows" else ""
+            raise argparse.ArgumentError(
+                self, f"{what}{', '.join(repeated)} given more than once (give each once)")
+        setattr(namespace, self.dest, values)
+
+
 def _hc(text: str) -> int:
     """The number of hc streams: a power of two up to MAX_HC (the next mixes'
     Sinkhorn layout needs a power of two)."""
@@ -148,21 +172,28 @@ def _shapes(text: str) -> list[tuple[str, int, int]]:
 
 def build_parser() -> argparse.ArgumentParser:
     common = _Parser(add_help=False)
-    common.add_argument("--model", choices=list(MODELS), help=f"default {DEFAULT_MODEL}")
-    common.add_argument("--hidden", type=_positive, help="override the model's hidden size")
+    common.add_argument("--hidden", type=_positive,
+                        help="override the model's hidden size (a multiple of 32)")
     common.add_argument("--hc", type=_hc,
                         help=f"override the model's hc_mult (a power of two <= {MAX_HC})")
     common.add_argument("--tp", type=_positive,
                         help="tensor-parallel size (bench/verify: default one rank per visible "
                              f"GPU; gemm: per-rank shapes at this TP, default {GEMM_TP})")
-    common.add_argument("--rows", type=_rows, nargs="+",
-                        help=f"token counts M per step, each in [1, {MAX_ROWS}]")
-    common.add_argument("--out", type=_out_dir, help="folder for the JSON (and PNG)")
-    common.add_argument("--json", action="store_true", help="also print the JSON to stdout")
+    common.add_argument("--rows", type=_rows, nargs="+", action=_Distinct,
+                        help=f"token counts M per step, each in [1, {MAX_ROWS}] and given once "
+                             f"(default {' '.join(map(str, DEFAULT_ROWS))}; verify without a "
+                             f"GPU: {' '.join(map(str, INTERPRETER_ROWS))})")
+    common.add_argument("--out", type=_out_dir,
+                        help="folder for the JSON (and PNG), created if missing (default: "
+                             "benchmarks/results of a checkout, else "
+                             "./decode-boundary-results/<time>; verify writes only with --out)")
+    common.add_argument("--json", action="store_true",
+                        help="also print the result JSON to stdout (the tables go to stderr)")
     boundary = _Parser(add_help=False)
     boundary.add_argument("--weights", type=_weights_dir,
                           help="DSV4.1-format safetensors folder (default: synthetic weights)")
-    boundary.add_argument("--seed", type=int, default=0)
+    boundary.add_argument("--seed", type=int, default=0,
+                          help="seed of the synthetic weights (default 0)")
     boundary.add_argument("--tp-shapes", type=_positive, dest="tp_shapes",
                           help="run one rank's share of a TP-N deployment on one GPU (the "
                                "per-rank shapes of TP N, the all-reduce over a group of one)")
@@ -173,7 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="decode-boundary",
         description="Run, verify and benchmark a DeepSeek V4.1 attention boundary.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=version(),
+                        help="print the package's, torch's and Triton's versions and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     bench = sub.add_parser("bench", parents=[common, boundary],
                    help="verify, then time the fused boundary against the baselines",
                    description="Verify the boundary, then time every path (fused, unfused "
@@ -181,21 +214,59 @@ def build_parser() -> argparse.ArgumentParser:
                                "at each M) on all local GPUs, one process per GPU, or one "
                                "rank's share of a TP-N deployment on one GPU (--tp-shapes N). "
                                "Writes a table, JSON and a latency plot. Needs a CUDA GPU.")
+    _add_model(bench, f"the model whose shapes are run (default {DEFAULT_MODEL})")
+    bench.add_argument("--baselines", nargs="+", type=_baseline, action=_Distinct,
+                       help="the baselines to verify and time besides ours: names among "
+                            f"{', '.join(BASELINES)}, or 'all' (default: "
+                            f"{' '.join(DEFAULT_BASELINES)}: compiled_step, left out, "
+                            "compiles and autotunes the whole step once more per M)")
     verify = sub.add_parser("verify", parents=[common, boundary],
-                   help="correctness only (Triton interpreter when there is no GPU)",
+                   help="correctness only (without a GPU: tiny model, Triton interpreter)",
                    description="Check the boundary's outputs: fused and unfused bit-identical, "
                                "both within tolerance of the reference, every rank holding "
-                               "the same bits. Without a GPU it runs the kernels in the Triton "
-                               "interpreter on CPU (tiny model, tp = 2 simulated).")
+                               "the same bits. Without a GPU it runs the tiny model's kernels "
+                               f"in the Triton interpreter on CPU (tp = {INTERPRETER_TP} "
+                               "simulated), whatever the default below.")
+    _add_model(verify, f"the model whose shapes are checked (default {DEFAULT_MODEL}; without "
+                       f"a GPU {INTERPRETER_MODEL}, the only one it accepts then)")
     gemm = sub.add_parser("gemm", parents=[common],
                           help="our MXFP8 GEMM vs cuBLAS BF16 / FP8 row-wise vs the floor",
                           description="Time our MXFP8 GEMM on the model's per-rank projections "
                                       "(or --shapes) against cuBLAS BF16 and FP8 row-wise and "
                                       "the HBM floor, cold L2. Needs a CUDA GPU.")
-    gemm.add_argument("--shapes", type=_shapes, help="NxK,... instead of the model's projections")
+    _add_model(gemm, f"the model whose projections are timed (default {DEFAULT_MODEL})")
+    gemm.add_argument("--shapes", type=_shapes,
+                      help="time these NxK weights (comma-separated) instead of the model's "
+                           "projections")
     parser.subcommands = {"bench": bench, "verify": verify, "gemm": gemm,
                           "tune": _add_tune_parser(sub)}
     return parser
+
+
+def _add_model(parser: argparse.ArgumentParser, help: str) -> None:
+    parser.add_argument("--model", choices=list(MODELS), help=help)
+
+
+def _baseline(text: str) -> str:
+    if text not in (*BASELINES, "all"):
+        raise argparse.ArgumentTypeError(
+            f"must be one of {', '.join(BASELINES)} or all, got {text!r}")
+    return text
+
+
+def version() -> str:
+    """``decode-boundary X (torch Y, triton Z)``: Triton's version read from its
+    metadata, not by importing it (module docstring)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    from decode_boundary import __version__
+
+    try:
+        triton = installed("triton")
+    except PackageNotFoundError:
+        triton = "not installed"
+    return f"decode-boundary {__version__} (torch {torch.__version__}, triton {triton})"
 
 
 def _add_tune_parser(sub) -> argparse.ArgumentParser:
@@ -208,10 +279,10 @@ def _add_tune_parser(sub) -> argparse.ArgumentParser:
                     "gemm/tactics.py's TABLE and boundary/consumer_tactics.py's tables to "
                     "paste, and write tune-<model>-tp<N>.json.")
     tune.add_argument("--model", choices=list(MODELS), default=DEFAULT_MODEL,
-                      help=f"default {DEFAULT_MODEL}")
+                      help=f"the model whose tactics are chosen (default {DEFAULT_MODEL})")
     tune.add_argument("--tp-shapes", type=_positive, default=GEMM_TP, dest="tp_shapes",
                       help=f"the per-rank shapes of TP N (default {GEMM_TP})")
-    tune.add_argument("--rows", type=_rows, nargs="+",
+    tune.add_argument("--rows", type=_rows, nargs="+", action=_Distinct,
                       help=f"token counts, 1..{MAX_ROWS}, each timed at its table bucket's largest "
                            "(default: every bucket, 1 2 4 8 16 32 48 64)")
     tune.add_argument("--rounds", type=_positive, default=3,
@@ -239,6 +310,9 @@ def _out_dir(text: str) -> Path:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
+    if not argv:  # a first try: the usage and the commands, not only "command is required"
+        parser.print_help(sys.stderr)
+        return 2
     try:
         args = parser.parse_args(argv)
         args.command_line = shlex.join(["decode-boundary", *argv])
@@ -271,11 +345,13 @@ def _config(parser: argparse.ArgumentParser, args, default_model: str, tp: int) 
     try:
         config.check_tp(tp)
     except ValueError as exc:
-        parser.error(str(exc))
+        flag = "--tp-shapes" if getattr(args, "tp_shapes", None) else "--tp"
+        parser.error(f"{flag} {tp}: {exc}")
     return config
 
 
 def _boundary(parser: argparse.ArgumentParser, args) -> int:
+    started = time.perf_counter()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     interpreter = gpus == 0
     if interpreter:
@@ -283,7 +359,9 @@ def _boundary(parser: argparse.ArgumentParser, args) -> int:
             print(NO_GPU.format(cmd="bench"), file=sys.stderr)
             return 2
         if args.tp_shapes:
-            parser.error("--tp-shapes needs a GPU (it times one rank's share)")
+            parser.error(f"--tp-shapes needs a GPU: it runs one rank's share of a TP-N "
+                         f"deployment on one GPU (without a GPU, {args.command} runs the "
+                         f"{INTERPRETER_MODEL} model with tp = {INTERPRETER_TP} simulated)")
         if args.weights:
             parser.error("--weights needs a GPU (without one, verify runs the tiny model "
                          "on synthetic weights)")
@@ -306,16 +384,19 @@ def _boundary(parser: argparse.ArgumentParser, args) -> int:
 
     out = _console(args.json)
     if interpreter:
-        out.print(f"No CUDA GPU: running the kernels in the Triton interpreter on CPU, "
-                  f"model {config.name}, tp={tp} simulated in one process, M={list(rows)} "
-                  "(reduced size; no timings).")
+        out.print(f"No CUDA GPU: verify runs the {config.name} model (not {DEFAULT_MODEL}), "
+                  f"its kernels in the Triton interpreter on CPU, tp={tp} simulated in one "
+                  f"process, M={list(rows)} (reduced size; no timings).")
     unreachable = _unreachable_pairs(min(tp, gpus))
     for i, j in unreachable:
         out.print(f"GPU {i} cannot access GPU {j} (no peer access): "
                   "the all-reduce falls back to NCCL for the sum.")
+    chosen = getattr(args, "baselines", None) or DEFAULT_BASELINES
+    baselines = BASELINES if "all" in chosen else tuple(b for b in BASELINES if b in chosen)
     spec = BenchSpec(config, rows, time=args.command == "bench", seed=args.seed,
                      weights_dir=str(args.weights) if args.weights else None,
-                     tp_shapes=args.tp_shapes if not interpreter else None)
+                     tp_shapes=args.tp_shapes if not interpreter else None,
+                     baselines=baselines)
     try:
         if interpreter:
             per_rank = {0: verify_simulated(spec, tp)}
@@ -332,9 +413,12 @@ def _boundary(parser: argparse.ArgumentParser, args) -> int:
         args.command, args.command_line, report.environment(interpreter, unreachable),
         {"model": config.name, **dataclasses.asdict(config), "tp": tp,
          "tp_shapes": args.tp_shapes or tp, "rows": list(rows),
-         "weights": spec.weights_dir, "seed": args.seed, "transport": per_rank[0]["transport"]},
+         "weights": spec.weights_dir, "seed": args.seed, "transport": per_rank[0]["transport"],
+         **({} if interpreter else {"baselines": list(baselines)})},
     )
     result["verify"] = merge_verify(per_rank)
+    if "seconds" in per_rank[0]:  # rank 0's wall clock, and the whole command's
+        result["seconds"] = {**per_rank[0]["seconds"], "total": time.perf_counter() - started}
     out.print(report.verify_table(result))
     first = per_rank[0]
     if "timings" in first:
@@ -355,7 +439,8 @@ def _gemm(parser: argparse.ArgumentParser, args) -> int:
         return 2
     tp = args.tp or GEMM_TP
     config = _config(parser, args, DEFAULT_MODEL, tp)
-    from decode_boundary.bench.gemm import gemm_table  # kernels: import only once needed
+    from decode_boundary.bench.baselines import quiet_autotune  # kernels: only once needed
+    from decode_boundary.bench.gemm import gemm_table
 
     shapes = args.shapes or [(name, *shape)
                              for name, shape in config.projection_shapes(tp).items()]
@@ -364,9 +449,10 @@ def _gemm(parser: argparse.ArgumentParser, args) -> int:
         "gemm", args.command_line, report.environment(False, []),
         {"model": config.name, "tp": tp, "rows": rows, "shapes": [list(s) for s in shapes]},
     )
-    with report.progress(True, len(shapes) * len(rows)) as advance:
+    quiet_autotune()
+    with report.progress(True, len(shapes) * len(rows)) as stage:
         result.update(gemm_table(shapes, rows, torch.device("cuda", torch.cuda.current_device()),
-                                 advance))
+                                 stage))
     out = _console(args.json)
     out.print(report.gemm_table(result))
     _save(args, result, out, plot=False)
@@ -378,7 +464,7 @@ def _tune(parser: argparse.ArgumentParser, args) -> int:
     try:
         MODELS[args.model].check_tp(args.tp_shapes)
     except ValueError as exc:
-        parser.error(str(exc))
+        parser.error(f"--tp-shapes {args.tp_shapes}: {exc}")
     if not torch.cuda.is_available():
         print(NO_GPU.format(cmd="tune"), file=sys.stderr)
         return 2

@@ -16,6 +16,13 @@ again first thing (``BoundaryAllReduce``, ``launch``, the baselines); with a
 group it also refuses an NCCL group that may have been created with multicast
 possible (:func:`disable_multicast`).
 
+Without a CUDA device the kernels can only run in Triton's CPU interpreter, which
+``triton.jit`` chooses when a function is decorated (``TRITON_INTERPRET``, read
+then): :func:`select_interpreter` sets ``TRITON_INTERPRET=1`` at this module's
+import where no CUDA device is visible and the variable is unset, and says so once
+(a ``UserWarning``). A process that imported Triton before this package is told
+what to set instead: Triton's own jit functions are already compiled-mode then.
+
 The library's own switches (``DECODE_BOUNDARY_*``) are read with
 :func:`env_flag`: ``1/0``, ``true/false``, ``yes/no``, ``on/off`` (any case,
 surrounding spaces ignored), unset or empty meaning the default; anything else
@@ -26,6 +33,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import warnings
 
 import torch
 
@@ -158,4 +167,26 @@ def use_pdl(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def select_interpreter() -> bool:
+    """Set ``TRITON_INTERPRET=1`` where no CUDA device is visible and the
+    variable is unset, before Triton is imported (module docstring); True when
+    it did. ``torch.cuda.device_count`` asks NVML, not the CUDA driver, so a
+    process that forks workers later can still use CUDA in them. Warns once
+    either way: that the kernels run in the interpreter, or, Triton being
+    imported already, what to set for them to run on CPU."""
+    if "TRITON_INTERPRET" in os.environ or torch.cuda.device_count() > 0:
+        return False
+    if "triton" in sys.modules:
+        warnings.warn("decode_boundary: no CUDA device is visible and Triton was imported "
+                      "before this package, so its kernels cannot run on CPU in this "
+                      "process: set TRITON_INTERPRET=1 before importing Triton", stacklevel=3)
+        return False
+    os.environ["TRITON_INTERPRET"] = "1"
+    warnings.warn("decode_boundary: no CUDA device is visible: the kernels run in Triton's CPU "
+                  "interpreter (TRITON_INTERPRET=1 set; slow, for correctness only)",
+                  stacklevel=3)
+    return True
+
+
 disable_multicast()  # at import: before any process group this process may create later
+select_interpreter()  # at import: before anything of this package imports Triton

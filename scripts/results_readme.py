@@ -13,7 +13,10 @@ Kinds read: the bench (``decode-boundary bench``: per M the fused µs, every
 baseline, the fastest baseline and the gain, fused / floor), the GEMM table (per
 shape and M: ours, cuBLAS BF16, the floor), the timeline (per M the step and each
 kernel's span), the all-reduce comparison (per M each path, its fastest tactic) and
-pytest logs (the summary line).
+pytest logs (the summary line). Each bench file's baselines are named, with
+whether the user-built steps (today's headline baselines) are among them; a file
+run before the GEMM rebuild, one that one GPU cannot regenerate, and a command
+naming a script since replaced each get a line saying so.
 """
 
 from __future__ import annotations
@@ -28,6 +31,17 @@ MISSING = "—"
 ROOT = Path(__file__).resolve().parent.parent
 # The bench's own paths: every other entry of a timing's "us" is a baseline.
 OURS = ("fused", "unfused")
+# The user-built steps (decode_boundary/bench/user_step.py): the bench's headline
+# baselines since the commit that added them. A file without them measured its gain
+# over weaker ones.
+USER_STEPS = ("user_step", "user_step_aside")
+USER_STEPS_ADDED = "921b958"
+# The GEMM rebuild (new kernel family, tactic tables, grouped wo_a): figures of a run
+# at a commit before it are not those of the current kernels.
+REBUILD = ("424aed1", "2026-12-01")
+# Scripts a recorded command names that the tree no longer has, and what replaced them.
+REPLACED = {"benchmarks/gemm.py": "decode-boundary gemm"}
+GAIN = "gain (fastest baseline / fused)"
 
 
 def fmt(value, digits: int = 1) -> str:
@@ -80,18 +94,19 @@ def provenance(data: dict) -> dict[str, str]:
     date = field("created", "date")
     return {"commit": commit or MISSING, "command": field("command") or MISSING,
             "gpu": field("gpu") or MISSING, "versions": versions or MISSING,
-            "date": str(date)[:16].replace("T", " ") if date else MISSING}
+            "date": str(date)[:16].replace("T", " ") if date else MISSING, "notes": []}
 
 
-def bench_section(data: dict) -> list[str]:
-    """Per M: fused, every baseline, the fastest baseline and the gain, fused / floor."""
+def bench_section(data: dict, commit: str = MISSING) -> list[str]:
+    """Per M: fused, every baseline, the fastest baseline and the gain over it,
+    fused / floor; then which baselines the file holds."""
     timings = [t for t in data.get("timings", []) if isinstance(t.get("us"), dict)]
     if not timings:
         return ["No timings recorded."]
     baselines = list(dict.fromkeys(k for t in timings for k in t["us"] if k not in OURS))
     floor = data.get("floor_us")
     header = ["M", "fused µs", "unfused µs", *(f"{b} µs" for b in baselines),
-              "fastest baseline", "gain", "fused / floor"]
+              "fastest baseline", GAIN, "fused / floor"]
     rows = []
     for t in timings:
         us = t["us"]
@@ -109,23 +124,87 @@ def bench_section(data: dict) -> list[str]:
     lines = table(header, rows)
     if isinstance(floor, int | float):
         lines.append(f"\nFloor: {floor:.1f} µs (every weight byte at the measured copy rate).")
+    lines.append("\n" + baseline_set(baselines, commit))
     return lines
+
+
+def baseline_set(baselines: list[str], commit: str) -> str:
+    """The file's baselines in words: the current set (a user-built step heads
+    it) or a weaker one, which its gain is measured over (and, where git knows
+    the run's commit, whether it predates the user-built steps)."""
+    names = ", ".join(baselines) or "none"
+    if any(b in USER_STEPS for b in baselines):
+        return (f"Baselines: {names}; the user-built steps, the bench's headline baselines, "
+                "are among them.")
+    when = " This run predates them." if precedes(commit, USER_STEPS_ADDED) else ""
+    return (f"Baselines: {names}. None is a user-built step ({', '.join(USER_STEPS)}, the "
+            "bench's headline baselines): the gain is over these weaker baselines, not over "
+            f"what the bench compares with today.{when}")
+
+
+def history_notes(kind: str, data: dict, commit: str) -> list[str]:
+    """What a reader must know about a file's age: a run before the GEMM rebuild,
+    a file one GPU cannot regenerate, a command naming a script since replaced."""
+    notes = []
+    if precedes(commit, REBUILD[0]):
+        notes.append(f"Predates the GEMM rebuild ({REBUILD[0]}, {REBUILD[1]}): these are "
+                     "not the current kernels' figures.")
+    gpus = gpus_needed(kind, data)
+    if gpus > 1:
+        notes.append(f"Needs {gpus} GPUs to regenerate; a one-GPU run cannot replace it.")
+    command = str(data.get("command") or "")
+    for script, now in REPLACED.items():
+        if script in command and not (ROOT / script).exists():
+            notes.append(f"`{script}` no longer exists: `{now}` replaces it.")
+    return notes
+
+
+def precedes(commit: str, marker: str) -> bool:
+    """Whether ``commit`` (the README's short form, ``+dirty`` allowed) is known
+    to git here and does not descend from ``marker``: a run before that change."""
+    sha = commit.split("+")[0]
+    if sha == MISSING:
+        return False
+    try:
+        done = subprocess.run(["git", "merge-base", "--is-ancestor", marker, sha],
+                              cwd=ROOT, capture_output=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 1  # 0: it descends from marker; other codes: unknown commit
+
+
+def gpus_needed(kind: str, data: dict) -> int:
+    """GPUs a run of this file took: benchmarks/allreduce.py runs on two; a bench
+    with tp ranks of its own shapes (not ``--tp-shapes`` on one GPU) on tp."""
+    if kind == "allreduce":
+        return 2
+    config = data.get("config") if isinstance(data.get("config"), dict) else {}
+    tp = config.get("tp")
+    if kind == "bench" and isinstance(tp, int) and config.get("tp_shapes", tp) == tp:
+        return tp
+    return 1
 
 
 def _gemm_rows(data: dict) -> list[tuple[str, object, dict, object]]:
     """(shape, M, {path: µs}, floor) from the CLI's ``gemms`` or the script's ``gemm``."""
     out = []
     for r in data.get("gemms", []):
-        shape = f"{r.get('name', MISSING)} {r.get('n', '?')}×{r.get('k', '?')}"
+        shape = f"{r.get('name', MISSING)} {_size(r)}"
         out.append((shape, r.get("rows"), r.get("us") or {}, r.get("floor_us")))
     for r in data.get("gemm", []):
-        groups = r.get("groups", 1)
-        size = f"{r.get('n', '?')}×{r.get('k', '?')}"
-        shape = f"{r.get('shape', MISSING)} {f'{groups}×' if groups and groups > 1 else ''}{size}"
         us = {"ours": r.get("ours_us"), "cublas_bf16": r.get("cublas_bf16_us"),
               "inductor_bf16": r.get("inductor_bf16_us")}
-        out.append((shape, r.get("rows"), us, r.get("floor_us")))
+        out.append((f"{r.get('shape', MISSING)} {_size(r)}", r.get("rows"), us, r.get("floor_us")))
     return out
+
+
+def _size(r: dict) -> str:
+    """N×K, or groups×(N / groups)×K for a grouped layer: both writers record N
+    over all groups (wo_a at TP 4: 2 groups of 1024 rows, N = 2048)."""
+    n, k, groups = r.get("n", "?"), r.get("k", "?"), r.get("groups", 1)
+    if isinstance(groups, int) and groups > 1 and isinstance(n, int):
+        return f"{groups}×{n // groups}×{k}"
+    return f"{n}×{k}"
 
 
 def gemm_section(data: dict) -> list[str]:
@@ -139,7 +218,7 @@ def gemm_section(data: dict) -> list[str]:
                      fmt(us.get("inductor_bf16"), 2), fmt(floor, 2)])
     if not rows:
         return ["No GEMM timings recorded."]
-    return table(["shape (N×K)", "M", "ours µs", "cuBLAS BF16 µs", "cuBLAS / ours",
+    return table(["shape (N×K; grouped: G×N×K)", "M", "ours µs", "cuBLAS BF16 µs", "cuBLAS / ours",
                   "Inductor BF16 µs", "floor µs"], rows)
 
 
@@ -214,12 +293,17 @@ def json_entry(path: Path) -> tuple[str, dict[str, str], list[str]]:
     if not isinstance(data, dict):
         return "unknown", provenance({}), ["Not a result object."]
     kind = kind_of(path.name, data)
+    p = provenance(data)
     section = SECTIONS.get(kind)
-    body = section(data) if section else ["No summary for this kind."]
+    if section is None:
+        body = ["No summary for this kind."]
+    else:
+        body = section(data, p["commit"]) if kind == "bench" else section(data)
     figure = path.with_suffix(".png")
     if figure.exists():
         body = [*body, f"\nPlot: [{figure.name}]({figure.name})."]
-    return kind, provenance(data), body
+    p["notes"] = history_notes(kind, data, p["commit"])
+    return kind, p, body
 
 
 def log_entry(path: Path) -> tuple[str, dict[str, str], list[str]]:
@@ -250,6 +334,7 @@ def render(folder: Path) -> str:
                 f"{kind}; run at commit {p['commit']} on {p['date']}; GPU {p['gpu']}; "
                 f"{p['versions']}; in git since {added}.",
                 f"Command: `{p['command']}`" if p["command"] != MISSING else "Command: —",
+                *(["", *p["notes"]] if p["notes"] else []),
                 "", *body]
     return "\n".join(out) + "\n"
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from decode_boundary.bench.baselines import BASELINE_RTOL, check_baseline, collapse_rmsnorm
-from decode_boundary.bench.paths import applies, build, join_all
+from decode_boundary.bench.paths import applies, baselines_for, build, join_all, paths_for
+from decode_boundary.bench.report import DEFAULT_BASELINES
 from decode_boundary.bench.user_mixes_kernel import BLOCK_M, launch_user_mixes
 from decode_boundary.bench.user_step import UserStep, fp32_matmul, user_mixes
 from decode_boundary.mixes.reference import mhc_mixes_ref
@@ -147,8 +148,15 @@ def test_verify_rows_checks_the_user_steps(boundaries, monkeypatch):
     ab = boundaries["previous"]
     baselines = {"user_step": UserStep(ab, backend="aot_eager"),
                  "user_step_aside": UserStep(ab, aside=True, backend="aot_eager")}
-    verdict = harness.verify_rows(ab, 3, None, baselines)
+    stages, first_call_s = [], {}
+    verdict = harness.verify_rows(ab, 3, None, baselines, stages.append, first_call_s)
     assert verdict["ok"] and verdict["failures"] == [], verdict
+    # What a log shows as each part begins, and each baseline's first call timed.
+    assert stages == ["verifying M = 3: ours, fused and unfused",
+                      "verifying M = 3: compiling baseline user_step",
+                      "verifying M = 3: compiling baseline user_step_aside"]
+    assert set(first_call_s) == set(baselines)
+    assert all(list(s) == ["3"] and s["3"] > 0 for s in first_call_s.values())
     launch = user_step.launch_user_mixes
     monkeypatch.setattr(user_step, "launch_user_mixes",
                         lambda *args: launch(*args[:3], args[3] + 1e-3, *args[4:]))
@@ -161,6 +169,15 @@ def test_v4_has_no_aside_user_step(boundaries):
     v4, v41 = boundaries["same"], boundaries["previous"]
     assert not applies("user_step_aside", v4) and applies("user_step_aside", v41)
     assert applies("user_step", v4)
+    # The bench's default set leaves compiled_step out; --baselines picks, in order.
+    assert paths_for(v41, DEFAULT_BASELINES) == ["user_step", "user_step_aside",
+                                                 "strong_baseline", "baseline", "unfused",
+                                                 "fused"]
+    assert paths_for(v4, DEFAULT_BASELINES) == ["user_step", "strong_baseline", "baseline",
+                                                "unfused", "fused"]
+    assert baselines_for(v41, ("baseline", "compiled_step")) == ["compiled_step", "baseline"]
+    assert paths_for(v4) == ["user_step", "compiled_step", "strong_baseline", "baseline",
+                             "unfused", "fused"]
     with pytest.raises(ValueError, match="user_step_aside"):
         build("user_step_aside", v4)
     with pytest.raises(ValueError, match="cannot run aside"):

@@ -2,6 +2,7 @@
 files, and ``verify`` end to end in the Triton interpreter (tiny model, tp = 2 simulated).
 On a multi-GPU machine: ``bench`` end to end within 5 minutes."""
 
+import io
 import json
 import os
 import signal
@@ -30,8 +31,8 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.mark.parametrize(
     ("argv", "argument", "message"),
     [
-        (["frobnicate"], "command", "invalid choice"),
-        ([], "command", "required"),
+        (["frobnicate"], "COMMAND", "invalid choice"),
+        (["--json"], "COMMAND", "required"),
         (["verify", "--model", "v5"], "--model", "invalid choice"),
         (["bench", "--rows", "0"], "--rows", "got 0"),
         (["verify", "--rows", "two"], "--rows", "must be an integer in [1, 64]"),
@@ -39,6 +40,11 @@ REPO = Path(__file__).resolve().parent.parent
         (["verify", "--rows", "65"], "--rows", "capacity"),
         (["bench", "--rows", "100000"], "--rows", "got 100000"),
         (["gemm", "--rows", "1", "65"], "--rows", "got 65"),
+        (["bench", "--rows", "1", "4", "1"], "--rows", "M = 1 given more than once"),
+        (["tune", "--rows", "8", "8", "2", "2"], "--rows", "M = 8, 2 given more than once"),
+        (["bench", "--baselines", "user"], "--baselines", "must be one of user_step"),
+        (["bench", "--baselines", "baseline", "baseline"], "--baselines",
+         "baseline given more than once"),
         (["verify", "--hc", "3"], "--hc", "power of two"),
         (["verify", "--hc", "0"], "--hc", "got 0"),
         (["verify", "--hidden", "x"], "--hidden", "positive integer"),
@@ -102,8 +108,56 @@ def test_every_command_has_a_description(capsys, command):
 def test_help_exits_0(capsys):
     assert cli.main(["bench", "--help"]) == 0
     out = capsys.readouterr().out
-    for option in ("--model", "--tp", "--rows", "--weights", "--out", "--json", "--hidden"):
+    for option in ("--model", "--tp", "--rows", "--weights", "--out", "--json", "--hidden",
+                   "--baselines"):
         assert option in out
+
+
+def test_bare_command_prints_usage_and_the_commands(capsys):
+    """A first try with no arguments: the usage and every command with what it
+    does, on stderr, exit 2 (not only 'the following arguments are required')."""
+    assert cli.main([]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("usage: decode-boundary")
+    lines = {line.split()[0]: line for line in captured.err.splitlines()
+             if line.startswith("    ") and line.split()}
+    for command in ("bench", "verify", "gemm", "tune"):
+        assert len(lines[command].split()) > 4, captured.err  # the name, then what it does
+
+
+def build_parser_commands() -> dict:
+    return cli.build_parser().subcommands
+
+
+def test_version_names_the_package_torch_and_triton(capsys):
+    from importlib.metadata import version
+
+    import decode_boundary
+
+    assert cli.main(["--version"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out == (f"decode-boundary {decode_boundary.__version__} (torch {torch.__version__}, "
+                   f"triton {version('triton')})")
+
+
+def test_every_flag_says_what_it_does():
+    """Each option of each command has a help text that describes it, not only
+    its default (``--seed`` had none, ``--model`` only 'default v4.1-flash')."""
+    for name, sub in build_parser_commands().items():
+        for action in sub._actions:
+            if action.dest == "help":
+                continue
+            text = action.help or ""
+            assert len(text.split()) >= 4 and not text.startswith("default"), \
+                (name, action.option_strings, text)
+
+
+def test_verify_help_says_it_runs_tiny_without_a_gpu(capsys):
+    assert cli.main(["verify", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    model = text.rsplit("--model {", 1)[1].split(" --", 1)[0]  # its line under options
+    assert "without a GPU tiny" in model
 
 
 @pytest.mark.parametrize("command", ["bench", "gemm"])
@@ -117,9 +171,10 @@ def test_timing_commands_without_gpu_point_to_verify(capsys, monkeypatch, comman
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["verify", "--tp", "3"], "must divide"),
+        (["verify", "--tp", "3"], "--tp 3: tp=3 must divide"),
         (["verify", "--hidden", "100"], "multiple of 32"),
         (["verify", "--model", "v4.1-flash"], "needs a GPU"),
+        (["verify", "--tp-shapes", "3"], "it runs one rank's share of a TP-N deployment"),
     ],
 )
 def test_verify_without_gpu_rejects_what_it_cannot_run(capsys, monkeypatch, argv, message):
@@ -308,7 +363,7 @@ def test_verify_without_gpu_runs_in_the_interpreter(tmp_path):
         env={**env, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)},
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    assert "Triton interpreter" in done.stderr and "tiny" in done.stderr
+    assert "Triton interpreter" in done.stderr and "verify runs the tiny model" in done.stderr
     assert "ok" in done.stderr and "FAIL" not in done.stderr
     printed = json.loads(done.stdout)
     assert printed["kind"] == "verify" and printed["environment"]["interpreter"] is True
@@ -396,3 +451,94 @@ def test_result_files_have_one_stable_name_per_kind():
     assert cli.result_stem("bench", one_gpu) == "bench-v4.1-flash-tp4-shapes-1gpu"
     assert cli.result_stem("bench", local) == "bench-v4-flash-tp2"
     assert cli.result_stem("gemm", one_gpu) == "gemm-NVIDIA_H200"
+
+
+# ---------------------------------------------------------------- progress, bench plumbing
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_off_a_terminal_is_one_line_per_stage_with_elapsed_seconds(monkeypatch):
+    """Where stderr is a log (not a terminal) each stage is one line as it
+    begins, with the seconds since the start, then one closing line."""
+    clock = iter([0.0, 1.5, 12.3, 80.0])
+    monkeypatch.setattr(report.time, "perf_counter", lambda: next(clock))
+    log = io.StringIO()
+    with report.progress(True, 2, log) as stage:
+        stage("verifying M = 1: ours, fused and unfused")
+        stage("verifying M = 1: compiling baseline user_step")
+    assert log.getvalue().splitlines() == [
+        "[    1.5 s] (1/2) verifying M = 1: ours, fused and unfused",
+        "[   12.3 s] (2/2) verifying M = 1: compiling baseline user_step",
+        "[   80.0 s] done (2 stages)",
+    ]
+
+
+def test_progress_on_a_terminal_is_the_bar_and_silent_for_other_ranks():
+    tty = _Tty()
+    with report.progress(True, 2, tty) as stage:
+        stage("timing fused at M = 1")
+    assert "(1/2)" not in tty.getvalue()  # the rich bar (transient), not log lines
+    quiet = io.StringIO()
+    with report.progress(False, 2, quiet) as stage:
+        stage("timing fused at M = 1")
+    assert quiet.getvalue() == ""
+
+
+def test_quiet_autotune_silences_inductors_tables(monkeypatch):
+    """Inductor's two stderr reports of max-autotune go off, unless
+    DECODE_BOUNDARY_AUTOTUNE_TABLES asks for them."""
+    from torch._inductor import config, select_algorithm
+
+    from decode_boundary.bench.baselines import quiet_autotune
+
+    monkeypatch.setattr(select_algorithm, "PRINT_AUTOTUNE", True)
+    monkeypatch.setattr(config, "max_autotune_report_choices_stats", True)
+    monkeypatch.setenv("DECODE_BOUNDARY_AUTOTUNE_TABLES", "1")
+    quiet_autotune()
+    assert select_algorithm.PRINT_AUTOTUNE and config.max_autotune_report_choices_stats
+    monkeypatch.delenv("DECODE_BOUNDARY_AUTOTUNE_TABLES")
+    quiet_autotune()
+    assert not select_algorithm.PRINT_AUTOTUNE
+    assert not config.max_autotune_report_choices_stats
+
+
+@pytest.mark.parametrize(("argv", "want"), [
+    ([], report.DEFAULT_BASELINES),
+    (["--baselines", "all"], report.BASELINES),
+    (["--baselines", "baseline", "user_step"], ("user_step", "baseline")),
+])
+def test_bench_runs_the_chosen_baselines_and_records_the_seconds(monkeypatch, tmp_path, argv,
+                                                                 want):
+    """``bench``'s plumbing on CPU (a GPU pretended, the ranks' work stubbed): the
+    baselines --baselines names reach every rank, in BASELINES' order, the JSON
+    names them, and it records the ranks' seconds and the command's total."""
+    synthetic = _synthetic_bench()
+    seconds = {"precompile": 2.0, "first_call": {"user_step": {"1": 30.0}}, "verify": 40.0,
+               "timing": {"fused": 3.0}, "breakdown": 1.0, "mixes": 5.0}
+    specs = []
+
+    def fake_launch(fn, tp, args, timeout_s):
+        specs.append(args[0])
+        keys = ("verify", "copy_rate_gbps", "floor_us", "weight_copies", "timings",
+                "breakdown")
+        rank = {k: synthetic[k] for k in keys}
+        rank.update(hop_us=0.0, transport="mailbox", seconds=seconds,
+                    mixes={"collapse": "previous", "rows": []})
+        return {0: rank}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(cli, "launch", fake_launch)
+    monkeypatch.setattr(report, "environment", lambda interpreter, pairs: synthetic["environment"])
+    assert cli.main(["bench", "--tp-shapes", "4", "--rows", "1", "8", "--out", str(tmp_path),
+                     *argv]) == 0
+    (spec,) = specs
+    assert spec.baselines == want and spec.rows == (1, 8) and spec.tp_shapes == 4
+    data = json.loads((tmp_path / "bench-v4.1-flash-tp4-shapes-1gpu.json").read_text())
+    assert data["config"]["baselines"] == list(want)
+    assert {k: v for k, v in data["seconds"].items() if k != "total"} == seconds
+    assert 0 < data["seconds"]["total"] < 60

@@ -9,7 +9,15 @@ operands, rounded once to BF16 (tests/independent_ref.py; 1 ulp only where FP32
 accumulation in the tactic's order may cross a rounding boundary); the
 consumer's outputs against ``consumer_ref`` of the partial so checked
 (residual_out bit for bit, layer_input within 1 ulp); the next layer's MXFP8
-input against the independent quantization of layer_input, byte for byte."""
+input against the independent quantization of layer_input, byte for byte.
+
+The README's CPU example runs verbatim in a fresh process with no
+``TRITON_INTERPRET`` set: the package's import selects the interpreter."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 from independent_ref import (
@@ -101,3 +109,61 @@ def test_readme_attention_boundary_on_cpu():
     assert not check_mixes(out, ab)
     assert outputs_identical(out, ab(inputs, fused=False))
     ab.close()
+
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+INTERPRETER_WARNING = "the kernels run in Triton's CPU interpreter"
+
+
+def _readme_cpu_example() -> str:
+    """The README's CPU block: the python block after the line that says the test
+    runs it as written."""
+    text = README.read_text()
+    after = text.split("runs this\nblock as written", 1)[1]
+    return after.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def _fresh_python(code: str) -> subprocess.CompletedProcess:
+    """``code`` in a new interpreter with no GPU visible and no TRITON_INTERPRET
+    (what a user on a laptop has), the worktree's package first on the path."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(README.parent))
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def test_readme_cpu_example_runs_as_written_with_nothing_set():
+    """The README's CPU block, verbatim, then the public functions on CPU tensors,
+    in a fresh process: no variable set, the import selects the interpreter and
+    says so once; the block prints what its comment says."""
+    block = _readme_cpu_example()
+    printed = block.split("print(", 1)[1].split("# ", 1)[1].splitlines()[0].strip()
+    # The MXFP8 round trip within an e4m3 step (2^-3 relative, scales a power of two);
+    # the GEMM within 1 % of the reference of its own operands (FP32 sums, BF16 out).
+    extra = (
+        "from decode_boundary import Mxfp8Linear, dequantize_mxfp8, mxfp8_mm, quantize_mxfp8\n"
+        "from decode_boundary.gemm.reference import mxfp8_mm_ref\n"
+        "x = torch.randn(3, 64).bfloat16()\n"
+        "layer = Mxfp8Linear.from_float(torch.randn(32, 64))\n"
+        "qa = quantize_mxfp8(x)\n"
+        "err = (dequantize_mxfp8(qa) - x.float()).abs().max().item()\n"
+        "ref = mxfp8_mm_ref(qa, layer.weight, layer.weight_scale).float()\n"
+        "gemm = (mxfp8_mm(layer, qa).float() - ref).abs().max().item()\n"
+        "print(err <= x.float().abs().max().item() / 8, gemm <= 0.01 * ref.abs().max().item())\n")
+    done = _fresh_python(block + extra)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == [printed, "True True"], done.stdout
+    assert done.stderr.count(INTERPRETER_WARNING) == 1, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_triton_imported_first_is_told_what_to_set():
+    """Triton imported before the package: too late to select the interpreter
+    (Triton's own jit functions are compiled-mode already), so the package leaves
+    the environment alone and names the variable to set."""
+    done = _fresh_python("import os, triton, decode_boundary\n"
+                         "print(os.environ.get('TRITON_INTERPRET'))\n")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "None"
+    assert "set TRITON_INTERPRET=1 before importing Triton" in done.stderr
+    assert INTERPRETER_WARNING not in done.stderr

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _pytest.mark.expression import Expression
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "gpu_tests.sh"
@@ -38,14 +39,20 @@ def _collect(*args: str, env: dict | None = None) -> set[str]:
 
 
 def _selected(nodes: set[str], files: list[str], expr: str) -> set[str]:
-    """What ``pytest FILES -k EXPR`` keeps of ``nodes`` for the two forms the
-    parts use: a name, or ``not`` a name (checked below)."""
-    negate, _, name = expr.rpartition(" ")
-    assert expr == "" or (negate in ("", "not") and re.fullmatch(r"\w+", name)), expr
+    """What ``pytest FILES -k EXPR`` keeps of ``nodes``: pytest's own -k grammar
+    (names joined by and / or / not), each name matched case-insensitively
+    within the test's file name or its name with parameters, as -k matches them."""
     kept = {n for n in nodes if n.split("::")[0] in files}
-    if expr:
-        kept = {n for n in kept if (name in n.split("::", 1)[1]) != (negate == "not")}
-    return kept
+    if not expr:
+        return kept
+    rule = Expression.compile(expr)
+
+    def keeps(node: str) -> bool:
+        path, test = node.split("::", 1)
+        text = f"{Path(path).name} {test}".lower()
+        return rule.evaluate(lambda name, **_: name.lower() in text)
+
+    return {n for n in kept if keeps(n)}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +64,8 @@ def every() -> set[str]:
 
 def test_every_gpu_test_runs_in_exactly_one_part(every):
     parts = _parts()
-    assert {"gemm", "exhaustive", "boundary", "mixes", "chain", "compile"} <= set(parts)
+    assert {"gemm", "gemm-epilogues", "exhaustive", "boundary", "mixes", "chain",
+            "compile"} <= set(parts)
     assert len(every) > 20  # the suite, not an empty collection
     for name, (files, _) in parts.items():
         for f in files:
@@ -76,16 +84,41 @@ def test_every_gpu_test_runs_in_exactly_one_part(every):
         {n for n in every if "every_pickable" in n}
 
 
-def test_the_script_runs_what_its_list_says(tmp_path, every):
+@pytest.mark.parametrize("part", ["exhaustive", "gemm-epilogues"])
+def test_the_script_runs_what_its_list_says(tmp_path, every, part):
     """The script's own pytest call for a part (collect-only) selects the tests
-    its ``--list`` line names: the arguments reach pytest as listed, and its
-    output lands in the part's log."""
-    files, expr = _parts()["exhaustive"]
+    its ``--list`` line names: the arguments reach pytest as listed (a -k of one
+    name, and one of several joined by or), and its output lands in the part's log."""
+    files, expr = _parts()[part]
     env = {**os.environ, "PYTHON": sys.executable, "GPU_TESTS_LOG_DIR": str(tmp_path)}
-    got = _collect("bash", str(SCRIPT), "exhaustive", "--collect-only", "-p",
+    got = _collect("bash", str(SCRIPT), part, "--collect-only", "-p",
                    "no:cacheprovider", env=env)
     assert got and got == _selected(every, files, expr)
-    assert _node_ids((tmp_path / "gpu-tests-exhaustive.log").read_text()) == got
+    assert _node_ids((tmp_path / f"gpu-tests-{part}.log").read_text()) == got
+
+
+def test_no_cuda_device_is_refused_in_one_line(tmp_path):
+    """Without a CUDA device the suite would skip every test and read as a pass:
+    the script refuses (exit 2, one line naming the cause) and writes no log."""
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_TESTS_LOG_DIR": str(tmp_path),
+           "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(["bash", str(SCRIPT), "gemm"], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert done.returncode == 2
+    (line,) = done.stderr.splitlines()
+    assert "no CUDA device is visible" in line and done.stdout == ""
+    assert not any(tmp_path.iterdir())
+
+
+def test_logs_go_to_an_ignored_folder():
+    """A part's log by default lands where git ignores it, not among the
+    committed results."""
+    text = SCRIPT.read_text()
+    folder = re.search(r"GPU_TESTS_LOG_DIR:-([^}]+)}", text).group(1)
+    done = subprocess.run(["git", "check-ignore", "-q", f"{folder}/gpu-tests-gemm.log"],
+                          cwd=REPO, timeout=30)
+    assert done.returncode == 0, f"{folder} is not ignored by git"
+    assert not folder.startswith("benchmarks")
 
 
 def test_unknown_part_is_refused():

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "results_readme.py"
 
 
@@ -81,7 +83,7 @@ def test_bench_figures_land_in_their_columns(tmp_path):
         baselines = {k: v for k, v in figures.items() if k not in ("fused", "unfused")}
         fastest = min(baselines, key=baselines.get)
         assert row["fastest baseline"] == fastest
-        assert row["gain"] == f"{baselines[fastest] / figures['fused']:.2f}×"
+        assert row[results_readme.GAIN] == f"{baselines[fastest] / figures['fused']:.2f}×"
         assert row["fused / floor"] == f"{figures['fused'] / data['floor_us']:.2f}"
     assert "run at commit 0123456 on 2026-12-04 15:21; GPU NVIDIA H200" in text
     assert "torch 2.11.0+cu130, triton 3.6.0, python 3.12.3" in text
@@ -102,7 +104,7 @@ def test_the_bench_s_own_choice_of_fastest_baseline_is_kept(tmp_path):
     for m, figures in us.items():
         row = dict(zip(header, rows[str(m)], strict=True))
         assert row["fastest baseline"] == chosen
-        assert row["gain"] == f"{figures[chosen] / figures['fused']:.2f}×"
+        assert row[results_readme.GAIN] == f"{figures[chosen] / figures['fused']:.2f}×"
 
 
 def test_gemm_tables_of_both_writers(tmp_path):
@@ -132,6 +134,64 @@ def test_gemm_tables_of_both_writers(tmp_path):
         assert (f"| wo_a 1024×4096 | {r['rows']} | {r['us']['ours']:.2f} | "
                 f"{r['us']['cublas_bf16']:.2f} |") in section
     assert "run at commit 7ffb21a" in text and "run at commit abcdef0" in text
+    assert "`benchmarks/gemm.py` no longer exists: `decode-boundary gemm` replaces it." in text
+
+
+def test_grouped_shapes_are_labelled_per_group(tmp_path):
+    """Both writers record a grouped layer's N over all its groups: wo_a at TP 4
+    (two groups of 1024 rows, N = 2048) reads 2×1024×4096, as in PERFORMANCE.md."""
+    script = {"shape": "wo_a", "n": 2048, "k": 4096, "groups": 2, "rows": 1, "ours_us": 3.9,
+              "cublas_bf16_us": 8.9, "floor_us": 2.15}
+    cli = {"name": "wo_a", "n": 2048, "k": 4096, "groups": 2, "rows": 1, "floor_us": 2.15,
+           "us": {"ours": 3.9, "cublas_bf16": 8.9}}
+    (tmp_path / "gemm-a.json").write_text(json.dumps({"gemm": [script]}))
+    (tmp_path / "gemm-b.json").write_text(json.dumps({"kind": "gemm", "gemms": [cli]}))
+    text = results_readme.render(tmp_path)
+    for heading in ("gemm-a.json", "gemm-b.json"):
+        assert [row[0] for row in _table(text, heading)] == ["wo_a 2×1024×4096"]
+
+
+def _known(commit: str) -> bool:
+    done = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"],
+                          cwd=SCRIPT.parent, capture_output=True, timeout=30)
+    return done.returncode == 0
+
+
+# Commits of this repository's history: before the GEMM rebuild (and the user steps),
+# after the rebuild but before the user steps, after both.
+BEFORE_BOTH, AFTER_REBUILD, AFTER_BOTH = "09e70a4", "f916586", "9146f12"
+
+
+def _notes(tmp_path, name: str, data: dict) -> str:
+    (tmp_path / name).write_text(json.dumps(data))
+    text = results_readme.render(tmp_path)
+    return " ".join(text.split(f"\n## {name}\n", 1)[1].split("\n## ", 1)[0].split())
+
+
+@pytest.mark.skipif(not all(_known(c) for c in (BEFORE_BOTH, AFTER_REBUILD, AFTER_BOTH)),
+                    reason="needs the repository's history (a shallow clone lacks it)")
+def test_each_bench_file_says_its_baselines_and_its_age(tmp_path):
+    data, _ = _bench(random.Random())
+    old = {**data, "environment": {**data["environment"], "git_commit": BEFORE_BOTH},
+           "config": {"model": "v4.1-flash", "tp": 2}}
+    text = _notes(tmp_path, "bench-old.json", old)
+    assert "Predates the GEMM rebuild (424aed1" in text
+    assert "Needs 2 GPUs to regenerate" in text
+    assert ("Baselines: compiled_step, strong_baseline, user_step_aside, baseline; the "
+            "user-built steps, the bench's headline baselines, are among them.") in text
+
+    for timing in data["timings"]:
+        del timing["us"]["user_step_aside"]
+    between = {**data, "environment": {**data["environment"], "git_commit": AFTER_REBUILD}}
+    text = _notes(tmp_path, "bench-between.json", between)
+    assert "Predates the GEMM rebuild" not in text and "GPUs to regenerate" not in text
+    assert ("Baselines: compiled_step, strong_baseline, baseline. None is a user-built step"
+            in text)
+    assert "not over what the bench compares with today. This run predates them." in text
+
+    new = {**between, "environment": {**data["environment"], "git_commit": AFTER_BOTH}}
+    text = _notes(tmp_path, "bench-new.json", new)
+    assert "None is a user-built step" in text and "predates" not in text.lower()
 
 
 def test_allreduce_keeps_each_path_s_fastest_tactic(tmp_path):

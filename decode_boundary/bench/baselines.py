@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from decode_boundary.boundary.reference import consumer_mixes_ref, consumer_ref
-from decode_boundary.env import disable_multicast
+from decode_boundary.env import disable_multicast, env_flag
 from decode_boundary.mixes.reference import mhc_mixes_ref
 from decode_boundary.model.chain import AttentionBoundary, BoundaryInputs, BoundaryOutputs
 from decode_boundary.model.checks import MIXES_ATOL, OUTPUT_NAMES, check_mixes, check_outputs
@@ -304,6 +304,21 @@ def _whole_step(attn_out, residual, post, comb, pre, wo_a, wo_b, fused_wqa_wkv, 
         reduced_sum(attn_out, wo_a, wo_b, group_name), residual, post, comb, pre,
         norm_weight, eps, *mix_tail)
     return residual_out, layer_input, layer_input @ fused_wqa_wkv.t(), *mixes
+
+
+def quiet_autotune() -> None:
+    """Keep Inductor's max-autotune reports (per GEMM, every choice's time, and a
+    JSON of choice statistics, written straight to stderr) out of this process's
+    output: hundreds of lines per bench that bury its progress and its tables.
+    ``DECODE_BOUNDARY_AUTOTUNE_TABLES=1`` keeps them. Both switches are Inductor
+    internals (``select_algorithm.PRINT_AUTOTUNE``, read at each report, and
+    ``config.max_autotune_report_choices_stats``), present in torch 2.11 to 2.13."""
+    if env_flag("DECODE_BOUNDARY_AUTOTUNE_TABLES"):
+        return
+    from torch._inductor import config, select_algorithm
+
+    select_algorithm.PRINT_AUTOTUNE = False
+    config.max_autotune_report_choices_stats = False
 
 
 @functools.cache

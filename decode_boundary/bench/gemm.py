@@ -123,12 +123,13 @@ INDUCTOR_ROWS = (1, 16, 32, 64)
 
 
 def gemm_table(shapes: Sequence[tuple], rows: Sequence[int], device: torch.device,
-               advance=lambda label: None) -> dict:
+               stage=lambda label: None) -> dict:
     """Per (shape, rows): our MXFP8 GEMM on MXFP8 input, cuBLAS BF16, Inductor
     BF16 (at ``INDUCTOR_ROWS``, else None) and cuBLAS FP8 row-wise (GEMM only:
     activations quantized beforehand), in µs, and the floor. Returns
     ``{"copy_rate_gbps", "gemms": [{"name", "n", "k", "groups", "rows",
-    "floor_us", "us"}]}``."""
+    "floor_us", "us"}]}``. ``stage(label)``: called as each (shape, M) begins
+    (``report.progress``)."""
     rate = copy_rate(device)
     entries = []
     for name, n, k, *rest in shapes:
@@ -137,6 +138,8 @@ def gemm_table(shapes: Sequence[tuple], rows: Sequence[int], device: torch.devic
         ours = rotated_copies(layer)
         bf16 = layer.dequantized_weight().bfloat16().view(groups, n // groups, k)
         for m in rows:
+            stage(f"timing {name} at M = {m}"
+                  + (" (Inductor autotunes its BF16 GEMM)" if m in INDUCTOR_ROWS else ""))
             x = torch.randn(m, groups * k, device=device).bfloat16()
             xg = x.view(m, groups, k).transpose(0, 1)  # [G, M, K] for the bmm
             us = {"ours": time_ours(layer, quantize_mxfp8(x), copies=ours),
@@ -146,5 +149,4 @@ def gemm_table(shapes: Sequence[tuple], rows: Sequence[int], device: torch.devic
                   "cublas_fp8_rowwise": time_cublas_fp8_rowwise(layer, xg)}
             entries.append({"name": name, "n": n, "k": k, "groups": groups, "rows": m,
                             "floor_us": mxfp8_weight_bytes(n, k) / rate * 1e6, "us": us})
-            advance(f"{name} M={m}")
     return {"copy_rate_gbps": rate / 1e9, "gemms": entries}

@@ -17,7 +17,7 @@ import argparse
 import functools
 import hashlib
 import sys
-from collections.abc import Callable
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,11 +38,11 @@ from decode_boundary.model.checks import (
 )
 from decode_boundary.model.config import MODELS, BoundaryConfig
 
-from .baselines import baseline_mixes_atol, baseline_rtol, check_baseline
-from .gemm import mxfp8_weight_bytes
+from .baselines import baseline_mixes_atol, baseline_rtol, check_baseline, quiet_autotune
+from .gemm import RECOMPILE_LIMIT, mxfp8_weight_bytes
 from .mixes import time_mixes
-from .paths import STAGE_STEPS, STAGES, Step, baselines_for, build, join_all, paths_for
-from .report import environment, new_result, progress, write_json
+from .paths import COMPILED, STAGE_STEPS, STAGES, Step, baselines_for, build, join_all, paths_for
+from .report import DEFAULT_BASELINES, Stages, environment, new_result, progress, write_json
 
 MIXES_MAX_ROWS = 16  # the mixes' targets are at M <= 16 (bench.mixes)
 
@@ -58,6 +58,7 @@ class BenchSpec:
     weights_dir: str | None = None
     tp_shapes: int | None = None  # per-rank shapes of this TP (default: the group's size)
     breakdown_rows: int | None = None  # M of the per-kernel breakdown (default: the first)
+    baselines: tuple[str, ...] = DEFAULT_BASELINES  # names of BASELINES verified and timed
 
 
 def boundary_weight_bytes(config: BoundaryConfig, tp: int) -> int:
@@ -156,12 +157,18 @@ def _verdict(ab: AttentionBoundary, rows: int, paths_identical: bool, fused: Bou
 
 
 def verify_rows(ab: AttentionBoundary, rows: int, group: dist.ProcessGroup | None,
-                baselines: dict[str, Step] | None = None) -> dict:
+                baselines: dict[str, Step] | None = None, stage: Stages | None = None,
+                first_call_s: dict[str, dict[str, float]] | None = None) -> dict:
     """Correctness of one row count: ``{"rows", "ok", "failures", "ranks_identical"}``.
     ``baselines``: the steps of ``BASELINES`` for ``ab`` (built here if not
     given), each checked by ``baselines.check_baseline`` (its bar: ``baseline_rtol``).
+    ``stage``: told as ours and each baseline begin (``report.progress``);
+    ``first_call_s``: gets ``[name][str(rows)]``, the seconds of each
+    baseline's call here, its first at this M: a compiled one's compile.
 
     Must be called on every rank (it gathers the output digests)."""
+    stage = stage or (lambda label: None)
+    stage(f"verifying M = {rows}: ours, fused and unfused")
     inputs = ab.make_inputs(rows, seed=rows)
     fused = ab(inputs, fused=True, mixes_aside="auto")  # as the bench times them (paths)
     unfused = ab(inputs, fused=False, mixes_aside="auto")
@@ -171,8 +178,15 @@ def verify_rows(ab: AttentionBoundary, rows: int, group: dist.ProcessGroup | Non
         baselines = {name: build(name, ab) for name in baselines_for(ab)}
     baseline_failures = []
     for name, step in baselines.items():
+        stage(f"verifying M = {rows}: {'compiling' if name in COMPILED else 'running'} "
+              f"baseline {name}")
+        start = time.perf_counter()
         out = step(inputs)
         join_all(ab, [step])()  # an aside user step's mixes, before they are read
+        if ab.device.type == "cuda":
+            torch.cuda.synchronize(ab.device)
+        if first_call_s is not None:
+            first_call_s.setdefault(name, {})[str(rows)] = time.perf_counter() - start
         baseline_failures += [f"{name} {f}" for f in check_baseline(
             out, ref, ab, baseline_rtol(name), baseline_mixes_atol(name))]
     identical = True
@@ -209,48 +223,66 @@ def run_rank(ctx: RankContext, spec: BenchSpec) -> dict:
     """One rank's part of ``verify`` / ``bench``: verification of every row
     count, then (when all pass and ``spec.time``) timings of every path.
 
-    Returns ``{"rank", "device", "transport", "verify": [...]}`` plus, when timed,
-    ``{"copy_rate_gbps", "floor_us", "weight_copies", "timings": [{"rows", "us": {path: µs}}]}``.
-    """
+    Returns ``{"rank", "device", "transport", "verify": [...], "seconds": {...}}``
+    plus, when timed, ``{"copy_rate_gbps", "floor_us", "weight_copies", "timings":
+    [{"rows", "us": {path: µs}}]}``. ``seconds`` (wall clock): ``precompile`` (our
+    kernels), ``first_call`` {baseline: {M: s}} (a compiled one's compile and
+    autotuning at that M), ``verify`` (all of it, those included), and when timed
+    ``timing`` {path: s, all M}, ``breakdown``, ``mixes``."""
+    quiet_autotune()
+    start = time.perf_counter()
     ab = AttentionBoundary(spec.config, spec.tp_shapes or ctx.world_size, ctx.rank, ctx.group,
                            ctx.device, max(spec.rows), seed=spec.seed,
                            weights_dir=spec.weights_dir)
     ab.precompile(spec.rows)
-    total = len(spec.rows) * (1 + (len(paths_for(ab)) if spec.time else 0))
+    seconds = {"precompile": time.perf_counter() - start, "first_call": {}}
+    names = baselines_for(ab, spec.baselines)
+    paths = paths_for(ab, spec.baselines)
+    total = len(spec.rows) * (1 + len(names) + (len(paths) if spec.time else 0)) \
+        + (2 if spec.time else 0)
+    # One graph per baseline and M (dynamic=False): past Dynamo's default recompile
+    # limit (8 row counts) a fullgraph call would fail.
+    limit = torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT)
     try:
-        with progress(ctx.rank == 0, total) as advance:
-            baselines = {name: build(name, ab) for name in baselines_for(ab)}
-            checks = []
-            for rows in spec.rows:
-                checks.append(verify_rows(ab, rows, ctx.group, baselines))
-                advance(f"verified M={rows}")
+        with limit, progress(ctx.rank == 0, total) as stage:
+            baselines = {name: build(name, ab) for name in names}
+            start = time.perf_counter()
+            checks = [verify_rows(ab, rows, ctx.group, baselines, stage, seconds["first_call"])
+                      for rows in spec.rows]
+            seconds["verify"] = time.perf_counter() - start
             result = {"rank": ctx.rank, "device": str(ctx.device),
-                      "transport": ab.all_reduce.transport, "verify": checks}
+                      "transport": ab.all_reduce.transport, "verify": checks,
+                      "seconds": seconds}
             if spec.time and all(c["ok"] for c in checks):
-                result.update(_time_paths(ab, spec, ctx, advance, first=baselines))
+                result.update(_time_paths(ab, spec, ctx, stage, paths, baselines, seconds))
     finally:
         ab.close()
     return result
 
 
-def _time_paths(ab: AttentionBoundary, spec: BenchSpec, ctx: RankContext,
-                advance: Callable[[str], None], first: dict[str, Step]) -> dict:
+def _time_paths(ab: AttentionBoundary, spec: BenchSpec, ctx: RankContext, stage: Stages,
+                paths: list[str], first: dict[str, Step], seconds: dict) -> dict:
+    """Timings of ``paths`` (``first``: steps already built for ``ab``); adds
+    ``timing``, ``breakdown`` and ``mixes`` to ``seconds``."""
     per_copy = boundary_weight_bytes(spec.config, ab.tp)
     # The whole step rotates over the first copies; a part timed alone over all of them.
     parts = cold_copies_for_parts(ab)
     views = parts[:copies_for_cold_l2(per_copy, ab.device)]
-    # Every path built once per weight copy (``first``: steps already built for ``ab``).
+    # Every path built once per weight copy.
     steps = {path: [first.get(path) or build(path, views[0]),
-                    *(build(path, v) for v in views[1:])] for path in paths_for(ab)}
+                    *(build(path, v) for v in views[1:])] for path in paths}
     rate = copy_rate(ctx.device)
     timings = []
+    seconds["timing"] = dict.fromkeys(steps, 0.0)
     for rows in spec.rows:
         inputs = ab.make_inputs(rows, seed=rows)
         us = {}
         for path, per_view in steps.items():
+            stage(f"timing {path} at M = {rows}")
+            start = time.perf_counter()
             us[path] = graph_time_us([functools.partial(s, inputs) for s in per_view],
                                      ctx.device, ctx.group, join=join_all(ab, per_view))
-            advance(f"timed {path} M={rows}")
+            seconds["timing"][path] += time.perf_counter() - start
         timings.append({"rows": rows, "us": us})
     breakdown_rows = spec.breakdown_rows or spec.rows[0]
     hop_us = 0.0
@@ -259,6 +291,8 @@ def _time_paths(ab: AttentionBoundary, spec: BenchSpec, ctx: RankContext,
         one = torch.randn(1, spec.config.hidden, device=ctx.device).bfloat16()
         hop_us = graph_time_us([functools.partial(ab.all_reduce.plain_sum, one)], ctx.device,
                                ctx.group)
+    stage(f"timing the per-kernel breakdown at M = {breakdown_rows}")
+    start = time.perf_counter()
     inputs = ab.make_inputs(breakdown_rows, seed=breakdown_rows)
     # A stage or a mixes path reads far fewer bytes than the whole step: rotated over the
     # step's copies alone, its weights (or hc_fn) would stay in L2. Ours rotate over
@@ -266,6 +300,8 @@ def _time_paths(ab: AttentionBoundary, spec: BenchSpec, ctx: RankContext,
     # ours: a stage's rotation over the step's copies already exceeds the L2).
     breakdown = {}
     for path, stages_of in STAGES.items():
+        if path not in steps:  # a baseline --baselines left out
+            continue
         if path in STAGE_STEPS:
             per_view = [stages_of(v, s, inputs) for v, s in zip(views, steps[path], strict=True)]
         else:
@@ -273,10 +309,15 @@ def _time_paths(ab: AttentionBoundary, spec: BenchSpec, ctx: RankContext,
         breakdown[path] = {name: graph_time_us([stages[name] for stages in per_view],
                                                ctx.device, ctx.group)
                            for name in per_view[0]}
+    seconds["breakdown"] = time.perf_counter() - start
     # The next sublayer's mixes both ways, in the same run (bench.mixes), at the M their
     # targets name (<= MIXES_MAX_ROWS: each M compiles the separate tail once more).
-    mixes = time_mixes(parts, [m for m in spec.rows if m <= MIXES_MAX_ROWS] or spec.rows[:1],
-                       ctx.device, ctx.group)
+    mixes_rows = [m for m in spec.rows if m <= MIXES_MAX_ROWS] or spec.rows[:1]
+    stage(f"timing the next mixes both ways at M = {', '.join(map(str, mixes_rows))} "
+          "(compiles the separate tail per M)")
+    start = time.perf_counter()
+    mixes = time_mixes(parts, mixes_rows, ctx.device, ctx.group)
+    seconds["mixes"] = time.perf_counter() - start
     return {
         "mixes": mixes,
         "copy_rate_gbps": rate / 1e9,

@@ -43,20 +43,27 @@ PATHS: dict[str, Callable[[AttentionBoundary], Step]] = {
 }
 
 
+# The paths torch.compile builds: their first call at each M compiles (max-autotune:
+# and autotunes their GEMMs), tens of seconds where the rest take milliseconds.
+COMPILED = ("user_step", "user_step_aside", "compiled_step", "strong_baseline")
+
+
 def applies(name: str, ab: AttentionBoundary) -> bool:
     """Whether path ``name`` runs for ``ab``'s model: V4 (``collapse_pre="same"``)
     needs the next mixes for its own layer input, so it has no aside user step."""
     return not (name == "user_step_aside" and ab.config.collapse_pre == "same")
 
 
-def paths_for(ab: AttentionBoundary) -> list[str]:
-    """The paths of ``PATHS`` that run for ``ab``, in order."""
-    return [name for name in PATHS if applies(name, ab)]
+def paths_for(ab: AttentionBoundary, baselines: tuple[str, ...] = BASELINES) -> list[str]:
+    """The paths of ``PATHS`` that run for ``ab``, in order: ours and those of
+    ``baselines`` (names of ``BASELINES``) that apply to its model."""
+    return [name for name in PATHS if applies(name, ab)
+            and (name not in BASELINES or name in baselines)]
 
 
-def baselines_for(ab: AttentionBoundary) -> list[str]:
-    """The baselines of ``BASELINES`` that run for ``ab``, in order."""
-    return [name for name in BASELINES if applies(name, ab)]
+def baselines_for(ab: AttentionBoundary, baselines: tuple[str, ...] = BASELINES) -> list[str]:
+    """The baselines of ``baselines`` that run for ``ab``, in ``BASELINES``' order."""
+    return [name for name in BASELINES if name in baselines and applies(name, ab)]
 
 
 def build(name: str, ab: AttentionBoundary) -> Step:

@@ -9,8 +9,13 @@ The result dict (schema ``SCHEMA``) is what ``decode-boundary`` writes:
   ``interpreter`` (kernels ran in the Triton interpreter), ``unreachable_pairs``
   (GPU pairs without peer access: the all-reduce used its NCCL fallback);
 * ``config``: the model's sizes, ``tp``, ``rows``, ``transport`` of the
-  all-reduce ("mailbox" peer stores, or "nccl" where peers are unreachable), ...;
-* bench / verify: ``verify`` [{``rows``, ``ok``, ``failures``, ``ranks_identical``}];
+  all-reduce ("mailbox" peer stores, or "nccl" where peers are unreachable),
+  ``baselines`` (on a GPU: the baselines verified and timed), ...;
+* bench / verify: ``verify`` [{``rows``, ``ok``, ``failures``, ``ranks_identical``}]
+  and, on a GPU, ``seconds`` (wall clock of rank 0's parts: ``precompile``,
+  ``first_call`` {baseline: {M: s}}, a compiled baseline's compile and autotuning,
+  ``verify``; bench adds ``timing`` {path: s}, ``breakdown``, ``mixes``; ``total``:
+  the whole command);
   bench adds ``copy_rate_gbps``, ``floor_us`` (every MXFP8 weight byte of the
   boundary — wo_a, wo_b, fused_wqa_wkv — at the copy rate, plus ``hop_us``, one
   measured hop where there are peers), ``weight_copies``, ``timings``
@@ -38,9 +43,11 @@ import os
 import platform
 import re
 import subprocess
-from collections.abc import Callable, Iterator
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 import torch
 
@@ -53,6 +60,12 @@ SCHEMA = 1
 # The user-built steps first: the strongest, the headline (bench.user_step); V4 runs no
 # user_step_aside (its layer input needs the mixes).
 BASELINES = ("user_step", "user_step_aside", "compiled_step", "strong_baseline", "baseline")
+# What a bench runs unless --baselines says otherwise: the user steps (the headline),
+# the strong baseline (Inductor's default mode on mHC alone: a short compile; the
+# per-kernel breakdown's other column) and the eager one (no compile). compiled_step
+# (the whole step, mixes included, by max-autotune) costs one more autotuned compile
+# per M: --baselines adds it (``all``: every baseline).
+DEFAULT_BASELINES = ("user_step", "user_step_aside", "strong_baseline", "baseline")
 SPEEDUPS = (*((b, "fused") for b in BASELINES), ("unfused", "fused"))
 # table headers (JSON keeps the names)
 SHORT = {"user_step": "user", "user_step_aside": "user aside", "compiled_step": "compiled",
@@ -143,16 +156,55 @@ def add_speedups(timings: list[dict]) -> list[dict]:
     return timings
 
 
+class Stages:
+    """A long run's stages, as they begin: ``stage(label)`` says that ``label``
+    begins (and the stage before it is done); ``done()`` ends the last one.
+
+    On a terminal a rich bar (transient: the tables replace it); anywhere else
+    (a log file, CI, ``nohup``, a remote runner, where a transient bar writes
+    nothing) one line per stage, ``[elapsed s] (i/total) label``, so a log
+    shows what a run of several minutes is doing and how long each stage took."""
+
+    def __init__(self, total: int, stream: TextIO, bar=None, task=None) -> None:
+        self.total, self.stream, self.bar, self.task = total, stream, bar, task
+        self.begun = 0
+        self.start = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def __call__(self, label: str) -> None:
+        self.begun += 1
+        if self.bar is not None:
+            self.bar.update(self.task, completed=self.begun - 1, description=label)
+        else:
+            self._line(f"({self.begun}/{self.total}) {label}")
+
+    def done(self) -> None:
+        if self.bar is None:
+            self._line(f"done ({self.begun} stages)")
+
+    def _line(self, text: str) -> None:
+        self.stream.write(f"[{self.elapsed():7.1f} s] {text}\n")
+        self.stream.flush()
+
+
 @contextlib.contextmanager
-def progress(show: bool, total: int) -> Iterator[Callable[[str], None]]:
-    """A progress bar on stderr (stdout may carry JSON); ``advance(label)`` steps it."""
+def progress(show: bool, total: int, stream: TextIO | None = None) -> Iterator[Stages]:
+    """The :class:`Stages` of a run of ``total`` stages on ``stream`` (default
+    stderr: stdout may carry JSON); ``show`` False: silent (the ranks but 0)."""
+    stream = stream or sys.stderr
     if not show:
-        yield lambda label: None
+        yield Stages(total, io.StringIO())
         return
-    console = bench_extra("rich.console").Console(stderr=True)
+    if not stream.isatty():
+        stages = Stages(total, stream)
+        yield stages
+        stages.done()
+        return
+    console = bench_extra("rich.console").Console(file=stream)
     with bench_extra("rich.progress").Progress(console=console, transient=True) as bar:
-        task = bar.add_task("verifying", total=total)
-        yield lambda label: bar.update(task, advance=1, description=label)
+        yield Stages(total, stream, bar, bar.add_task("starting", total=total))
 
 
 def verify_table(result: dict) -> Table:

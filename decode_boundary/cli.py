@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 DEFAULT_MODEL = "v4.1-flash"
-DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 48)
+DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 48, 64)
 INTERPRETER_MODEL = "tiny"
 INTERPRETER_ROWS = (1, 5)  # 5: a row count that is not a power of two
 INTERPRETER_TP = 2  # simulated ranks: the mailbox exchange is exercised without GPUs

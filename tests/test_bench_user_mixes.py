@@ -237,3 +237,27 @@ def test_gpu_user_steps_under_the_bench_timer(model):
             assert all(torch.equal(getattr(kept[0], n), getattr(out, n)) for n in MIX_NAMES), name
     finally:
         ab.close()
+
+
+@pytest.mark.parametrize("collapse", ["previous", "same"])
+def test_user_step_stages_are_its_launches(boundaries, collapse):
+    """The breakdown's stages of the headline baseline, run in order, give the
+    step's own outputs: its compiled graph(s) and the mixes kernel, nothing left out."""
+    ab = boundaries[collapse]
+    step = UserStep(ab, backend="aot_eager")
+    inputs = ab.make_inputs(3, seed=int.from_bytes(os.urandom(2), "little"))
+    want = step(inputs)
+    results = [fn() for fn in step.stages(inputs).values()]
+    assert len(results) == (3 if collapse == "same" else 2)
+    for got, ref in zip(results[1], (want.next_pre, want.next_post, want.next_comb),
+                        strict=True):
+        assert torch.equal(got, ref)
+    assert torch.equal(results[0][0], want.residual_out)
+    if collapse == "same":
+        assert torch.equal(results[2][0], want.layer_input)
+
+
+def test_the_breakdown_times_the_inline_user_step(boundaries):
+    step = UserStep(boundaries["previous"], aside=True, backend="aot_eager")
+    with pytest.raises(ValueError, match="inline"):
+        step.stages(boundaries["previous"].make_inputs(2, seed=0))

@@ -117,8 +117,14 @@ def _strong_stages(ab: AttentionBoundary, strong: StrongBaseline, inputs: Bounda
     }
 
 
+def _user_stages(ab: AttentionBoundary, step: UserStep, inputs: BoundaryInputs) -> dict:
+    return step.stages(inputs)
+
+
 STAGES: dict[str, Callable[..., dict[str, Callable[[], object]]]] = {
     "fused": _fused_stages,
+    "user_step": _user_stages,  # the headline baseline's launches
     "strong_baseline": _strong_stages,
 }
-STAGE_STEPS = ("strong_baseline",)  # the breakdowns that take their path's built step
+# The breakdowns that take their path's built step.
+STAGE_STEPS = ("user_step", "strong_baseline")

@@ -6,11 +6,13 @@ headline baseline (docs/DESIGN.md §8.2).
   ``fused_wqa_wkv`` — compiled by ``torch.compile(mode="max-autotune-no-cudagraphs")``
   (:class:`~decode_boundary.bench.baselines.CompiledStep` minus the mixes);
 * then the mixes as a careful user runs them (:func:`user_mixes`): the
-  projection of the flattened streams onto ``hc_fn`` by cuBLAS in FP32 and
-  their RMS as torch ops, then ONE Triton kernel for the sigmoids, the softmax
-  and every Sinkhorn round (``bench.user_mixes_kernel``), within
-  ``MIXES_ATOL`` of the reference: not Inductor's code for the rounds (dozens
-  of dependent kernels).
+  projection of the flattened streams onto ``hc_fn`` in FP32 and their RMS
+  (:func:`mix_inputs`) compiled into the graph that makes ``residual_out``
+  (Inductor fuses the RMS into one reduction beside the FP32 GEMM; as eager
+  torch ops they were five more launches, about 5 µs at one token), then ONE
+  Triton kernel for the sigmoids, the softmax and every Sinkhorn round
+  (``bench.user_mixes_kernel``), within ``MIXES_ATOL`` of the reference: not
+  Inductor's code for the rounds (dozens of dependent kernels).
 
 Paths (``bench.paths``): ``user_step`` runs the mixes inline after the step;
 ``user_step_aside`` (V4.1, ``collapse_pre="previous"``) runs them on a side
@@ -46,18 +48,25 @@ from .baselines import (
 from .user_mixes_kernel import launch_user_mixes
 
 
+def mix_inputs(streams: torch.Tensor, hc_fn: torch.Tensor, rms_eps: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``s @ hc_fn^T``, ``rsqrt(mean(s^2) + rms_eps)``) of ``streams`` [M, hc, H]
+    flattened to ``s`` (FP32): the user mixes kernel's inputs. Traced into a
+    compiled graph or run eagerly; the caller keeps FP32 matmuls in full FP32
+    (:func:`fp32_matmul`: TF32 would miss ``MIXES_ATOL``)."""
+    m, hc, h = streams.shape
+    s = streams.float().reshape(m, hc * h)
+    return s @ hc_fn.t(), torch.rsqrt(s.square().mean(dim=-1) + rms_eps)
+
+
 def user_mixes(streams: torch.Tensor, hc_fn: torch.Tensor, hc_scale: torch.Tensor,
                hc_base: torch.Tensor, rms_eps: float, hc_eps: float, sinkhorn_iters: int
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``mhc_mixes_ref``'s (pre, post, comb) of ``streams`` [M, hc, H] as a user
-    computes them: ``s @ hc_fn^T`` by cuBLAS in FP32 (full FP32 whatever the
-    process's TF32 setting: TF32 would miss ``MIXES_ATOL``), the RMS by torch,
-    then one Triton kernel for the rest."""
-    m, hc, h = streams.shape
-    s = streams.float().reshape(m, hc * h)
-    rstd = torch.rsqrt(s.square().mean(dim=-1) + rms_eps)
+    computes them, eagerly: :func:`mix_inputs` in full FP32, then one Triton
+    kernel for the rest."""
     with fp32_matmul():
-        projected = s @ hc_fn.t()
+        projected, rstd = mix_inputs(streams, hc_fn, rms_eps)
     return launch_user_mixes(projected, rstd, hc_scale, hc_base, hc_eps, sinkhorn_iters)
 
 
@@ -108,10 +117,13 @@ def aside_lane(device: torch.device) -> _AsideLane:
 
 
 def _step_without_mixes(attn_out, residual, post, comb, pre, wo_a, wo_b, fused_wqa_wkv,
-                        norm_weight, eps: float, group_name: str | None):
-    """V4.1's step (given pre) without the next mixes: (residual_out, layer_input, q)."""
-    return _tail(reduced_sum(attn_out, wo_a, wo_b, group_name), residual, post, comb, pre,
+                        norm_weight, eps: float, group_name: str | None, hc_fn,
+                        rms_eps: float):
+    """V4.1's step (given pre) without the next mixes' kernel: (residual_out,
+    layer_input, q, projected, rstd), the last two the kernel's inputs."""
+    outs = _tail(reduced_sum(attn_out, wo_a, wo_b, group_name), residual, post, comb, pre,
                  norm_weight, eps, fused_wqa_wkv)
+    return *outs, *mix_inputs(outs[0], hc_fn, rms_eps)
 
 
 def _tail(reduced, residual, post, comb, pre, norm_weight, eps: float, fused_wqa_wkv):
@@ -121,9 +133,12 @@ def _tail(reduced, residual, post, comb, pre, norm_weight, eps: float, fused_wqa
     return residual_out, layer_input, layer_input @ fused_wqa_wkv.t()
 
 
-def _residual_out(attn_out, residual, post, comb, wo_a, wo_b, group_name: str | None):
-    """V4's first graph: the GEMMs, the all-reduce and the mHC mix: residual_out."""
-    return mhc_mix(reduced_sum(attn_out, wo_a, wo_b, group_name), residual, post, comb)
+def _residual_out(attn_out, residual, post, comb, wo_a, wo_b, group_name: str | None, hc_fn,
+                  rms_eps: float):
+    """V4's first graph: the GEMMs, the all-reduce and the mHC mix: (residual_out,
+    projected, rstd), the last two the mixes kernel's inputs."""
+    residual_out = mhc_mix(reduced_sum(attn_out, wo_a, wo_b, group_name), residual, post, comb)
+    return residual_out, *mix_inputs(residual_out, hc_fn, rms_eps)
 
 
 def _collapse_project(residual_out, pre, norm_weight, eps: float, fused_wqa_wkv):
@@ -149,7 +164,9 @@ class UserStep:
         self.wo_a, self.wo_b, self.fused_wqa_wkv = bf16_weights(ab)
         self.norm_weight, self.eps = ab.norm_weight, c.eps
         self.group_name = group_name_of(ab.group)
-        self.mix_args = (*ab.mix_weights, c.eps, c.hc_eps, c.hc_sinkhorn_iters)
+        self.hc_fn, self.hc_scale, self.hc_base = ab.mix_weights
+        self.kernel_args = (self.hc_scale, self.hc_base, c.hc_eps, c.hc_sinkhorn_iters)
+        self.rms_eps = c.eps
         self.lane = aside_lane(ab.device) if aside else None
         mode = mode if backend == "inductor" else None
         if self.same:
@@ -158,12 +175,49 @@ class UserStep:
         elif aside:
             self.first = compiled(reduced_sum, backend, mode)
             self.second = compiled(_tail, backend, mode)
+            self.projection = compiled(mix_inputs, backend, mode)
         else:
             self.first = compiled(_step_without_mixes, backend, mode)
 
     def mixes(self, residual_out: torch.Tensor):
-        """The next mixes of ``residual_out`` (:func:`user_mixes`)."""
-        return user_mixes(residual_out, *self.mix_args)
+        """The next mixes of ``residual_out`` (the aside step's: the compiled
+        :func:`mix_inputs`, then the kernel)."""
+        with fp32_matmul():
+            projected, rstd = self.projection(residual_out, self.hc_fn, self.rms_eps)
+        return launch_user_mixes(projected, rstd, *self.kernel_args)
+
+    def stages(self, inputs: BoundaryInputs) -> dict:
+        """The inline step's launches, each a callable to time alone (the bench's
+        breakdown): its compiled graph(s) and the mixes kernel."""
+        if self.lane is not None:
+            raise ValueError("the breakdown times the inline user step (aside=False)")
+        x = inputs
+        with fp32_matmul():
+            if self.same:
+                first_args = (x.attn_out, x.residual, x.post, x.comb, self.wo_a, self.wo_b,
+                              self.group_name, self.hc_fn, self.rms_eps)
+            else:
+                first_args = (x.attn_out, x.residual, x.post, x.comb, x.pre, self.wo_a,
+                              self.wo_b, self.fused_wqa_wkv, self.norm_weight, self.eps,
+                              self.group_name, self.hc_fn, self.rms_eps)
+            outs = self.first(*first_args)
+        projected, rstd = outs[-2:]
+        pre = launch_user_mixes(projected, rstd, *self.kernel_args)[0]
+
+        def first():
+            with fp32_matmul():
+                return self.first(*first_args)
+
+        kernel = "mixes kernel (Triton: sigmoids, softmax, Sinkhorn)"
+        if not self.same:
+            return {"step without the mixes kernel (torch.compile: GEMMs, all-reduce, mHC, "
+                    "RMSNorm, the mixes' FP32 projection)": first,
+                    kernel: lambda: launch_user_mixes(projected, rstd, *self.kernel_args)}
+        return {"GEMMs, all-reduce, mHC mix, the mixes' FP32 projection (torch.compile)": first,
+                kernel: lambda: launch_user_mixes(projected, rstd, *self.kernel_args),
+                "collapse + RMSNorm + fused_wqa_wkv (torch.compile)":
+                    lambda: self.second(outs[0], pre, self.norm_weight, self.eps,
+                                        self.fused_wqa_wkv)}
 
     def join(self) -> None:
         """The current stream waits for the mixes an aside step left (else no-op)."""
@@ -173,17 +227,22 @@ class UserStep:
     def __call__(self, inputs: BoundaryInputs) -> BoundaryOutputs:
         x = inputs
         if self.same:
-            residual_out = self.first(x.attn_out, x.residual, x.post, x.comb, self.wo_a,
-                                      self.wo_b, self.group_name)
-            mixes = self.mixes(residual_out)
+            with fp32_matmul():
+                residual_out, projected, rstd = self.first(
+                    x.attn_out, x.residual, x.post, x.comb, self.wo_a, self.wo_b,
+                    self.group_name, self.hc_fn, self.rms_eps)
+            mixes = launch_user_mixes(projected, rstd, *self.kernel_args)
             layer_input, q = self.second(residual_out, mixes[0], self.norm_weight, self.eps,
                                          self.fused_wqa_wkv)
             return BoundaryOutputs(residual_out, layer_input, q, *mixes)
         if self.lane is None:
-            outs = self.first(x.attn_out, x.residual, x.post, x.comb, x.pre, self.wo_a,
-                              self.wo_b, self.fused_wqa_wkv, self.norm_weight, self.eps,
-                              self.group_name)
-            return BoundaryOutputs(*outs, *self.mixes(outs[0]))
+            with fp32_matmul():
+                *outs, projected, rstd = self.first(
+                    x.attn_out, x.residual, x.post, x.comb, x.pre, self.wo_a, self.wo_b,
+                    self.fused_wqa_wkv, self.norm_weight, self.eps, self.group_name,
+                    self.hc_fn, self.rms_eps)
+            return BoundaryOutputs(*outs, *launch_user_mixes(projected, rstd,
+                                                             *self.kernel_args))
         reduced = self.first(x.attn_out, self.wo_a, self.wo_b, self.group_name)
         self.lane.join()  # the previous step's mixes, before this step's mHC
         outs = self.second(reduced, x.residual, x.post, x.comb, x.pre, self.norm_weight,

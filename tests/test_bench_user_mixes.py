@@ -248,13 +248,14 @@ def test_user_step_stages_are_its_launches(boundaries, collapse):
     inputs = ab.make_inputs(3, seed=int.from_bytes(os.urandom(2), "little"))
     want = step(inputs)
     results = [fn() for fn in step.stages(inputs).values()]
-    assert len(results) == (3 if collapse == "same" else 2)
-    for got, ref in zip(results[1], (want.next_pre, want.next_post, want.next_comb),
+    assert len(results) == (4 if collapse == "same" else 3)
+    for got, ref in zip(results[2], (want.next_pre, want.next_post, want.next_comb),
                         strict=True):
         assert torch.equal(got, ref)
-    assert torch.equal(results[0][0], want.residual_out)
+    first = results[0] if collapse == "same" else results[0][0]
+    assert torch.equal(first, want.residual_out)
     if collapse == "same":
-        assert torch.equal(results[2][0], want.layer_input)
+        assert torch.equal(results[3][0], want.layer_input)
 
 
 def test_the_breakdown_times_the_inline_user_step(boundaries):

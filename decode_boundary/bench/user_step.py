@@ -7,9 +7,11 @@ headline baseline (docs/DESIGN.md §8.2).
   (:class:`~decode_boundary.bench.baselines.CompiledStep` minus the mixes);
 * then the mixes as a careful user runs them (:func:`user_mixes`): the
   projection of the flattened streams onto ``hc_fn`` in FP32 and their RMS
-  (:func:`mix_inputs`) compiled into the graph that makes ``residual_out``
-  (Inductor fuses the RMS into one reduction beside the FP32 GEMM; as eager
-  torch ops they were five more launches, about 5 µs at one token), then ONE
+  (:func:`mix_inputs`) as a compiled graph of their own (Inductor fuses the RMS
+  into one reduction beside the FP32 GEMM; as eager torch ops they were five
+  more launches, about 5 µs at one token; traced into the graph that makes
+  ``residual_out``, Inductor would read that graph's FP32 values before their
+  BF16 rounding and miss ``MIXES_ATOL``), then ONE
   Triton kernel for the sigmoids, the softmax and every Sinkhorn round
   (``bench.user_mixes_kernel``), within ``MIXES_ATOL`` of the reference: not
   Inductor's code for the rounds (dozens of dependent kernels).
@@ -117,13 +119,10 @@ def aside_lane(device: torch.device) -> _AsideLane:
 
 
 def _step_without_mixes(attn_out, residual, post, comb, pre, wo_a, wo_b, fused_wqa_wkv,
-                        norm_weight, eps: float, group_name: str | None, hc_fn,
-                        rms_eps: float):
-    """V4.1's step (given pre) without the next mixes' kernel: (residual_out,
-    layer_input, q, projected, rstd), the last two the kernel's inputs."""
-    outs = _tail(reduced_sum(attn_out, wo_a, wo_b, group_name), residual, post, comb, pre,
+                        norm_weight, eps: float, group_name: str | None):
+    """V4.1's step (given pre) without the next mixes: (residual_out, layer_input, q)."""
+    return _tail(reduced_sum(attn_out, wo_a, wo_b, group_name), residual, post, comb, pre,
                  norm_weight, eps, fused_wqa_wkv)
-    return *outs, *mix_inputs(outs[0], hc_fn, rms_eps)
 
 
 def _tail(reduced, residual, post, comb, pre, norm_weight, eps: float, fused_wqa_wkv):
@@ -133,12 +132,9 @@ def _tail(reduced, residual, post, comb, pre, norm_weight, eps: float, fused_wqa
     return residual_out, layer_input, layer_input @ fused_wqa_wkv.t()
 
 
-def _residual_out(attn_out, residual, post, comb, wo_a, wo_b, group_name: str | None, hc_fn,
-                  rms_eps: float):
-    """V4's first graph: the GEMMs, the all-reduce and the mHC mix: (residual_out,
-    projected, rstd), the last two the mixes kernel's inputs."""
-    residual_out = mhc_mix(reduced_sum(attn_out, wo_a, wo_b, group_name), residual, post, comb)
-    return residual_out, *mix_inputs(residual_out, hc_fn, rms_eps)
+def _residual_out(attn_out, residual, post, comb, wo_a, wo_b, group_name: str | None):
+    """V4's first graph: the GEMMs, the all-reduce and the mHC mix: residual_out."""
+    return mhc_mix(reduced_sum(attn_out, wo_a, wo_b, group_name), residual, post, comb)
 
 
 def _collapse_project(residual_out, pre, norm_weight, eps: float, fused_wqa_wkv):
@@ -175,49 +171,49 @@ class UserStep:
         elif aside:
             self.first = compiled(reduced_sum, backend, mode)
             self.second = compiled(_tail, backend, mode)
-            self.projection = compiled(mix_inputs, backend, mode)
         else:
             self.first = compiled(_step_without_mixes, backend, mode)
+        self.projection = compiled(mix_inputs, backend, mode)
+
+    def mix_inputs(self, residual_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mixes kernel's (projected, rstd) of ``residual_out``: the compiled
+        :func:`mix_inputs`, in full FP32."""
+        with fp32_matmul():
+            return self.projection(residual_out, self.hc_fn, self.rms_eps)
 
     def mixes(self, residual_out: torch.Tensor):
-        """The next mixes of ``residual_out`` (the aside step's: the compiled
-        :func:`mix_inputs`, then the kernel)."""
-        with fp32_matmul():
-            projected, rstd = self.projection(residual_out, self.hc_fn, self.rms_eps)
-        return launch_user_mixes(projected, rstd, *self.kernel_args)
+        """The next mixes of ``residual_out``: :meth:`mix_inputs`, then the kernel."""
+        return launch_user_mixes(*self.mix_inputs(residual_out), *self.kernel_args)
 
     def stages(self, inputs: BoundaryInputs) -> dict:
         """The inline step's launches, each a callable to time alone (the bench's
-        breakdown): its compiled graph(s) and the mixes kernel."""
+        breakdown): its compiled graphs and the mixes kernel."""
         if self.lane is not None:
             raise ValueError("the breakdown times the inline user step (aside=False)")
         x = inputs
-        with fp32_matmul():
-            if self.same:
-                first_args = (x.attn_out, x.residual, x.post, x.comb, self.wo_a, self.wo_b,
-                              self.group_name, self.hc_fn, self.rms_eps)
-            else:
-                first_args = (x.attn_out, x.residual, x.post, x.comb, x.pre, self.wo_a,
-                              self.wo_b, self.fused_wqa_wkv, self.norm_weight, self.eps,
-                              self.group_name, self.hc_fn, self.rms_eps)
-            outs = self.first(*first_args)
-        projected, rstd = outs[-2:]
+        if self.same:
+            first_args = (x.attn_out, x.residual, x.post, x.comb, self.wo_a, self.wo_b,
+                          self.group_name)
+            residual_out = self.first(*first_args)
+        else:
+            first_args = (x.attn_out, x.residual, x.post, x.comb, x.pre, self.wo_a, self.wo_b,
+                          self.fused_wqa_wkv, self.norm_weight, self.eps, self.group_name)
+            residual_out = self.first(*first_args)[0]
+        projected, rstd = self.mix_inputs(residual_out)
         pre = launch_user_mixes(projected, rstd, *self.kernel_args)[0]
-
-        def first():
-            with fp32_matmul():
-                return self.first(*first_args)
-
-        kernel = "mixes kernel (Triton: sigmoids, softmax, Sinkhorn)"
-        if not self.same:
-            return {"step without the mixes kernel (torch.compile: GEMMs, all-reduce, mHC, "
-                    "RMSNorm, the mixes' FP32 projection)": first,
-                    kernel: lambda: launch_user_mixes(projected, rstd, *self.kernel_args)}
-        return {"GEMMs, all-reduce, mHC mix, the mixes' FP32 projection (torch.compile)": first,
-                kernel: lambda: launch_user_mixes(projected, rstd, *self.kernel_args),
-                "collapse + RMSNorm + fused_wqa_wkv (torch.compile)":
-                    lambda: self.second(outs[0], pre, self.norm_weight, self.eps,
-                                        self.fused_wqa_wkv)}
+        stages = {
+            ("GEMMs, all-reduce, mHC mix (torch.compile)" if self.same else
+             "step without the mixes (torch.compile: GEMMs, all-reduce, mHC, RMSNorm)"):
+                lambda: self.first(*first_args),
+            "mixes' FP32 projection + RMS (torch.compile)":
+                lambda: self.mix_inputs(residual_out),
+            "mixes kernel (Triton: sigmoids, softmax, Sinkhorn)":
+                lambda: launch_user_mixes(projected, rstd, *self.kernel_args),
+        }
+        if self.same:
+            stages["collapse + RMSNorm + fused_wqa_wkv (torch.compile)"] = lambda: self.second(
+                residual_out, pre, self.norm_weight, self.eps, self.fused_wqa_wkv)
+        return stages
 
     def join(self) -> None:
         """The current stream waits for the mixes an aside step left (else no-op)."""
@@ -227,22 +223,17 @@ class UserStep:
     def __call__(self, inputs: BoundaryInputs) -> BoundaryOutputs:
         x = inputs
         if self.same:
-            with fp32_matmul():
-                residual_out, projected, rstd = self.first(
-                    x.attn_out, x.residual, x.post, x.comb, self.wo_a, self.wo_b,
-                    self.group_name, self.hc_fn, self.rms_eps)
-            mixes = launch_user_mixes(projected, rstd, *self.kernel_args)
+            residual_out = self.first(x.attn_out, x.residual, x.post, x.comb, self.wo_a,
+                                      self.wo_b, self.group_name)
+            mixes = self.mixes(residual_out)
             layer_input, q = self.second(residual_out, mixes[0], self.norm_weight, self.eps,
                                          self.fused_wqa_wkv)
             return BoundaryOutputs(residual_out, layer_input, q, *mixes)
         if self.lane is None:
-            with fp32_matmul():
-                *outs, projected, rstd = self.first(
-                    x.attn_out, x.residual, x.post, x.comb, x.pre, self.wo_a, self.wo_b,
-                    self.fused_wqa_wkv, self.norm_weight, self.eps, self.group_name,
-                    self.hc_fn, self.rms_eps)
-            return BoundaryOutputs(*outs, *launch_user_mixes(projected, rstd,
-                                                             *self.kernel_args))
+            outs = self.first(x.attn_out, x.residual, x.post, x.comb, x.pre, self.wo_a,
+                              self.wo_b, self.fused_wqa_wkv, self.norm_weight, self.eps,
+                              self.group_name)
+            return BoundaryOutputs(*outs, *self.mixes(outs[0]))
         reduced = self.first(x.attn_out, self.wo_a, self.wo_b, self.group_name)
         self.lane.join()  # the previous step's mixes, before this step's mHC
         outs = self.second(reduced, x.residual, x.post, x.comb, x.pre, self.norm_weight,

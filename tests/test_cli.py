@@ -542,3 +542,13 @@ def test_bench_runs_the_chosen_baselines_and_records_the_seconds(monkeypatch, tm
     assert data["config"]["baselines"] == list(want)
     assert {k: v for k, v in data["seconds"].items() if k != "total"} == seconds
     assert 0 < data["seconds"]["total"] < 60
+
+
+def test_a_named_commit_is_clean_unless_said(monkeypatch):
+    """A copied tree names its commit; its (stale) .git must not mark results dirty."""
+    from decode_boundary.bench import report
+    monkeypatch.setenv("DECODE_BOUNDARY_COMMIT", "abc1234")
+    monkeypatch.delenv("DECODE_BOUNDARY_DIRTY", raising=False)
+    assert report.git_dirty() is False
+    monkeypatch.setenv("DECODE_BOUNDARY_DIRTY", "1")
+    assert report.git_dirty() is True

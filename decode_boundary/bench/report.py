@@ -51,6 +51,8 @@ from typing import TYPE_CHECKING, TextIO
 
 import torch
 
+from decode_boundary.env import env_flag
+
 if TYPE_CHECKING:
     from rich.table import Table
 
@@ -113,6 +115,15 @@ def git_commit() -> str | None:
     return commit if commit and re.fullmatch(r"[0-9a-f]{7,40}", commit) else None
 
 
+def git_dirty() -> bool:
+    """Whether the tree differs from its commit: ``DECODE_BOUNDARY_DIRTY`` (default
+    no) where ``DECODE_BOUNDARY_COMMIT`` names the commit (a copied tree's .git, if
+    any, is stale: its status would report every file), else ``git status``."""
+    if os.environ.get("DECODE_BOUNDARY_COMMIT"):
+        return env_flag("DECODE_BOUNDARY_DIRTY", False)
+    return bool(_git("status", "--porcelain", "--untracked-files=no"))
+
+
 def environment(interpreter: bool, unreachable_pairs: list[tuple[int, int]]) -> dict:
     """Where the numbers come from (docs/DESIGN.md §9: GPU, versions, commit)."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -125,7 +136,7 @@ def environment(interpreter: bool, unreachable_pairs: list[tuple[int, int]]) -> 
         "triton": importlib.metadata.version("triton"),
         "python": platform.python_version(),
         "git_commit": git_commit(),
-        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "git_dirty": git_dirty(),
         "interpreter": interpreter,
         "unreachable_pairs": [list(p) for p in unreachable_pairs],
     }

@@ -9,7 +9,7 @@ headline baseline (docs/DESIGN.md §8.2).
   projection of the flattened streams onto ``hc_fn`` in FP32 and their RMS
   (:func:`mix_inputs`) as a compiled graph of their own (Inductor fuses the RMS
   into one reduction beside the FP32 GEMM; as eager torch ops they were five
-  more launches, about 5 µs at one token; traced into the graph that makes
+  more launches; traced into the graph that makes
   ``residual_out``, Inductor would read that graph's FP32 values before their
   BF16 rounding and miss ``MIXES_ATOL``), then ONE
   Triton kernel for the sigmoids, the softmax and every Sinkhorn round

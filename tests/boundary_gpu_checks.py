@@ -14,11 +14,11 @@ import time
 
 import torch
 import torch.distributed as dist
+from consumer_checks import consumer_mismatches
 
 from decode_boundary.bench.launch import RankContext
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
 from decode_boundary.boundary.reference import consumer_ref, moe_finalize_ref, reduce_ref
-from decode_boundary.gemm.reference import bf16_ulp
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes, quantize_mxfp8_ref
 
 HC, TOP_K, EPS, CAPACITY = 4, 6, 1e-6, 64
@@ -38,10 +38,6 @@ def _inputs(m, tp, hidden, gen, device):
     )
 
 
-def _ulp_violations(layer, ref):
-    return ((layer.float() - ref.float()).abs() > bf16_ulp(ref.float())).sum()
-
-
 def _mxfp8_buffers(m, hidden, device):
     data = torch.empty(m, hidden, dtype=torch.float8_e4m3fn, device=device)
     return data, torch.zeros(mxfp8_scale_bytes(m, hidden), dtype=torch.uint8, device=device)
@@ -53,9 +49,7 @@ def _mismatches(outs, d, partials, quantize, residual_only):
     pre = None if residual_only else d["pre"]
     ref_res, ref_layer, _ = consumer_ref(list(partials), d["residual"], d["post"], d["comb"],
                                          pre, d["gamma"], EPS)
-    bad = (res_out.view(torch.int16) != ref_res.view(torch.int16)).sum()
-    if not residual_only:
-        bad = bad + _ulp_violations(layer, ref_layer)
+    bad = consumer_mismatches(res_out, None if residual_only else layer, ref_res, ref_layer)
     if quantize:
         want = quantize_mxfp8_ref(layer)
         bad = bad + (q[0].view(torch.uint8) != want.data.view(torch.uint8)).sum()

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 from boundary_inputs import random_step
+from consumer_checks import assert_consumer_outputs
 from independent_ref import assert_mxfp8_equal
 
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
@@ -28,7 +29,7 @@ from decode_boundary.boundary.consumer_kernel import (
 )
 from decode_boundary.boundary.consumer_tactics import ConsumerTactic
 from decode_boundary.boundary.reference import consumer_ref, moe_finalize_ref, reduce_ref
-from decode_boundary.gemm.reference import bf16_ulp
+from decode_boundary.boundary.spec import BoundarySpec
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes
 
 H, HC, CAP, TOP_K, EPS = 128, 4, 4, 2, 1e-6
@@ -44,11 +45,6 @@ step_inputs = functools.partial(random_step, hc=HC, h=H)
 def mxfp8_buffers(m, h=H):
     data = torch.full((m, h), 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)  # poison: NaN
     return data, torch.full((mxfp8_scale_bytes(m, h),), 0xAB, dtype=torch.uint8)
-
-
-def check_layer_input(layer_input, ref):
-    diff = (layer_input.float() - ref.float()).abs()
-    assert bool((diff <= bf16_ulp(ref.float())).all())
 
 
 def run_step(ars, d, residual_only=False, quantize=False):
@@ -75,19 +71,18 @@ def test_variants_match_reference(tp, variant):
     ref_res, ref_layer, _ = consumer_ref(d["xs"], d["residual"], d["post"], d["comb"], pre,
                                          d["gamma"], EPS)
     for res_out, layer, q in outs:
-        assert torch.equal(bits(res_out), bits(ref_res))
+        assert_consumer_outputs(res_out, layer, ref_res, ref_layer)
         assert torch.equal(bits(res_out), bits(outs[0][0]))
         if variant == "residual_only":
             assert layer is None
             continue
-        check_layer_input(layer, ref_layer)
         assert torch.equal(bits(layer), bits(outs[0][1]))
         if q is not None:
             # Bytes and the whole scale buffer, padding included (the caller's 0xAB
             # must be gone), against the independent FP64/integer MXFP8.
             assert_mxfp8_equal(q[0], q[1], layer)
     for ar in ars:
-        assert ar._box.buffer.view(torch.int16).eq(-32768).all(), "slots not re-armed"
+        assert ar.mailbox.buffer.view(torch.int16).eq(-32768).all(), "slots not re-armed"
 
 
 def test_plain_sum_and_several_steps_with_a_fast_peer():
@@ -108,7 +103,7 @@ def test_plain_sum_and_several_steps_with_a_fast_peer():
             ars[1].publish(steps[k + 1]["xs"][1])
         for r in range(2):
             assert torch.equal(bits(results[k, r]), bits(reduce_ref(d["xs"])))
-            assert int(ars[r]._box.stage_state[0]) == (k + 1) % 3
+            assert int(ars[r].mailbox.stage_state[0]) == (k + 1) % 3
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -136,8 +131,7 @@ def test_finalize_matches_reference(tp):
            norm_weight=d["gamma"], norm_eps=EPS)
     ref_res, ref_layer, _ = consumer_ref(want_partials, d["residual"], d["post"], d["comb"],
                                          d["pre"], d["gamma"], EPS)
-    assert torch.equal(bits(res_out), bits(ref_res))
-    check_layer_input(layer, ref_layer)
+    assert_consumer_outputs(res_out, layer, ref_res, ref_layer)
     assert_mxfp8_equal(q[0], q[1], layer)
 
 
@@ -148,7 +142,7 @@ def test_missing_peer_is_named_then_reset_recovers():
         ars[r].publish(d["xs"][r])
     with pytest.raises(RuntimeError, match=r"rank\(s\) \[1, 3\]"):
         ars[0].plain_sum(d["xs"][0])
-    assert int(ars[0]._box.status[0]) == 0b1010
+    assert int(ars[0].mailbox.status[0]) == 0b1010
     with pytest.raises(RuntimeError, match=r"\[1, 3\]"):
         ars[0].check()  # sticky until reset
     for ar in ars:
@@ -178,7 +172,7 @@ def test_gathered_mode_matches_mailbox_mode():
     same bits as the mailbox path."""
     d = step_inputs(3, 2, seed=21)
     gathered = torch.stack(d["xs"])
-    res_out, layer = consume(gathered, 2, 3, mode=FULL, **scratch(),
+    res_out, layer, *_ = consume(gathered, 2, 3, mode=FULL, **scratch(),
                              residual=d["residual"], post=d["post"], comb=d["comb"],
                              pre=d["pre"], norm_weight=d["gamma"], eps=EPS, lamport=False)
     ars = BoundaryAllReduce.simulated(2, H, HC, CAP, TOP_K)
@@ -197,14 +191,13 @@ def test_every_tactic_matches_reference(tactic):
     d = step_inputs(m, 2, seed=33, h=h)
     s = scratch(h, poison=True)
     q = mxfp8_buffers(m, h)
-    res_out, layer = consume(torch.stack(d["xs"]), 2, m, mode=FULL, **s, residual=d["residual"],
+    res_out, layer, *_ = consume(torch.stack(d["xs"]), 2, m, mode=FULL, **s, residual=d["residual"],
                              post=d["post"], comb=d["comb"], pre=d["pre"],
                              norm_weight=d["gamma"], eps=EPS, mxfp8_out=q, lamport=False,
                              tactic=tactic)
     ref_res, ref_layer, _ = consumer_ref(d["xs"], d["residual"], d["post"], d["comb"], d["pre"],
                                          d["gamma"], EPS)
-    assert torch.equal(bits(res_out), bits(ref_res))
-    check_layer_input(layer, ref_layer)
+    assert_consumer_outputs(res_out, layer, ref_res, ref_layer)
     assert_mxfp8_equal(q[0], q[1], layer)  # scale padding included
     assert s["generation"][:m].eq(1).all() and s["generation"][m:].eq(0).all()
     tags = s["sumsq"] >> 32
@@ -227,14 +220,13 @@ def test_scratch_reused_across_tactics_and_ragged_chunks(h):
     for step, tactic in enumerate(tactics, start=1):
         d = step_inputs(m, 2, seed=40 + step, h=h)
         q = mxfp8_buffers(m, h)
-        res_out, layer = consume(torch.stack(d["xs"]), 2, m, mode=FULL, **s,
+        res_out, layer, *_ = consume(torch.stack(d["xs"]), 2, m, mode=FULL, **s,
                                  residual=d["residual"], post=d["post"], comb=d["comb"],
                                  pre=d["pre"], norm_weight=d["gamma"], eps=EPS, mxfp8_out=q,
                                  lamport=False, tactic=tactic)
         ref_res, ref_layer, _ = consumer_ref(d["xs"], d["residual"], d["post"], d["comb"],
                                              d["pre"], d["gamma"], EPS)
-        assert torch.equal(bits(res_out), bits(ref_res)), tactic
-        check_layer_input(layer, ref_layer)
+        assert_consumer_outputs(res_out, layer, ref_res, ref_layer)
         # Every tactic's bytes and scale buffer, padding included (3 groups of 96: a
         # padding group per row), against the independent FP64/integer MXFP8.
         assert_mxfp8_equal(q[0], q[1], layer, str(tactic))
@@ -247,10 +239,10 @@ def test_check_names_the_missing_rank_before_a_norm_timeout():
     """A norm timeout next to a missing rank is the rank's doing: the error names
     the rank; a norm timeout alone says the programs did not meet."""
     ar = BoundaryAllReduce.simulated(2, H, HC, CAP, TOP_K)[0]
-    ar._box.status.fill_(NORM_TIMEOUT_BIT | 0b10)
+    ar.mailbox.status.fill_(NORM_TIMEOUT_BIT | 0b10)
     with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] did not publish"):
         ar.check()
-    ar._box.status.fill_(NORM_TIMEOUT_BIT)
+    ar.mailbox.status.fill_(NORM_TIMEOUT_BIT)
     with pytest.raises(RuntimeError, match="did not meet for the RMSNorm"):
         ar.check()
 
@@ -387,12 +379,12 @@ def test_capture_refuses_a_variant_not_compiled_then_precompile_covers_it(monkey
     d = step_inputs(2, 1, seed=5)
     x = d["xs"][0]
     capturing = [True]
-    monkeypatch.setattr(BoundaryAllReduce, "capturing", property(lambda self: capturing[0]))
+    monkeypatch.setattr(BoundarySpec, "capturing", property(lambda self: capturing[0]))
     with pytest.raises(RuntimeError, match=r"\('publish',\).* not compiled and a CUDA graph "
                                            r"is being captured; call precompile"):
         ar.publish(x)
     assert not ar.has_unreduced_publish and ar.compiled_variants == set()
-    assert ar._box.buffer.view(torch.int16).eq(-32768).all(), "nothing was published"
+    assert ar.mailbox.buffer.view(torch.int16).eq(-32768).all(), "nothing was published"
     capturing[0] = False
     ar.precompile([2])
     capturing[0] = True
@@ -402,8 +394,7 @@ def test_capture_refuses_a_variant_not_compiled_then_precompile_covers_it(monkey
                             pre=d["pre"], norm_weight=d["gamma"], norm_eps=EPS, mxfp8_out=q)
     ref_res, ref_layer, _ = consumer_ref(d["xs"], d["residual"], d["post"], d["comb"], d["pre"],
                                          d["gamma"], EPS)
-    assert torch.equal(bits(res_out), bits(ref_res))
-    check_layer_input(layer, ref_layer)
+    assert_consumer_outputs(res_out, layer, ref_res, ref_layer)
     idx = torch.zeros(2, TOP_K, dtype=torch.int64)
     with pytest.raises(RuntimeError, match=r"\('finalize', torch.float32, torch.int64\)\] are "
                                            "not compiled"):

@@ -64,9 +64,9 @@ def _bad_input_then_reset(ctx: RankContext) -> dict:
             out["raised"] = str(e)
         out["raise_s"] = time.monotonic() - start
     else:
-        ar.check = lambda: None  # keep the outputs, check after
+        ar.launches.guard.check = lambda: None  # keep the outputs, check after
         res, layer = _call(ar, d, 0)
-        del ar.check
+        del ar.launches.guard.check
         out["nan"] = bool(res.isnan().all() and layer.isnan().all())
         try:
             ar.check()

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 import decode_boundary as db
-from decode_boundary.boundary.consumer import fuses_mixes
+from decode_boundary.boundary.consumer_kernel import Collapse
+from decode_boundary.boundary.consumer_tactics import fuses_mixes
 from decode_boundary.boundary.reference import consumer_ref
+from decode_boundary.mixes.handoff import MixesPlacement
 from decode_boundary.mixes.reference import mhc_mixes_ref
 
 H, HC, CAP, TP = 128, 4, 4, 2
@@ -125,22 +127,25 @@ def test_checks():
     with pytest.raises(ValueError, match="computes no mixes"):
         plain(d["xs"][0], residual=d["residual"], post=d["post"], comb=d["comb"], pre=d["pre"],
               norm_weight=d["gamma"], norm_eps=EPS, mix_weights=d["weights"])
-    with pytest.raises(ValueError, match="mixes must be None or one of"):
+    with pytest.raises(ValueError, match="mixes_placement must be None or one of"):
         ar(d["xs"][0], residual=d["residual"], post=d["post"], comb=d["comb"], pre=d["pre"],
-           norm_weight=d["gamma"], norm_eps=EPS, mix_weights=d["weights"], mixes="nowhere")
+           norm_weight=d["gamma"], norm_eps=EPS, mix_weights=d["weights"],
+           mixes_placement="nowhere")
     ar.publish(d["xs"][0])  # a refused flag after the publish aborts the step, as any argument
-    with pytest.raises(ValueError, match="mixes must be None or one of"):
+    with pytest.raises(ValueError, match="mixes_placement must be None or one of"):
         ar(d["xs"][0], residual=d["residual"], post=d["post"], comb=d["comb"], pre=d["pre"],
-           norm_weight=d["gamma"], norm_eps=EPS, mix_weights=d["weights"], mixes=1)
-    with pytest.raises(ValueError, match="mixes='side_stream' needs .*collapse_pre='same'"):
+           norm_weight=d["gamma"], norm_eps=EPS, mix_weights=d["weights"], mixes_placement=1)
+    with pytest.raises(ValueError,
+                       match="mixes_placement='side_stream' needs .*collapse_pre='same'"):
         same(d["xs"][0], residual=d["residual"], post=d["post"], comb=d["comb"], pre=None,
-             norm_weight=d["gamma"], norm_eps=EPS, mix_weights=d["weights"], mixes="side_stream")
+             norm_weight=d["gamma"], norm_eps=EPS, mix_weights=d["weights"],
+             mixes_placement="side_stream")
     (wide,) = db.BoundaryAllReduce.simulated(1, H, 8, CAP, 2, collapse_pre="previous")
-    with pytest.raises(ValueError, match="mixes='side_stream' needs .*hc=8"):
+    with pytest.raises(ValueError, match="mixes_placement='side_stream' needs .*hc=8"):
         wide(d["xs"][0], residual=torch.zeros(2, 8, H).bfloat16(), post=torch.zeros(2, 8),
              comb=torch.zeros(2, 8, 8), pre=torch.zeros(2, 8), norm_weight=d["gamma"],
              norm_eps=EPS, mix_weights=(torch.zeros(80, 8 * H), torch.ones(3), torch.zeros(80)),
-             mixes="side_stream")
+             mixes_placement="side_stream")
     for rows in (0, CAP + 1, 1.0):
         with pytest.raises(ValueError, match="rows must be an int in"):
             ar.deferred_finish(rows)
@@ -150,7 +155,26 @@ def test_checks():
     # A refused call aborts nothing at tp = 1 and leaves the instance usable.
     out = ar(d["xs"][0], residual=d["residual"], post=d["post"], comb=d["comb"], pre=d["pre"],
              norm_weight=d["gamma"], norm_eps=EPS, mix_weights=d["weights"])
-    assert out.mixes.how == "consumer" and out.mixes.comb.shape == (2, HC, HC)
+    assert out.mixes.placement == "consumer" and out.mixes.comb.shape == (2, HC, HC)
+
+
+def test_the_old_spellings_still_work_with_a_deprecation_warning():
+    """``mixes=`` (now ``mixes_placement=``) and ``NextMixes.how`` (now
+    ``placement``) for one release; the enums compare equal to their strings."""
+    d = inputs(2, seed=8)
+    (ar,) = db.BoundaryAllReduce.simulated(1, H, HC, CAP, 2, collapse_pre="previous")
+    assert ar.collapse_pre == "previous" == Collapse.V4_1
+    call = dict(residual=d["residual"], post=d["post"], comb=d["comb"], pre=d["pre"],
+                norm_weight=d["gamma"], norm_eps=EPS, mix_weights=d["weights"])
+    with pytest.warns(DeprecationWarning, match="mixes_placement"):
+        old = ar(d["xs"][0], mixes="consumer", **call)
+    with pytest.warns(DeprecationWarning, match="placement"):
+        assert old.mixes.how == "consumer"
+    new = ar(d["xs"][0], mixes_placement=MixesPlacement.CONSUMER, **call)
+    assert all(torch.equal(a, b) for a, b in zip(old.mixes, new.mixes, strict=True))
+    with pytest.raises(TypeError, match="mixes_placement= alone"), \
+            pytest.warns(DeprecationWarning):
+        ar(d["xs"][0], mixes="consumer", mixes_placement="consumer", **call)
 
 
 def _step_tensors(m, h, g, dev):
@@ -237,7 +261,7 @@ def test_gpu_mixes_cooperative_graphs_and_compile(collapse):
 def same_order(m, h, collapse, tactic=None, plain_tactic=None) -> bool:
     """Whether the consumer with the mixes and the one without them sum the
     squares in one order at M = ``m``: tactics of the same block_h and warps."""
-    from decode_boundary.boundary.consumer import consumer_tactic
+    from decode_boundary.boundary.consumer_tactics import consumer_tactic
 
     fused = fuses_mixes(m, HC, collapse)
     with_mixes = tactic or consumer_tactic(m, h, collapse if fused else None)
@@ -316,7 +340,7 @@ def test_gpu_mixes_against_the_consumer_without_them(collapse):
 
 
 def _left_to_next_gemm(dev, h, rows, tactic=None, n_out=96, pin_gemm=None):
-    """For each M: the call with ``mixes="next_gemm"`` leaves the mixes to
+    """For each M: the call with ``mixes_placement="next_gemm"`` leaves the mixes to
     the next GEMM (its ``NextMixes``); outputs poisoned, then that GEMM's
     extra programs fill them. Every output (the mixes, residual_out, the layer
     input and its MXFP8, the GEMM's own) equals the call that combines in the
@@ -356,15 +380,16 @@ def _left_to_next_gemm(dev, h, rows, tactic=None, n_out=96, pin_gemm=None):
                      torch.empty(mxfp8_scale_bytes(m, h), dtype=torch.uint8, device=dev))
                 out = ar(x, residual=residual, post=post, comb=comb, pre=pre, norm_weight=gamma,
                          norm_eps=EPS, mxfp8_out=q, mix_weights=weights,
-                         mixes="consumer" if combine else "next_gemm")
+                         mixes_placement="consumer" if combine else "next_gemm")
                 return out, QuantizedActivation(*q, torch.bfloat16, torch.Size((m, h)))
 
             (res, layer, _, mixes), a = call(True)
             want_q = mxfp8_mm(linear, a)
             (res2, layer2, _, finish), a2 = call(False)
             mixes2 = tuple(finish)
-            assert finish.left_to_gemm and finish.how == "next_gemm" and all(t is u for t, u in zip(
-                (finish.pre, finish.post, finish.comb), mixes2, strict=True))
+            assert finish.left_to_gemm and finish.placement == "next_gemm"
+            assert all(t is u for t, u in zip((finish.pre, finish.post, finish.comb), mixes2,
+                                              strict=True))
             for t in mixes2:
                 t.fill_(float("nan"))
             q2 = mxfp8_mm(linear, a2, finish_mixes=finish)
@@ -421,7 +446,7 @@ def test_gpu_mixes_left_to_the_next_gemm():
 
 
 def test_a_finish_left_unlaunched_or_stale_is_refused():
-    """``mixes="next_gemm"`` leaves pre / post / comb unwritten for the next
+    """``mixes_placement="next_gemm"`` leaves pre / post / comb unwritten for the next
     GEMM: the all-reduce's next call refuses (``RuntimeError``; at tp = 1 the
     instance stays usable) while no GEMM launched with the returned
     ``NextMixes``; the finish is still good then (nothing rewrote its
@@ -443,7 +468,7 @@ def test_a_finish_left_unlaunched_or_stale_is_refused():
              torch.empty(mxfp8_scale_bytes(2, H), dtype=torch.uint8))
         out = ar(d["xs"][0], residual=d["residual"], post=d["post"], comb=d["comb"], pre=d["pre"],
                  norm_weight=d["gamma"], norm_eps=EPS, mxfp8_out=q, mix_weights=d["weights"],
-                 mixes="consumer" if combine else "next_gemm")
+                 mixes_placement="consumer" if combine else "next_gemm")
         return out, QuantizedActivation(*q, torch.bfloat16, torch.Size((2, H)))
 
     (_, _, _, want), _ = call(True)

@@ -22,6 +22,7 @@ from decode_boundary.bench.launch import RankContext, launch
 from decode_boundary.boundary import all_reduce as all_reduce_module
 from decode_boundary.boundary import consumer as consumer_module
 from decode_boundary.boundary.all_reduce import MAX_TP, BoundaryAllReduce
+from decode_boundary.boundary.mailbox import simulated_mailboxes
 from decode_boundary.boundary.step_guard import StepGuard
 from decode_boundary.common.contract import (
     MAILBOX_MAX_ELEMENTS,
@@ -388,7 +389,7 @@ def test_close_is_local_idempotent_and_keeps_a_peer_reachable_mailbox(monkeypatc
     ars = BoundaryAllReduce.simulated(2, HIDDEN, HC, CAP, TOP_K)
     monkeypatch.setattr(all_reduce_module, "_RETIRED", [])
     barriers = []
-    monkeypatch.setattr(StepGuard, "barrier", lambda guard: barriers.append(guard.ar))
+    monkeypatch.setattr(StepGuard, "barrier", lambda guard: barriers.append(guard))
     # Simulated ranks (no group): the mailbox goes with its last reference.
     ars[0].close()
     ars[0].close()
@@ -396,16 +397,22 @@ def test_close_is_local_idempotent_and_keeps_a_peer_reachable_mailbox(monkeypatc
     with pytest.raises(RuntimeError, match="closed"):
         ars[0].publish_target()
     # A mailbox that peers of a group store into outlives a local close.
-    box = ars[1]._box
-    ars[1].group = FakeGroup()
-    ars[1].close()
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+
+    def in_a_group():
+        box = simulated_mailboxes(2, CAP, HIDDEN)[1]
+        return BoundaryAllReduce(HIDDEN, HC, CAP, TOP_K, group=FakeGroup(), device="cpu",
+                                 _mailbox=box), box
+
+    grouped, box = in_a_group()
+    grouped.close()
     assert barriers == [] and [box] == all_reduce_module._RETIRED
     # Collective close: one barrier per call, closed or not, and nothing kept.
-    fresh = BoundaryAllReduce.simulated(2, HIDDEN, HC, CAP, TOP_K)[0]
-    fresh.group = FakeGroup()
+    fresh, _ = in_a_group()
     fresh.close(collective=True)
     fresh.close(collective=True)
-    assert barriers == [fresh, fresh] and [box] == all_reduce_module._RETIRED
+    guard = fresh.launches.guard
+    assert barriers == [guard, guard] and [box] == all_reduce_module._RETIRED
     with BoundaryAllReduce.simulated(1, HIDDEN, HC, CAP, TOP_K)[0] as ar:
         pass
-    assert ar._box is None and len(barriers) == 2
+    assert ar.closed and len(barriers) == 2

@@ -218,10 +218,10 @@ def test_the_mixes_kernel_in_the_chain(monkeypatch):
     MIXES_FUSED_MAX_ROWS, here patched to 0): launched right after the
     consumer, fused and unfused bit-identical, the reference met, the mixes
     within MIXES_ATOL of the spec of residual_out."""
-    from decode_boundary.boundary import consumer
+    from decode_boundary.boundary import consumer_tactics
     from decode_boundary.model.checks import check_mixes
 
-    monkeypatch.setattr(consumer, "MIXES_FUSED_MAX_ROWS", 0)
+    monkeypatch.setattr(consumer_tactics, "MIXES_FUSED_MAX_ROWS", 0)
     ab = AttentionBoundary(MODELS["tiny"], 1, 0, None, torch.device("cpu"), capacity=8, seed=4)
     try:
         inputs = ab.make_inputs(5, seed=9)
@@ -247,7 +247,7 @@ def test_mixes_aside_in_the_chain(monkeypatch):
     MIXES_ASIDE_MIN_ROWS (here patched to 4), aside from it.
     V4's collapse needs the mixes in the consumer: there the flag changes
     nothing, bit for bit."""
-    from decode_boundary.boundary import consumer
+    from decode_boundary.boundary import consumer_tactics
     from decode_boundary.model.checks import check_mixes
 
     ranks = simulated_boundaries(MODELS["tiny"], 2, capacity=8, seed=7)
@@ -268,7 +268,7 @@ def test_mixes_aside_in_the_chain(monkeypatch):
         partials = [b.reference_partial(x) for b, x in zip(ranks, inputs, strict=True)]
         assert check_outputs(aside[0], ranks[0].reference(inputs[0], partials)) == []
         assert check_mixes(aside[0], ranks[0]) == []
-        monkeypatch.setattr(consumer, "MIXES_ASIDE_MIN_ROWS", 4)
+        monkeypatch.setattr(consumer_tactics, "MIXES_ASIDE_MIN_ROWS", 4)
         launched = _count_launches(monkeypatch)
         auto = run_simulated(ranks, inputs, fused=True, mixes_aside="auto")
         assert launched.count("next_mixes_kernel") == (2 if rows >= 4 else 0), launched

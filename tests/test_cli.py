@@ -85,7 +85,7 @@ def test_weights_without_gpu_is_refused_not_ignored(capsys, monkeypatch, tmp_pat
 def test_row_capacity_is_the_fused_chains():
     """The CLI's bound on --rows is the capacity the fused chain is built for
     (the CLI cannot import it: that would import Triton too early)."""
-    from decode_boundary.publishing_linear import PUBLISH_EPILOGUE_MAX_ROWS
+    from decode_boundary.boundary.consumer_tactics import PUBLISH_EPILOGUE_MAX_ROWS
 
     assert cli.MAX_ROWS == PUBLISH_EPILOGUE_MAX_ROWS
     assert max(cli.DEFAULT_ROWS) <= cli.MAX_ROWS

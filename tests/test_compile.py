@@ -75,7 +75,7 @@ def _boundary_outputs(step, rows, seed):
                 for _ in ranks]
         outs.append([bits(t) for t in step(ranks, publishers, linears, xs, mixing, bufs)])
         outs[-1] += [bits(d) for d, _ in bufs] + [s for _, s in bufs]
-        outs[-1] += [ar._box.stage_state.clone() for ar in ranks]
+        outs[-1] += [ar.mailbox.stage_state.clone() for ar in ranks]
     return outs
 
 

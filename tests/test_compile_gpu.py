@@ -81,7 +81,7 @@ def test_compiled_step_gives_eager_bits_and_replays_in_a_graph():
         got = compiled(*x)
         for a, b in zip(got, want, strict=True):
             assert torch.equal(bits(a), bits(b)), seed
-    assert torch.equal(eager.ar._box.stage_state, traced.ar._box.stage_state)
+    assert torch.equal(eager.ar.mailbox.stage_state, traced.ar.mailbox.stage_state)
 
     static = inputs(100)
     stream = torch.cuda.Stream()
@@ -102,5 +102,5 @@ def test_compiled_step_gives_eager_bits_and_replays_in_a_graph():
         torch.cuda.synchronize()
         for a, b in zip(outs, want, strict=True):
             assert torch.equal(bits(a), bits(b)), seed
-        assert torch.equal(eager.ar._box.stage_state, traced.ar._box.stage_state)
+        assert torch.equal(eager.ar.mailbox.stage_state, traced.ar.mailbox.stage_state)
     traced.ar.check()

@@ -70,7 +70,7 @@ def test_separate_buffers_pass_and_partial_changes_nothing():
     d = step()
     plain = run(d, scratch())
     checked = run(d, scratch(), partial=d["xs"][0])
-    for a, b in zip(plain, checked, strict=True):
+    for a, b in zip(plain[:2], checked[:2], strict=True):  # residual_out, layer_input
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
@@ -123,7 +123,7 @@ def test_early_inputs_aliasing_mailbox_outputs_or_scratch_are_refused():
 
 def test_plain_mode_reads_no_early_inputs():
     d = step()
-    reduced, layer = consume(d["gathered"], TP, M, mode=PLAIN, lamport=False,
+    reduced, layer, *_ = consume(d["gathered"], TP, M, mode=PLAIN, lamport=False,
                              partial=d["gathered"][0])  # the partial is inside: nothing early
     assert layer is None and reduced.shape == (M, H)
 

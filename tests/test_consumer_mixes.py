@@ -19,16 +19,11 @@ import triton
 import triton.language as tl
 from independent_ref import mhc_mixes_fp64
 
-from decode_boundary.boundary import consumer
-from decode_boundary.boundary.consumer import (
-    consume,
-    fuses_mixes,
-    holds_mix_weights,
-    sumsq_columns,
-)
+from decode_boundary.boundary import consumer, consumer_tactics
+from decode_boundary.boundary.consumer import consume, holds_mix_weights, sumsq_columns
 from decode_boundary.boundary.consumer_inputs import MhcMixes
 from decode_boundary.boundary.consumer_kernel import FULL, RESIDUAL_ONLY
-from decode_boundary.boundary.consumer_tactics import ConsumerTactic
+from decode_boundary.boundary.consumer_tactics import ConsumerTactic, fuses_mixes
 from decode_boundary.boundary.reference import consumer_ref
 from decode_boundary.common.contract import mix_columns
 from decode_boundary.common.tagged_words import tag_word
@@ -86,7 +81,8 @@ def launch(d, s, tactic, collapse=None, hc_eps=0.1, iters=3, pre=None):
     out = consume(torch.stack(d["xs"]), TP, m, mode=FULL, lamport=False, tactic=tactic,
                   residual=d["residual"], post=d["post"], comb=d["comb"], pre=given_pre,
                   norm_weight=d["gamma"], eps=EPS, mxfp8_out=q, mixes=mixes, **s)
-    return (*out, q)
+    mixes = () if out.mixes is None else (out.mixes,)
+    return (out.residual_out, out.layer_input, *mixes, q)
 
 
 def bits(t):
@@ -179,7 +175,7 @@ def test_mixes_kernel_after_the_consumer(m, monkeypatch):
     first's shares: they carry the older generation), 3 token groups at M =
     37; everything else is the consumer without mixes, bit for bit. V4's
     collapse stays fused (it needs the pre inside the consumer)."""
-    monkeypatch.setattr(consumer, "MIXES_FUSED_MAX_ROWS", 0)
+    monkeypatch.setattr(consumer_tactics, "MIXES_FUSED_MAX_ROWS", 0)
     assert not fuses_mixes(m, HC, "previous") and fuses_mixes(m, HC, "same")
     s = scratch(m=m)
     for launch_no in (1, 2):
@@ -198,7 +194,7 @@ def test_mixes_kernel_cooperative_gives_the_serial_bits(cooperative_in_the_inter
     """The GPU default's grid (a program per 128 columns and 16 tokens; here 2
     chunks, so each program combines 8 of its group's tokens) gives the
     serial launch's bits, at M = 20 (two groups, the second partial)."""
-    monkeypatch.setattr(consumer, "MIXES_FUSED_MAX_ROWS", 0)
+    monkeypatch.setattr(consumer_tactics, "MIXES_FUSED_MAX_ROWS", 0)
     d = step(30, 20)
     got = launch(d, scratch(m=20), ConsumerTactic(64, 2, True), "previous")
     want = launch(d, scratch(m=20), ConsumerTactic(64, 2, False), "previous")
@@ -213,11 +209,11 @@ def test_which_mixes_the_consumer_fuses(monkeypatch):
     hc 2-4 (its dot needs >= 16 slots; hc = 8's tiles would not fit in shared
     memory); and a cooperative tactic whose mixes kernel would have more than
     one chunk is refused in the interpreter (its programs run one by one)."""
-    monkeypatch.setattr(consumer, "MIXES_FUSED_MAX_ROWS", 16)
+    monkeypatch.setattr(consumer_tactics, "MIXES_FUSED_MAX_ROWS", 16)
     assert fuses_mixes(16, 4, "previous") and not fuses_mixes(17, 4, "previous")
     assert not fuses_mixes(64, 2, "previous") and fuses_mixes(64, 1, "previous")
     assert fuses_mixes(64, 8, "previous") and fuses_mixes(64, 4, "same")
-    monkeypatch.setattr(consumer, "MIXES_FUSED_MAX_ROWS", 0)
+    monkeypatch.setattr(consumer_tactics, "MIXES_FUSED_MAX_ROWS", 0)
     d = step(5)
     with pytest.raises(ValueError, match="cooperative programs wait for each other"):
         launch(d, scratch(), ConsumerTactic(256, 4, True), "previous")

@@ -145,7 +145,7 @@ def scratch(m, h=H, poison=True):
 def gathered_step(d, s, tactic, quantize=True):
     m = d["xs"][0].shape[0]
     q = mxfp8_buffers(m) if quantize else None
-    res_out, layer = consume(torch.stack(d["xs"]), len(d["xs"]), m, mode=FULL, **s,
+    res_out, layer, *_ = consume(torch.stack(d["xs"]), len(d["xs"]), m, mode=FULL, **s,
                              residual=d["residual"], post=d["post"], comb=d["comb"],
                              pre=d["pre"], norm_weight=d["gamma"], eps=EPS, mxfp8_out=q,
                              lamport=False, tactic=tactic)

@@ -6,12 +6,13 @@ import pytest
 import torch
 
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
+from decode_boundary.boundary.consumer_tactics import PUBLISH_EPILOGUE_MAX_ROWS
 from decode_boundary.boundary.reference import consumer_ref
 from decode_boundary.gemm import mxfp8_mm
 from decode_boundary.gemm.linear import Mxfp8Linear
 from decode_boundary.mxfp8.format import mxfp8_scale_bytes
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
-from decode_boundary.publishing_linear import PUBLISH_EPILOGUE_MAX_ROWS, PublishingMxfp8Linear
+from decode_boundary.publishing_linear import PublishingMxfp8Linear
 
 HIDDEN, K, HC, CAPACITY, TP = 128, 96, 2, 24, 2
 
@@ -41,7 +42,7 @@ def _step(ranks, linears, xs, mixing, fused):
             out = mxfp8_mm(linear, x)
             ar.publish(out)
             outs.append(out)
-    boxes = [ar._box.buffer.clone() for ar in ranks]
+    boxes = [ar.mailbox.buffer.clone() for ar in ranks]
     results = []
     rows = outs[0].shape[0]
     for ar, out in zip(ranks, outs, strict=True):
@@ -95,7 +96,7 @@ def test_fused_publish_rotates_stages_over_steps():
         ref_res, _, _ = consumer_ref(outs, *mixing[:3], mixing[3], mixing[4], 1e-6)
         for res_out, *_ in results:
             assert torch.equal(res_out.view(torch.int16), ref_res.view(torch.int16))
-        assert all(int(ar._box.stage_state[0]) == (step + 1) % 3 for ar in ranks)
+        assert all(int(ar.mailbox.stage_state[0]) == (step + 1) % 3 for ar in ranks)
 
 
 def test_unsupported_inputs_fall_back_and_publish_nothing():
@@ -105,10 +106,10 @@ def test_unsupported_inputs_fall_back_and_publish_nothing():
     narrow = Mxfp8Linear.from_float(torch.randn(64, K, generator=gen).bfloat16())  # N != hidden
     x = quantize_mxfp8(torch.randn(2, K, generator=gen).bfloat16())
     assert not publisher.supports(narrow, 2)
-    before = ar._box.buffer.clone()
+    before = ar.mailbox.buffer.clone()
     out = publisher(narrow, x)
     assert torch.equal(out.view(torch.int16), mxfp8_mm(narrow, x).view(torch.int16))
-    assert torch.equal(before.view(torch.int16), ar._box.buffer.view(torch.int16))
+    assert torch.equal(before.view(torch.int16), ar.mailbox.buffer.view(torch.int16))
     wide = Mxfp8Linear.from_float(torch.randn(HIDDEN, K, generator=gen).bfloat16())
     assert publisher.supports(wide, CAPACITY) and not publisher.supports(wide, CAPACITY + 1)
     roomy = PublishingMxfp8Linear(BoundaryAllReduce.simulated(
@@ -136,10 +137,10 @@ def test_second_publish_fails_before_touching_the_mailbox():
     gen = torch.Generator().manual_seed(8)
     linear = Mxfp8Linear.from_float(torch.randn(HIDDEN, K, generator=gen).bfloat16())
     publisher(linear, quantize_mxfp8(torch.randn(2, K, generator=gen).bfloat16()))
-    pending = ar._box.buffer.clone()
+    pending = ar.mailbox.buffer.clone()
     with pytest.raises(RuntimeError, match="unreduced"):
         publisher(linear, quantize_mxfp8(torch.randn(2, K, generator=gen).bfloat16()))
-    assert torch.equal(pending.view(torch.int16), ar._box.buffer.view(torch.int16))
+    assert torch.equal(pending.view(torch.int16), ar.mailbox.buffer.view(torch.int16))
 
 
 def test_activations_that_are_not_2d_bf16_fall_back_without_publishing():
@@ -147,9 +148,9 @@ def test_activations_that_are_not_2d_bf16_fall_back_without_publishing():
     publisher = PublishingMxfp8Linear(ar)
     gen = torch.Generator().manual_seed(9)
     linear = Mxfp8Linear.from_float(torch.randn(HIDDEN, K, generator=gen).bfloat16())
-    before = ar._box.buffer.clone()
+    before = ar.mailbox.buffer.clone()
     for x in (torch.randn(1, 2, K, generator=gen).bfloat16(), torch.randn(2, K, generator=gen)):
         out = publisher(linear, x)
         assert out.shape == (*x.shape[:-1], HIDDEN)
-    assert torch.equal(before.view(torch.int16), ar._box.buffer.view(torch.int16))
+    assert torch.equal(before.view(torch.int16), ar.mailbox.buffer.view(torch.int16))
     publisher(linear, quantize_mxfp8(torch.randn(2, K, generator=gen).bfloat16()))  # not pending

@@ -16,7 +16,7 @@ import torch
 
 from decode_boundary import cli
 from decode_boundary.bench import tune
-from decode_boundary.boundary.consumer_tactics import ConsumerTactic
+from decode_boundary.boundary.consumer_tactics import ConsumerTactic, runs_as
 from decode_boundary.gemm import selected_tactic, tactics
 from decode_boundary.gemm.tactics import TABLE, Tactic, is_valid, k_pieces
 from decode_boundary.model.config import MODELS
@@ -312,7 +312,7 @@ def test_tune_one_on_the_chain_in_the_interpreter(monkeypatch):
 
     rows, config = 2, MODELS["tiny"]
     ab = AttentionBoundary(config, 2, 0, None, torch.device("cpu"), rows, seed=5)
-    shapes = tune.gemm_slots(ab)
+    shapes = tune.gemm_slots(config, 2)
     assert set(shapes) == {"wo_a", "wo_b+fused_wqa_wkv"}
     rng = random.Random()
     target = {slot: rng.choice(tune.gemm_candidates(*shape, rows)[1:])
@@ -326,7 +326,7 @@ def test_tune_one_on_the_chain_in_the_interpreter(monkeypatch):
         assert len(steps) == 1 and join == ab.join_mixes
         misses = sum(selected_tactic(shape, rows) != target[slot]
                      for slot, shape in shapes.items())
-        misses += ab.all_reduce.tactic != tune.as_run(target["consumer"], config.hidden)
+        misses += ab.all_reduce.tactic != runs_as(target["consumer"], config.hidden)
         timed.append(misses)
         return 10.0 + misses + rng.uniform(0, 0.1)
 
@@ -367,13 +367,19 @@ def test_tune_alone_tunes_a_projection_outside_the_chain(monkeypatch):
     assert eval("{" + "\n".join(lines) + "}", {"_t": tactics._t}) == {shape: {rows: target}}
 
 
-def test_gemm_slots_share_a_shape():
-    def layer(n, k, groups=1):
-        return SimpleNamespace(weight=torch.empty(k, n), groups=groups)
+def test_gemm_slots_share_a_shape_and_are_the_chains_layers():
+    from decode_boundary.model.chain import AttentionBoundary
 
-    ab = SimpleNamespace(wo_a=layer(256, 128, 2), wo_b=layer(256, 256),
-                         fused_wqa_wkv=layer(256, 256))
-    assert tune.gemm_slots(ab) == {"wo_a": (256, 128, 2), "wo_b+fused_wqa_wkv": (256, 256, 1)}
+    config = MODELS["tiny"]
+    slots = tune.gemm_slots(config, 2)
+    assert slots == {"wo_a": (256, 128, 2), "wo_b+fused_wqa_wkv": (256, 256, 1)}
+    ab = AttentionBoundary(config, 2, 0, None, torch.device("cpu"), 1, seed=5)
+    for slot, shape in slots.items():
+        for name in slot.split("+"):
+            layer = getattr(ab, name)
+            k, n = layer.weight.shape
+            assert (n, k, getattr(layer, "groups", 1)) == shape, name
+    ab.close()
 
 
 def test_tune_refuses_bad_arguments(capsys):

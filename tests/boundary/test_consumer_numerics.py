@@ -1,11 +1,11 @@
 """The consumer's numerics against an independent FP64 computation
-(tests/independent_ref.py ``consumer_fp64``) and the package's reference
+(tests/helpers/independent_ref.py ``consumer_fp64``) and the package's reference
 (``boundary.reference.consumer_ref``), at an RMSNorm eps that matters: eps =
 1.0 next to rows whose mean square is far below it, near it and far above it,
 and all-zero rows, where only eps keeps rsqrt(mean square + eps) finite (0 x inf
 would be NaN). Covered: ``consume`` (gathered and Lamport, serial tactics of
 several chunks, and cooperative tactics of several chunks with the programs
-run concurrently: tests/concurrent_programs.py), ``BoundaryAllReduce``, the
+run concurrently: tests/helpers/concurrent_programs.py), ``BoundaryAllReduce``, the
 strong baseline's ``mhc_rmsnorm`` (eager and traced) and the eager baseline
 (``EagerBaseline``: its ``torch._scaled_mm`` runs on CPU).
 

@@ -5,7 +5,7 @@ give the right answer, step after step.
 
 Nothing on the reference side runs the code under test: each GEMM output is
 checked against the independent FP64 product of its (independently quantized)
-operands, rounded once to BF16 (tests/independent_ref.py; 1 ulp only where FP32
+operands, rounded once to BF16 (tests/helpers/independent_ref.py; 1 ulp only where FP32
 accumulation in the tactic's order may cross a rounding boundary); the
 consumer's outputs against ``consumer_ref`` of the partial so checked
 (residual_out bit for bit, layer_input within 1 ulp); the next layer's MXFP8

@@ -1,5 +1,5 @@
 """A kernel that only finishes tokens' mixes (``mixes.mhc_combine``), for
-tests/test_boundary_ptx.py to compile with and without FMA contraction."""
+tests/boundary/test_boundary_ptx.py to compile with and without FMA contraction."""
 
 import triton
 import triton.language as tl

@@ -21,7 +21,7 @@ from decode_boundary.bench.launch import RankError, launch
 from decode_boundary.env import NO_MULTICAST_ENV
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------- arguments

@@ -10,10 +10,10 @@ Tolerances (per element, ``ulp`` = BF16 ulp of the FP64 value):
   ulp being >= 2^-8 of |value|) and one final rounding (<= ulp / 2):
   <= 1.5 ulp, plus FP32 slack.
 * the MXFP8 of layer_input: byte for byte the independent FP64/integer
-  quantization (tests/independent_ref.py).
+  quantization (tests/helpers/independent_ref.py).
 
 An eps that matters (eps = 1 next to mean squares below, near and above it, and
-all-zero rows), with an exact bar: tests/test_consumer_numerics.py.
+all-zero rows), with an exact bar: tests/boundary/test_consumer_numerics.py.
 """
 
 import pytest

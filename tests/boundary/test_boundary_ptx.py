@@ -319,7 +319,8 @@ def test_the_combine_compiles_to_the_same_sass_with_and_without_contraction():
     if not os.path.exists(os.path.join(os.path.dirname(nvidia.__file__), "bin", "nvdisasm")):
         pytest.skip("no nvdisasm")
     env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.run([sys.executable, "-c", SASS_SCRIPT, os.path.dirname(__file__)],
+    helpers = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")
+    proc = subprocess.run([sys.executable, "-c", SASS_SCRIPT, helpers],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     sass = json.loads(proc.stdout.strip().splitlines()[-1])

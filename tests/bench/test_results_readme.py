@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "results_readme.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "results_readme.py"
 
 
 def _load():

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 # Runs in a fresh interpreter: a meta-path finder refuses rich and matplotlib
 # (as if not installed), then the API is used as a user without the extra would.

@@ -1,6 +1,6 @@
 """The reference of a sublayer's mHC mixes (``mixes.reference.mhc_mixes_ref``,
 docs/DESIGN.md §5.1) against an independent FP64 computation
-(tests/independent_ref.py ``mhc_mixes_fp64``), the properties the spec
+(tests/helpers/independent_ref.py ``mhc_mixes_fp64``), the properties the spec
 implies, and its argument checks.
 
 Bars: the reference is FP32. Its dots are length hc * H = 1024 sums of

@@ -1,4 +1,4 @@
-"""MXFP8 GEMM output bits against an independent reference (tests/independent_ref.py:
+"""MXFP8 GEMM output bits against an independent reference (tests/helpers/independent_ref.py:
 the FP64 product of the independently decoded MXFP8 operands, rounded ONCE to
 BF16 nearest-even), over shapes, row counts and explicit tactics of every
 family (CUDA cores 1..8 rows, tensor cores 16..64, split-K, masked pieces and

@@ -1,4 +1,4 @@
-"""The independent references of tests/independent_ref.py against hand-computed
+"""The independent references of tests/helpers/independent_ref.py against hand-computed
 values (docs/DESIGN.md §4), so the bars built on them rest on the spec, not on
 agreeing with the package."""
 

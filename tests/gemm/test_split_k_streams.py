@@ -1,7 +1,7 @@
 """Split-K scratch belongs to the stream that launches (``gemm/launcher.py``
 module docstring), on CPU: CUDA streams are stand-ins (``FakeStream``) for the
 keying and the capture rule, and the interpreter runs the launches. The real
-two-stream race and graph captures are ``tests/test_split_k_streams_gpu.py``."""
+two-stream race and graph captures are ``tests/gemm/test_split_k_streams_gpu.py``."""
 
 import pytest
 import torch

@@ -3,7 +3,7 @@ exits with ``os._exit`` after a good step; the survivor's next step raises
 RuntimeError naming rank 1 within ``wait_timeout_s`` (the consumer's bounded
 wait, its outputs NaN), and its ``reset(collective=True)`` raises naming rank 1
 within ``host_timeout_s`` (docs/FAILURES.md). The CPU version of this test
-(gloo, the gather transport) is tests/test_boundary_failure_processes.py.
+(gloo, the gather transport) is tests/boundary/test_boundary_failure_processes.py.
 """
 
 import os

@@ -5,7 +5,7 @@ the same pre, both collapses ("previous": V4.1, "same": V4), serial and
 cooperative launches, stale scratch, and the argument checks.
 
 Bar for pre / post / comb: 1e-5 absolute, the FP32 reference's own bar
-(tests/test_mhc_mixes.py gives the derivation). The kernel's dots are sums of
+(tests/mixes/test_mhc_mixes.py gives the derivation). The kernel's dots are sums of
 per-chunk tree sums, not the reference's order, which changes them by FP32
 rounding of the same size (length hc * H = 1024 here; 20480 at H = 5120 adds a
 factor ~sqrt(20) to a typical ~1e-7 relative error: still far below 1e-5
@@ -151,7 +151,7 @@ def test_cooperative_launches_give_the_serial_bits(collapse, early,
     """The GPU default's path (chunk 0 sums the shares; with "same" every
     program sums them for its own pre), with hc_fn loaded early (the
     ``MIX_WEIGHTS_EARLY`` variant: where it sits against the grid wait, which
-    the interpreter has not, tests/test_boundary_ptx.py checks) or late, gives
+    the interpreter has not, tests/boundary/test_boundary_ptx.py checks) or late, gives
     the serial launch's bits, on one poisoned scratch reused by launches of 4,
     then 2 chunks: none takes a stale share."""
     s = scratch()

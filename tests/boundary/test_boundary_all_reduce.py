@@ -4,9 +4,9 @@ process (their mailboxes are separate CPU buffers reached by address).
 Exactness promised and checked: reduced / residual_out bit for bit against the
 reference, layer_input within 1 BF16 ulp (length-H sum and rsqrt), the MXFP8
 bytes (scale padding included) equal to the independent FP64/integer MXFP8
-(tests/independent_ref.py) of the kernel's own layer_input, and all ranks
+(tests/helpers/independent_ref.py) of the kernel's own layer_input, and all ranks
 bit-identical. An eps that matters, zero rows and the cooperative path over
-several chunks: tests/test_consumer_numerics.py.
+several chunks: tests/boundary/test_consumer_numerics.py.
 """
 
 import functools

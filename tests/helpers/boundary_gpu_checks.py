@@ -1,5 +1,5 @@
 """Per-rank checks of ``BoundaryAllReduce`` on real GPUs, run by
-``tests/test_boundary_multigpu.py`` through :func:`decode_boundary.bench.launch.launch`
+``tests/boundary/test_boundary_multigpu.py`` through :func:`decode_boundary.bench.launch.launch`
 (one process per GPU; importable so ``spawn`` can pickle them).
 
 Every rank draws the same inputs (one seed for all ranks, all partials), so it

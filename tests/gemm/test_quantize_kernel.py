@@ -1,6 +1,6 @@
 """Triton MXFP8 quantization (interpreter on CPU): identical bytes to the
 package's reference and to the independent FP64/integer quantization
-(tests/independent_ref.py, which shares no code with the kernel's
+(tests/helpers/independent_ref.py, which shares no code with the kernel's
 ``common.rounding.quantize_groups`` nor with ``mxfp8.format``), hand-computed
 vectors, caller-given buffers, errors."""
 

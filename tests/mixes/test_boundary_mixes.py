@@ -1,7 +1,7 @@
 """``BoundaryAllReduce(collapse_pre=...)``: the next sublayer's mixes from the
 all-reduce's consumer (docs/DESIGN.md §5.1), two simulated ranks in the
 interpreter: a V4.1 call ("previous") and a V4 call ("same") each one call,
-their outputs against the references (mixes within tests/test_consumer_mixes.py's
+their outputs against the references (mixes within tests/mixes/test_consumer_mixes.py's
 bar, the rest bit for bit), torch.compile with eager bits, reset, and the
 checks of the construction and the call."""
 
@@ -17,7 +17,7 @@ from decode_boundary.mixes.reference import mhc_mixes_ref
 
 H, HC, CAP, TP = 128, 4, 4, 2
 EPS, HC_EPS, ITERS = 1e-6, 1e-6, 20
-BAR = 1e-5  # tests/test_consumer_mixes.py
+BAR = 1e-5  # tests/mixes/test_consumer_mixes.py
 
 
 def inputs(m, seed):

@@ -1,5 +1,5 @@
 """Per-rank checks of the whole boundary chain on real GPUs, run by
-``tests/test_chain_multigpu.py`` through :func:`decode_boundary.bench.launch.launch`
+``tests/model/test_chain_multigpu.py`` through :func:`decode_boundary.bench.launch.launch`
 (importable so ``spawn`` can pickle them).
 
 The fused path (``wo_b`` publishing from its epilogue) and the unfused one

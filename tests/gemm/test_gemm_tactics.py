@@ -1,7 +1,7 @@
 """Tactic tables and row buckets (selection logic, every entry valid and
 reachable, the tables' shapes those of the models), the tactic's independence
 of the input kind (BF16 in == quantize_mxfp8 first, bit for bit); choosing
-the tables is ``decode-boundary tune`` (tests/test_tune.py)."""
+the tables is ``decode-boundary tune`` (tests/bench/test_tune.py)."""
 
 import inspect
 from types import SimpleNamespace

@@ -14,7 +14,7 @@ overwrites (``--out`` for another folder), and prints a table.
 
 ``--sweep``: ours (full + MXFP8) and the plain sum for H = 5120, M in {1, 8, 16,
 32, 64} over the consumer tactics of ``SWEEP_TACTICS`` (< 2 minutes), to re-pin
-``CONSUMER_TACTICS`` in ``decode_boundary/boundary/consumer.py``;
+``CONSUMER_TACTICS`` in ``decode_boundary/boundary/consumer_tactics.py``;
 ``--tactics 512x4 8192x32 1024x4s`` and ``--m`` choose others.
 """
 

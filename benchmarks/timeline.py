@@ -37,7 +37,7 @@ from decode_boundary.bench.harness import (
 )
 from decode_boundary.bench.mixes import fused_mixes_up_to
 from decode_boundary.bench.timing import graph_time_us
-from decode_boundary.boundary import consumer
+from decode_boundary.boundary import consumer_tactics
 from decode_boundary.model.chain import AttentionBoundary
 from decode_boundary.model.config import MODELS
 
@@ -55,7 +55,8 @@ def profile(ab: AttentionBoundary, views: list, rows: int, device: torch.device)
 
 def main() -> None:
     parser = one_gpu_parser(__doc__.splitlines()[0])
-    parser.add_argument("--fused-mixes-up-to", type=int, default=consumer.MIXES_FUSED_MAX_ROWS,
+    parser.add_argument("--fused-mixes-up-to", type=int,
+                        default=consumer_tactics.MIXES_FUSED_MAX_ROWS,
                         help="V4.1's next mixes fused in the consumer up to this many tokens, "
                              "from the mixes kernel beyond (default: the library's)")
     parser.add_argument("--sinkhorn-iters", type=int, default=None,

@@ -28,7 +28,7 @@ modules: ``selected_tactic`` and ``shape_representatives`` in
 ``decode_boundary.mxfp8.format``.
 
 Layers (each imports only those before it in this list; docs/CONTRACTS.md,
-tests/test_api.py): ``mxfp8.format``, ``env`` (formats) -> ``common`` (device
+tests/cli/test_api.py): ``mxfp8.format``, ``env`` (formats) -> ``common`` (device
 helpers) -> ``mxfp8.quantize_kernel``, ``mixes`` (the next sublayer's mHC
 mixes: the hand-off to the next GEMM) -> ``gemm`` (the GEMM), ``boundary``
 (the all-reduce; neither imports the other) -> ``publishing_linear`` (where

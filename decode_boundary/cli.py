@@ -70,7 +70,7 @@ NO_GPU = (
 
 # The decode step's capacity: the most tokens per step the boundary is built and
 # tuned for (the fused chain's four launches, the mailbox slots a bench allocates).
-# publishing_linear.PUBLISH_EPILOGUE_MAX_ROWS (tests/test_cli.py holds them equal;
+# boundary.consumer_tactics.PUBLISH_EPILOGUE_MAX_ROWS (tests/cli/test_cli.py holds them equal;
 # importing it here would import Triton before TRITON_INTERPRET is decided).
 MAX_ROWS = 64
 MAX_HC = 16  # hc streams: a power of two (the mixes' Sinkhorn layout), a few at most

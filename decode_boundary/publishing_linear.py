@@ -35,12 +35,14 @@ place where the two meet.
 
 from __future__ import annotations
 
+import weakref
 from types import SimpleNamespace
 
 import torch
 
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
-from decode_boundary.boundary.ops import instance, sync_words
+from decode_boundary.boundary.consumer_tactics import PUBLISH_EPILOGUE_MAX_ROWS
+from decode_boundary.boundary.ops import sync_words
 from decode_boundary.common.contract import PublishTarget
 from decode_boundary.gemm import (
     launch_low_latency,
@@ -52,9 +54,9 @@ from decode_boundary.gemm.tactics import PROLOGUE_MAX_ROWS
 from decode_boundary.mxfp8.format import QuantizedActivation, check_quantized
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
-# Above this many rows the plain GEMM and the publish kernel would run instead: in the
-# chain the epilogue wins at every M up to the 64-row capacity (docs/EXPERIMENTS.md).
-PUBLISH_EPILOGUE_MAX_ROWS = 64
+# The all-reduces publishers serve, by handle: what the custom op's handle names.
+_ALL_REDUCES: weakref.WeakValueDictionary[int, BoundaryAllReduce] = \
+    weakref.WeakValueDictionary()
 
 
 class PublishingMxfp8Linear:
@@ -65,6 +67,7 @@ class PublishingMxfp8Linear:
 
     def __init__(self, all_reduce: BoundaryAllReduce) -> None:
         self.all_reduce = all_reduce
+        _ALL_REDUCES[all_reduce.handle] = all_reduce
 
     def supports(self, linear: torch.nn.Module, num_tokens: int) -> bool:
         """Whether ``linear`` on ``num_tokens`` rows runs the publishing GEMM."""
@@ -182,7 +185,10 @@ def publishing_mm_op(handle: int, x: torch.Tensor, x_scale: torch.Tensor | None,
     layer = SimpleNamespace(weight=weight, weight_scale=weight_scale, bias=None, groups=1)
     a = x if x_scale is None else QuantizedActivation(x, x_scale, torch.bfloat16, x.shape)
     out = torch.empty(x.shape[0], weight.shape[1], dtype=torch.bfloat16, device=weight.device)
-    PublishingMxfp8Linear(instance(handle))._launch(layer, a, out)
+    all_reduce = _ALL_REDUCES.get(handle)
+    if all_reduce is None or all_reduce.closed:
+        raise RuntimeError(f"BoundaryAllReduce {handle} is closed or gone")
+    PublishingMxfp8Linear(all_reduce)._launch(layer, a, out)
     sync_words(handle, stage_state=stage_state)
     return out
 

@@ -19,14 +19,14 @@ cd "$(dirname "$0")/.."
 
 # part | test files | -k expression (empty: all of the files' GPU tests) | what it covers
 PARTS=(
-  "gemm|tests/test_gemm_gpu.py tests/test_split_k_streams_gpu.py tests/test_quantize_kernel.py|not every_pickable and not publish and not mxfp8_out and not prologue|the MXFP8 GEMM's numerics, shapes, PDL and capture, its split-K streams and the quantizer"
-  "gemm-epilogues|tests/test_gemm_gpu.py|publish or mxfp8_out or prologue|the GEMM's BF16 prologue, its MXFP8-out and publishing epilogues"
-  "exhaustive|tests/test_gemm_gpu.py|every_pickable|every tactic the GEMM can pick, against its bar"
-  "boundary|tests/test_boundary_multigpu.py tests/test_boundary_dead_peer_multigpu.py tests/test_consumer_numerics.py||the all-reduce and its consumer (multi-GPU parts skip on one GPU)"
-  "mixes|tests/test_boundary_mixes.py tests/test_consumer_mixes.py||the next sublayer's mixes in the consumer and the next GEMM"
-  "chain|tests/test_chain.py tests/test_chain_multigpu.py tests/test_cli.py tests/test_bench_user_mixes.py||the model chain, the CLI end to end and the bench's user mixes kernel"
-  "compile|tests/test_compile_gpu.py||torch.compile and CUDA graphs of the step"
-  "tune|tests/test_tune.py||the tune command inside the chain"
+  "gemm|tests/gemm/test_gemm_gpu.py tests/gemm/test_split_k_streams_gpu.py tests/gemm/test_quantize_kernel.py|not every_pickable and not publish and not mxfp8_out and not prologue|the MXFP8 GEMM's numerics, shapes, PDL and capture, its split-K streams and the quantizer"
+  "gemm-epilogues|tests/gemm/test_gemm_gpu.py|publish or mxfp8_out or prologue|the GEMM's BF16 prologue, its MXFP8-out and publishing epilogues"
+  "exhaustive|tests/gemm/test_gemm_gpu.py|every_pickable|every tactic the GEMM can pick, against its bar"
+  "boundary|tests/boundary/test_boundary_multigpu.py tests/boundary/test_boundary_dead_peer_multigpu.py tests/boundary/test_consumer_numerics.py||the all-reduce and its consumer (multi-GPU parts skip on one GPU)"
+  "mixes|tests/mixes/test_boundary_mixes.py tests/mixes/test_consumer_mixes.py||the next sublayer's mixes in the consumer and the next GEMM"
+  "chain|tests/model/test_chain.py tests/model/test_chain_multigpu.py tests/cli/test_cli.py tests/bench/test_bench_user_mixes.py||the model chain, the CLI end to end and the bench's user mixes kernel"
+  "compile|tests/model/test_compile_gpu.py||torch.compile and CUDA graphs of the step"
+  "tune|tests/bench/test_tune.py||the tune command inside the chain"
 )
 OPT_IN=exhaustive  # the one part `all` leaves out: name it to run it
 usage() {

@@ -9,8 +9,14 @@
 """
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+# tests/ has a folder per role; what they share (inputs, checks, references, the GPU
+# checks ranks run) is tests/helpers/, imported by module name.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 GPU_SUITE = os.environ.get("DECODE_BOUNDARY_GPU_TESTS", "0") not in ("", "0")
 if not GPU_SUITE:
@@ -39,7 +45,7 @@ def pytest_collection_modifyitems(config, items):
 def cooperative_in_the_interpreter(monkeypatch):
     """Let consume launch cooperative full-mode tactics in the interpreter (it
     refuses them there: the programs would run one by one) and run every launch's
-    programs concurrently (tests/concurrent_programs.py), so the programs of a
+    programs concurrently (tests/helpers/concurrent_programs.py), so the programs of a
     token do meet."""
     from concurrent_programs import concurrent_programs
 

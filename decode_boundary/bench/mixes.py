@@ -15,7 +15,7 @@ today's consumer without them: the issue's yardstick), ``separate`` (the
 user's tail alone) and ``consumer_then_separate`` (what a user runs in all);
 V4.1 also ``mixes_kernel``: publish + consumer + our own mixes kernel after it
 (``mixes.mixes_kernel``, what the chain runs beyond
-``consumer.MIXES_FUSED_MAX_ROWS``), whatever M. The chain leaves the combine to
+``consumer_tactics.MIXES_FUSED_MAX_ROWS``), whatever M. The chain leaves the combine to
 the next GEMM (``combine_mixes=False``), so the pair it runs is timed too:
 ``fused_with_gemm`` (publish + consumer with the mixes' shares + fused_wqa_wkv
 combining them, the chain's way) against ``consumer_with_gemm`` (publish +
@@ -30,7 +30,7 @@ import functools
 import torch
 
 from decode_boundary.bench.timing import graph_time_us
-from decode_boundary.boundary import consumer
+from decode_boundary.boundary import consumer_tactics
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
 from decode_boundary.gemm import mxfp8_mm
 from decode_boundary.mixes.reference import mhc_mixes_ref
@@ -52,13 +52,13 @@ def _v4_tail(residual_out, norm_weight, eps: float, hc_fn, hc_scale, hc_base, hc
 @contextlib.contextmanager
 def fused_mixes_up_to(rows: int):
     """Inside, the consumer fuses V4.1's mixes up to ``rows`` tokens and the
-    mixes kernel computes them beyond (``consumer.MIXES_FUSED_MAX_ROWS``): 0,
+    mixes kernel computes them beyond (``consumer_tactics.MIXES_FUSED_MAX_ROWS``): 0,
     the mixes kernel at any M; ``1 << 30``, fused at any M."""
-    saved, consumer.MIXES_FUSED_MAX_ROWS = consumer.MIXES_FUSED_MAX_ROWS, rows
+    saved, consumer_tactics.MIXES_FUSED_MAX_ROWS = consumer_tactics.MIXES_FUSED_MAX_ROWS, rows
     try:
         yield
     finally:
-        consumer.MIXES_FUSED_MAX_ROWS = saved
+        consumer_tactics.MIXES_FUSED_MAX_ROWS = saved
 
 
 def _with_mixes_kernel(reduce, *args):
@@ -124,7 +124,7 @@ class MixesTimer:
     def _fused_with_gemm(v: AttentionBoundary, inputs, partial):
         """The chain's consumer and fused_wqa_wkv, the combine left to the
         GEMM: (residual_out, layer_input, q, mixes)."""
-        res = v.reduce(inputs, partial, mixes="next_gemm")
+        res = v.reduce(inputs, partial, mixes_placement="next_gemm")
         return res.residual_out, res.layer_input, \
             mxfp8_mm(v.fused_wqa_wkv, res.mxfp8, finish_mixes=res.mixes), tuple(res.mixes)
 

@@ -38,7 +38,6 @@ import functools
 import inspect
 import re
 import statistics
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,19 +45,24 @@ from types import SimpleNamespace
 
 import torch
 
-from decode_boundary import env
 from decode_boundary.bench.timing import graph_time_us, rotated_copies
-from decode_boundary.boundary.consumer import MIXES_ASIDE_MIN_ROWS, fuses_mixes
-from decode_boundary.boundary.consumer_tactics import ConsumerTactic
+from decode_boundary.boundary import consumer_tactics
+from decode_boundary.boundary.consumer_tactics import (
+    ConsumerTactic,
+    auto_placement,
+    consumer_table,
+    fused_collapse,
+    runs_as,
+    table_entry,
+)
 from decode_boundary.gemm import mxfp8_mm, tactics
 from decode_boundary.gemm.reference import check_mxfp8_mm
 from decode_boundary.gemm.tactics import Tactic, default_tactic, is_valid, k_pieces, row_bucket
-from decode_boundary.model.checks import check_mixes, check_outputs, outputs_identical
-from decode_boundary.model.config import MODELS
+from decode_boundary.model.config import MODELS, BoundaryConfig
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
 from .gemm import random_layer
-from .harness import one_gpu_boundary
+from .harness import one_gpu_boundary, verify_rows
 from .paths import build
 from .report import environment, new_result, write_json
 
@@ -76,22 +80,6 @@ DOT_FOOTPRINTS = ((4, 64), (4, 128), (4, 256), (8, 64), (8, 128), (8, 256))
 # columns (contract.MIX_MIN_BLOCK), and holds hc_fn early only at <= one column per thread.
 CONSUMER_SHAPES = ((64, 2), (64, 4), (128, 4), (128, 8), (256, 4), (256, 8), (512, 4))
 
-
-def consumer_tables():
-    """The module that defines the consumer tables (and ``ConsumerTactic``)."""
-    return sys.modules[ConsumerTactic.__module__]
-
-
-def _row_width(hidden: int) -> int:
-    """The widest program a row of ``hidden`` columns takes (``consumer_tactic``'s clamp)."""
-    return 1 << (hidden - 1).bit_length()
-
-
-def as_run(t: ConsumerTactic, hidden: int) -> ConsumerTactic:
-    """What the consumer runs for table entry ``t`` (``consumer_tactic``): no
-    wider than the row, serial in the interpreter (its programs run one by one)."""
-    t = t._replace(block_h=min(t.block_h, _row_width(hidden)))
-    return t._replace(cooperative=False) if env.interpret_mode() else t
 
 
 def tune_rows(rows: Sequence[int]) -> list[int]:
@@ -125,7 +113,7 @@ def consumer_candidates(table: ConsumerTactic, mixes_fused: bool,
     if mixes_fused:
         out.append(table._replace(release_late=not table.release_late))
     for cols, warps in CONSUMER_SHAPES:
-        if cols > _row_width(hidden):
+        if runs_as(ConsumerTactic(cols, warps), hidden).block_h < cols:  # wider than the row
             continue
         out.append(ConsumerTactic(cols, warps))
         if mixes_fused and cols <= 32 * warps:
@@ -133,18 +121,13 @@ def consumer_candidates(table: ConsumerTactic, mixes_fused: bool,
     return list(dict.fromkeys(out))
 
 
-def consumer_table_name(m: int, hc: int, collapse: str, aside: bool) -> str:
-    """Which consumer table serves a chain step of M tokens (``consumer_tactic``'s
-    choice): V4's collapse always fuses the mixes; V4.1's fuses them up to
-    MIXES_FUSED_MAX_ROWS unless they run aside."""
-    if collapse == "same":
-        return "SAME_PRE_MIXES_TACTICS"
-    return "MIXES_TACTICS" if not aside and fuses_mixes(m, hc, collapse) else "CONSUMER_TACTICS"
-
-
-def table_entry(table: Sequence[tuple[int, ConsumerTactic]], m: int) -> ConsumerTactic:
-    """The entry of a (largest M, tactic) table that serves M tokens."""
-    return next(t for limit, t in table if m <= limit)
+def consumer_table_name(m: int, hc: int, collapse, aside: bool) -> str:
+    """The name of the consumer table that serves a chain step of M tokens
+    (``aside``: its mixes on the side stream), by the consumer's own rule
+    (``consumer_tactics.fused_collapse``)."""
+    placement = "side_stream" if aside else "consumer"
+    table = consumer_table(fused_collapse(m, hc, collapse, placement))
+    return next(name for name in CONSUMER_TABLES if getattr(consumer_tactics, name) is table)
 
 
 def descend(candidates: dict[str, list], time_with: Callable[[dict], float],
@@ -291,7 +274,7 @@ def table_lines(runs: list[dict], label: str = "") -> list[str]:
     """The source lines of every table the runs tuned, merged into the current
     tables (``label``: after the layer name on a new shape's line)."""
     comments = {**table_comments(inspect.getsource(tactics)),
-                **table_comments(inspect.getsource(consumer_tables()))}
+                **table_comments(inspect.getsource(consumer_tactics))}
     gemm: dict[tuple, dict[int, Tactic]] = {}
     names: dict[tuple, str] = {}
     tuned_consumer: dict[str, dict[int, ConsumerTactic]] = {}
@@ -305,19 +288,19 @@ def table_lines(runs: list[dict], label: str = "") -> list[str]:
                 run["winner"]["consumer"]
     lines = gemm_table_lines(gemm, tactics.TABLE, comments, names)
     for name, tuned in tuned_consumer.items():
-        current = getattr(consumer_tables(), name)
+        current = getattr(consumer_tactics, name)
         lines += consumer_table_lines(name, merged_consumer_table(current, tuned), current,
                                       comments)
     return lines
 
 
-def gemm_slots(ab) -> dict[str, tuple[int, int, int]]:
-    """The chain's GEMM shapes by layer name (``+``-joined where layers share one)."""
+def gemm_slots(config: BoundaryConfig, tp: int) -> dict[str, tuple[int, int, int]]:
+    """The chain's GEMM shapes by layer name (``+``-joined where layers share
+    one), from ``config.projection_shapes``."""
     by_shape: dict[tuple, list[str]] = {}
+    shapes = config.projection_shapes(tp)
     for name in LAYERS:
-        layer = getattr(ab, name)
-        k, n = layer.weight.shape
-        by_shape.setdefault((n, k, getattr(layer, "groups", 1)), []).append(name)
+        by_shape.setdefault(shapes[name], []).append(name)
     return {"+".join(names): shape for shape, names in by_shape.items()}
 
 
@@ -331,7 +314,7 @@ def pinned(ab, shapes: dict[str, tuple], rows: int, choice: dict) -> Iterator[No
     for slot, shape in shapes.items():
         tactics.TABLE[shape] = {**(saved[shape] or {}), row_bucket(rows): choice[slot]}
     if "consumer" in choice:
-        ab.all_reduce.tactic = as_run(choice["consumer"], ab.config.hidden)
+        ab.all_reduce.tactic = runs_as(choice["consumer"], ab.config.hidden)
     try:
         yield
     finally:
@@ -349,12 +332,13 @@ def tune_one(ab, views: list, rows: int, rounds: int, log: Callable[[str], None]
     c = ab.config
     inputs = ab.make_inputs(rows, seed=rows)
     steps = [functools.partial(build("fused", v), inputs) for v in views]
-    shapes = gemm_slots(ab)
+    shapes = gemm_slots(c, ab.tp)
     candidates = {slot: gemm_candidates(*shape, rows) for slot, shape in shapes.items()}
-    aside = rows >= MIXES_ASIDE_MIN_ROWS and ab.mixes_aside_possible  # the fused path's "auto"
+    # The fused path's "auto" placement.
+    aside = auto_placement(rows, ab.mixes_aside_possible) == "side_stream"
     name = consumer_table_name(rows, c.hc_mult, c.collapse_pre, aside)
     candidates["consumer"] = consumer_candidates(
-        table_entry(getattr(consumer_tables(), name), rows), name != "CONSUMER_TACTICS", c.hidden)
+        table_entry(getattr(consumer_tactics, name), rows), name != "CONSUMER_TACTICS", c.hidden)
 
     def time_with(choice: dict) -> float:
         with pinned(ab, shapes, rows, choice):
@@ -368,10 +352,7 @@ def tune_one(ab, views: list, rows: int, rounds: int, log: Callable[[str], None]
 
     winner, trials, samples = choose(candidates, logged, time_with, rounds)
     with pinned(ab, shapes, rows, winner):
-        fused, unfused = build("fused", ab)(inputs), build("unfused", ab)(inputs)
-        ab.join_mixes()
-        failures = [] if outputs_identical(fused, unfused) else ["fused != unfused"]
-        failures += check_outputs(fused, ab.reference(inputs)) + check_mixes(fused, ab)
+        failures = verify_rows(ab, rows, None, baselines={})["failures"]
     if samples:
         log(f"M={rows} alternating rounds: " + ", ".join(
             f"{k} {' '.join(f'{u:.2f}' for u in v)} µs" for k, v in samples.items()))
@@ -416,7 +397,7 @@ def tune(model: str, tp_shapes: int, rows: Sequence[int], rounds: int = ROUNDS,
     counts = tune_rows(rows)
     ab, views = one_gpu_boundary(SimpleNamespace(model=model, tp_shapes=tp_shapes,
                                                  rows=counts), seed=5)
-    chain = set(gemm_slots(ab).values())
+    chain = set(gemm_slots(ab.config, ab.tp).values())
     alone = {name: shape for name, shape in MODELS[model].projection_shapes(tp_shapes).items()
              if shape not in chain}
     try:

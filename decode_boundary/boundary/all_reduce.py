@@ -25,54 +25,54 @@ raises ``ValueError``. A rank whose step failed refuses further steps until
 ``host_timeout_s`` (:mod:`.host_wait`).
 
 torch.compile: under tracing the launches go through the custom ops of
-:mod:`.ops`; the host rules stay Python here and are traced with the step.
-The collaborators, each owned by the instance and reading its public
-attributes: :mod:`.launches` (the kernels, eager paths, variants),
-:mod:`.step_guard` (step state, aborts, barriers, compiled variants),
-:mod:`.mixes_in_flight` (mixes left unfinished), :mod:`.rejection` (checks).
+:mod:`.ops`; the host rules stay Python and are traced with the step.
+
+The instance is its :class:`~.spec.BoundarySpec` (validated once, frozen),
+its :class:`~.spec.Settings` and three collaborators that take those, never
+the instance: :class:`~.step_guard.StepGuard` (the mailbox, step state,
+aborts, barriers, compiled variants), :class:`~.mixes_in_flight.MixesInFlight`
+(mixes left unfinished) and :class:`~.launches.Launches` (each call planned
+once by :mod:`.plan`, then prepare, publish, consume).
 
 Compiling: the first use of a kernel variant is collective (:mod:`.step_guard`).
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
 from .. import env
 from ..common.contract import PublishTarget, mix_columns
-from ..mixes.handoff import MixRows, NextMixes
-from . import host_wait, ops
-from .consumer import mixes_aside_ok, status_error
-from .consumer_inputs import WaitTimeout, is_hc_eps
-from .consumer_kernel import FULL, NORM_TIMEOUT_BIT, PLAIN, RESIDUAL_ONLY
+from ..mixes.handoff import MixesPlacement, MixRows, NextMixes
+from . import host_wait
+from .consumer_inputs import is_hc_eps
+from .consumer_kernel import FULL, PLAIN, RESIDUAL_ONLY, Collapse
 from .consumer_tactics import ConsumerTactic
 from .finalize_kernel import check_finalize_inputs
 from .launches import Launches
 from .mailbox import Mailbox, simulated_mailboxes
 from .mixes_in_flight import MixesInFlight
-from .rejection import (
-    check_partial,
-    construction_problems,
-)
+from .plan import StepInputs, check_partial
 from .result import BoundaryResult as BoundaryResult  # the call's result type
+from .spec import MAX_TP as MAX_TP  # re-exported: the most ranks
+from .spec import BoundarySpec, Settings, check_tp, spec_problems
 from .step_guard import StepGuard
 from .transport import exchange, open_transport
 
-# The int32 status word gives rank p bit p and NORM_TIMEOUT_BIT (bit 30) to the
-# norm hand-off: ranks 0..29 have a bit of their own, so 30 ranks at most.
-MAX_TP = NORM_TIMEOUT_BIT.bit_length() - 1
-_TP_ERROR = ("BoundaryAllReduce supports at most {max} ranks, got tp = {tp}: the int32 status "
-             "word gives rank p bit p, and bit {max} reports a norm hand-off timeout")
 # What every rank of a group must construct with the same value (compared at
 # construction; the mailbox dtype is fixed, compared against version skew).
 MAILBOX_DTYPE = torch.bfloat16
 # Mailboxes of peer-reachable transports closed without a barrier: a peer may
 # still store into them, so their memory is kept until the process exits.
 _RETIRED: list[Mailbox] = []
-# Host waits (docs/FAILURES.md): the floor of the default host_timeout_s (compile
-# barriers wait step_guard.COMPILE_TIMEOUT_S: ranks JIT-compile at different speeds).
-HOST_TIMEOUT_MIN_S = 60.0
+
+
+def _from_spec(field: str, doc: str) -> property:
+    """A read-only attribute of the instance's spec (a plain function: traceable)."""
+    return property(lambda self: getattr(self.spec, field), doc=doc)
 
 
 class BoundaryAllReduce:
@@ -88,24 +88,47 @@ class BoundaryAllReduce:
     ``collapse_pre``: the consumer also computes the next sublayer's mHC mixes
     from the ``residual_out`` it produces (docs/DESIGN.md §5.1), given that
     sublayer's ``mix_weights`` on every full call, which then returns them as
-    the result's ``mixes``: None (no mixes), "previous" (V4.1: the collapse keeps the
-    given ``pre``; the mixes are the next boundary's) or "same" (V4: the
-    collapse uses the pre just computed; calls pass ``pre=None``).
-    ``hc_eps`` and ``hc_sinkhorn_iters`` are the model's; the mixes' RMS eps is
-    the call's ``norm_eps`` (one ``rms_norm_eps`` in the V4 family's configs).
+    the result's ``mixes``: None (no mixes), :class:`~.consumer_kernel.Collapse`
+    ``V4_1`` = "previous" (the collapse keeps the given ``pre``; the mixes are
+    the next boundary's) or ``V4`` = "same" (the collapse uses the pre just
+    computed; calls pass ``pre=None``). ``hc_eps`` and ``hc_sinkhorn_iters``
+    are the model's; the mixes' RMS eps is the call's ``norm_eps`` (one
+    ``rms_norm_eps`` in the V4 family's configs).
     """
 
     #: Seconds every blocking host call of this instance waits for its peers at
     #: most (reset's barriers and device syncs, the gather transport's all-gather
     #: over gloo, an aborted step's all-gather) before it raises RuntimeError
     #: naming the ranks that did not arrive (docs/FAILURES.md). None:
-    #: max(HOST_TIMEOUT_MIN_S, 10 * wait_timeout_s). Settable per instance.
+    #: max(HOST_TIMEOUT_MIN_S, 10 * wait_timeout_s). Settable per instance, or
+    #: on the class before constructing.
     host_timeout_s: float | None = None
     #: Seconds a peer's liveness mark may stay unchanged before a host wait names
     #: it dead at once rather than waiting out its bound (docs/FAILURES.md §4).
     #: None: $DECODE_BOUNDARY_LIVENESS_TIMEOUT_S, else 5 s. Settable per instance.
     liveness_timeout_s: float | None = None
+    #: The consumer tactic pinned for every M (None: the tables). Settable.
+    tactic: ConsumerTactic | None = None
     _heartbeat = None  # this instance's hold on its process's liveness mark (.liveness)
+
+    tp = _from_spec("tp", "Ranks of the group.")
+    rank = _from_spec("rank", "This rank in the group.")
+    device = _from_spec("device", "The device of the partials, mailbox and outputs.")
+    group = _from_spec("group", "The process group (None: one rank, or simulated ones).")
+    hidden_size = _from_spec("hidden", "Columns of a partial.")
+    hc_mult = _from_spec("hc", "Residual streams.")
+    capacity = _from_spec("capacity", "The largest M of any call.")
+    top_k = _from_spec("top_k", "Experts per token (the MoE finalize).")
+    transport = _from_spec("transport", '"mailbox" or "nccl", as resolved.')
+    residual_only = _from_spec("residual_only", "Whether pre=None calls are allowed.")
+    quantize_layer_input = _from_spec("quantize_layer_input", "Whether mxfp8_out is allowed.")
+    wait_timeout_s = _from_spec("wait_timeout_s", "The consumer's wait bound.")
+    collapse_pre = _from_spec("collapse", "The next mixes' Collapse (None: none).")
+    hc_eps = _from_spec("hc_eps", "The mixes' Sinkhorn eps.")
+    hc_sinkhorn_iters = _from_spec("hc_sinkhorn_iters", "The mixes' Sinkhorn rounds.")
+    side_stream_possible = _from_spec(
+        "side_stream_possible", 'Whether full calls may take mixes_placement="side_stream".')
+    capturing = _from_spec("capturing", "A CUDA graph is being captured on this device.")
 
     def __init__(self, hidden_size: int, hc_mult: int, capacity: int, top_k: int,
                  group: dist.ProcessGroup | None = None, quantize_layer_input: bool = False,
@@ -133,18 +156,19 @@ class BoundaryAllReduce:
         env.disable_multicast(group)  # before anything may touch the group
         tp = _mailbox.tp if _mailbox is not None else \
             dist.get_world_size(group) if group is not None else 1
-        if tp > MAX_TP:
-            raise ValueError(_TP_ERROR.format(max=MAX_TP, tp=tp))
-        problems = construction_problems(transport, hc_mult, top_k, wait_timeout_s, hc_eps,
-                                         collapse_pre, hc_sinkhorn_iters)
+        check_tp(tp)
+        problems = spec_problems(transport, hc_mult, top_k, wait_timeout_s, hc_eps,
+                                 collapse_pre, hc_sinkhorn_iters)
         if not is_hc_eps(hc_eps):
             hc_eps = 0.0  # (the geometry carries the refusal)
-        self.device = env.resolve_device(device)
+        device = env.resolve_device(device)
+        self.settings = Settings(wait_timeout_s, None, type(self).host_timeout_s,
+                                 type(self).liveness_timeout_s)
+        self.tactic = tactic
         placements = None
         if _mailbox is None and group is not None and tp > 1:
             # Bounded: a peer that never constructs is named here, not after the
             # group's own timeout in the exchange (which then finds every rank there).
-            self.wait_timeout_s = wait_timeout_s  # the bound's default derives from it
             self._heartbeat = host_wait.start_heartbeat(group, self)
             geometry = dict(capacity=capacity, hidden_size=hidden_size, hc_mult=hc_mult, tp=tp,
                             top_k=top_k, quantize_layer_input=bool(quantize_layer_input),
@@ -152,10 +176,10 @@ class BoundaryAllReduce:
                             transport=transport, collapse_pre=collapse_pre,
                             hc_eps=float(hc_eps), hc_sinkhorn_iters=hc_sinkhorn_iters)
             try:
-                host_wait.barrier(group, self.host_timeout, "construct",
+                host_wait.barrier(group, self.settings.host_timeout, "construct",
                                   "the construction of BoundaryAllReduce",
-                                  liveness_s=self.liveness_timeout_s)
-                placements = exchange(group, self.device, geometry, "; ".join(problems) or None)
+                                  liveness_s=self.settings.liveness_timeout_s)
+                placements = exchange(group, device, geometry, "; ".join(problems) or None)
             except BaseException:
                 # A refused construction holds no liveness mark: the traceback would keep
                 # this half-built instance (and its hold) alive.
@@ -164,42 +188,37 @@ class BoundaryAllReduce:
                 raise
         elif problems:
             raise ValueError(problems[0])
-        self.hidden_size, self.hc_mult, self.capacity, self.top_k = (
-            hidden_size, hc_mult, capacity, top_k)
-        self.quantize_layer_input = quantize_layer_input
-        self.residual_only = residual_only
-        self.wait_timeout_s = wait_timeout_s
-        self.group = group
         if _mailbox is None:
-            _mailbox, transport = open_transport(group, capacity, hidden_size, self.device,
+            _mailbox, transport = open_transport(group, capacity, hidden_size, device,
                                                  transport, placements)
         elif transport == "auto":
             transport = "mailbox"
-        self.transport = transport
-        self.collapse_pre, self.hc_eps, self.hc_sinkhorn_iters = (
-            collapse_pre, hc_eps, hc_sinkhorn_iters)
-        if collapse_pre is not None and _mailbox.mix_rows is None:
+        collapse = None if collapse_pre is None else Collapse(collapse_pre)
+        if collapse is not None and _mailbox.mix_rows is None:
             _mailbox.mix_rows = MixRows(torch.zeros(
-                capacity, mix_columns(hidden_size, hc_mult), dtype=torch.int64,
-                device=self.device))
-        self._box: Mailbox | None = _mailbox
-        self.tp, self.rank = _mailbox.tp, _mailbox.rank
-        self._guard = StepGuard(self)  # published, failed, compiled variants, barriers
+                capacity, mix_columns(hidden_size, hc_mult), dtype=torch.int64, device=device))
+        self.spec = BoundarySpec(
+            _mailbox.tp, _mailbox.rank, hidden_size, hc_mult, capacity, top_k, device, group,
+            transport, bool(residual_only), bool(quantize_layer_input), wait_timeout_s,
+            collapse, hc_eps, hc_sinkhorn_iters)
+        # published, failed, compiled variants, barriers; the mailbox
+        self._guard = StepGuard(self.spec, _mailbox, self.settings)
         # The mixes the last call left unfinished: on the side stream, or to the next GEMM.
-        self._in_flight = MixesInFlight(self.device)
-        self.handle = ops.register(self)  # what the custom ops name this instance by
-        self.tactic = tactic
+        self._in_flight = MixesInFlight(device)
         # The kernel launches and eager step paths (what the custom ops run).
-        self.launches = Launches(self, self._guard, self._in_flight,
-                                 WaitTimeout(wait_timeout_s))
+        self.launches = Launches(self.spec, self._guard, self._in_flight, self.settings)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in Settings.NAMES and "settings" in self.__dict__:
+            setattr(self.settings, name, value)  # what the collaborators read
+        super().__setattr__(name, value)
 
     @classmethod
     def simulated(cls, tp: int, hidden_size: int, hc_mult: int, capacity: int, top_k: int,
                   device: torch.device | str = "cpu", **kwargs) -> list[BoundaryAllReduce]:
         """tp instances in this process sharing simulated mailboxes: publish from
         every instance first (:meth:`publish`), then call each one."""
-        if tp > MAX_TP:
-            raise ValueError(_TP_ERROR.format(max=MAX_TP, tp=tp))
+        check_tp(tp)
         boxes = simulated_mailboxes(tp, capacity, hidden_size, device)
         return [cls(hidden_size, hc_mult, capacity, top_k, device=device, _mailbox=box, **kwargs)
                 for box in boxes]
@@ -207,7 +226,7 @@ class BoundaryAllReduce:
     # -- publishing ------------------------------------------------------------------------
 
     def publish_target(self) -> PublishTarget:
-        box = self._open()
+        box = self.mailbox
         if self.transport != "mailbox":
             raise RuntimeError("this all-reduce runs over NCCL (peers unreachable): "
                                "there is no mailbox to publish into")
@@ -217,18 +236,18 @@ class BoundaryAllReduce:
     def mark_published(self, x: torch.Tensor) -> None:
         """Record that ``x``'s kernel published it; the next ``__call__`` must be
         with ``x`` and then launches only the consumer."""
-        self._ready()
+        self._guard.ready()
         self._guard.refuse_unreduced()
         self._guard.published = x
 
     def publish(self, x: torch.Tensor) -> None:
         """Launch the publish kernel for ``x`` and mark it published. A rejected
         ``x`` aborts the step (docs/FAILURES.md) and raises ``ValueError``."""
-        self._ready()
+        self._guard.ready()
         self._guard.refuse_unreduced()
         if torch.compiler.is_compiling():
-            check_partial(self, x)  # at trace time: nothing runs
-            torch.ops.decode_boundary.boundary_publish(self.handle, x, self._box.stage_state)
+            check_partial(self.spec, x)  # at trace time: nothing runs
+            torch.ops.decode_boundary.boundary_publish(self.handle, x, self.mailbox.stage_state)
         else:
             self.launches.publish_eager(x)
         self._guard.published = x
@@ -237,7 +256,7 @@ class BoundaryAllReduce:
                          shared_output) -> torch.Tensor:
         """MoE finalize fused with the publish; returns (and marks published) the
         partial. A rejected input aborts the step and raises ``ValueError``."""
-        box = self._ready()
+        box = self._guard.ready()
         self._guard.refuse_unreduced()
         idx = expanded_idx_to_permuted_idx
         if torch.compiler.is_compiling():
@@ -257,6 +276,7 @@ class BoundaryAllReduce:
                  comb: torch.Tensor, pre: torch.Tensor | None, norm_weight: torch.Tensor | None,
                  norm_eps: float, mxfp8_out: tuple[torch.Tensor, torch.Tensor] | None = None,
                  mix_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 mixes_placement: MixesPlacement | str | None = None,
                  mixes: str | None = None) -> BoundaryResult:
         """Reduce ``x`` over the group and apply docs/DESIGN.md §5; a
         :class:`BoundaryResult` (``residual_out``, ``layer_input``: None when
@@ -272,7 +292,9 @@ class BoundaryAllReduce:
         full call: the layer input collapses with the pre computed here
         (residual-only calls do not exist there).
 
-        ``mixes``, how the next mixes are computed and when they are complete
+        ``mixes_placement`` (:class:`~decode_boundary.mixes.handoff.MixesPlacement`;
+        ``mixes=``, its old spelling, still works with a ``DeprecationWarning``),
+        where the next mixes are computed and when they are complete
         (None: "consumer"): "consumer", "next_gemm" (their combine left to the
         GEMM launched right after this call on this stream, ``mxfp8_mm(layer,
         x, finish_mixes=result.mixes)``; this instance refuses its next call,
@@ -288,29 +310,28 @@ class BoundaryAllReduce:
         written to a peer or to the stage words; a rejected one aborts the step
         on every rank (this one raises ``ValueError``, its peers
         ``RuntimeError`` naming it; docs/FAILURES.md)."""
-        full = pre is not None or self.collapse_pre == "same"
-        inputs = dict(residual=residual, post=post, comb=comb, pre=pre,
-                      norm_weight=norm_weight, eps=norm_eps, mxfp8_out=mxfp8_out,
-                      mix_weights=mix_weights, mixes=mixes)
-        return self.launches.reduce(x, FULL if full else RESIDUAL_ONLY, **inputs)
-
-    @property
-    def side_stream_possible(self) -> bool:
-        """Whether full calls of this instance may take ``mixes="side_stream"``."""
-        return mixes_aside_ok(self.hc_mult, self.collapse_pre)
+        if mixes is not None:
+            warnings.warn("BoundaryAllReduce(..., mixes=) is deprecated: pass mixes_placement=",
+                          DeprecationWarning, stacklevel=2)
+            if mixes_placement is not None:
+                raise TypeError("pass mixes_placement= alone (mixes= is its old spelling)")
+            mixes_placement = mixes
+        full = pre is not None or self.spec.collapse == Collapse.V4
+        inputs = StepInputs(residual, post, comb, pre, norm_weight, norm_eps, mxfp8_out,
+                            mix_weights)
+        return self.launches.reduce(x, FULL if full else RESIDUAL_ONLY, inputs, mixes_placement)
 
     def join_mixes(self) -> None:
         """Make the current stream wait for the mixes the last call left on the
-        side stream (``mixes="side_stream"``); nothing when none are pending.
+        side stream (``mixes_placement="side_stream"``); nothing when none are pending.
         Call it before reading those pre / post / comb, and before a CUDA-graph
         capture that left them ends; the next call of this instance joins by
         itself. Eager mixes joined under a capture raise ``RuntimeError`` (a
         capture cannot wait for work outside it: join before it begins)."""
-        if self._in_flight.pending is not None:  # (the capture query only then: every call)
-            self._in_flight.join(self.capturing)
+        self.launches.join_mixes()
 
     def deferred_finish(self, rows: int, eps: float = 0.0) -> NextMixes | None:
-        """The hand-off a full call of ``rows`` tokens with ``mixes="next_gemm"``
+        """The hand-off a full call of ``rows`` tokens with ``mixes_placement="next_gemm"``
         and norm eps ``eps`` leaves to its GEMM (its outputs freshly allocated),
         made only to compile (a GEMM refuses to launch with it), or None where
         such a call leaves nothing: what compiling the finishing GEMM ahead
@@ -319,7 +340,7 @@ class BoundaryAllReduce:
         if isinstance(rows, bool) or not isinstance(rows, int) or not 0 < rows <= self.capacity:
             raise ValueError(f"rows must be an int in [1, capacity = {self.capacity}], got "
                              f"{rows!r}")
-        self._open()
+        self._guard.mailbox  # noqa: B018  (raises once closed)
         return self.launches.deferred_finish(rows, eps)
 
     def finalize(self, gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx,
@@ -333,17 +354,17 @@ class BoundaryAllReduce:
     def plain_sum(self, x: torch.Tensor) -> torch.Tensor:
         """The same two kernels with mHC, norm and quantization switched off:
         ``bf16(sum_r x_r)`` (the fusion's baseline in the benchmark)."""
-        return self.launches.reduce(x, PLAIN).residual_out
+        return self.launches.reduce(x, PLAIN, StepInputs()).residual_out
 
     # -- errors and lifetime ---------------------------------------------------------------
 
     def precompile(self, rows) -> None:
         """Compile every kernel variant this instance may launch for each M in
         ``rows`` (an int or an iterable), launching nothing, then barrier the
-        group (every ``mixes`` choice of a call with mixes). Collective. Call
+        group (every mixes placement of a call with mixes). Collective. Call
         it before capturing CUDA graphs."""
         rows = [rows] if isinstance(rows, int) else list(rows)
-        self._open()
+        self._guard.mailbox  # noqa: B018  (raises once closed)
         compilers = self.launches.every_variant(rows)
         self.compile_variants(compilers, force_barrier=True)
 
@@ -357,11 +378,7 @@ class BoundaryAllReduce:
         step (until then this rank's calls raise); graph users who check only
         every few replays have had NaN outputs since the failure
         (docs/FAILURES.md)."""
-        error = status_error(int(self._open().status.item()), self.tp, self.wait_timeout_s)
-        if error is not None:
-            if self._guard.failed is None:
-                self._guard.failed = error  # later steps refuse until reset(collective=True)
-            raise RuntimeError(f"BoundaryAllReduce rank {self.rank}: {error}")
+        self._guard.check()
 
     def reset(self, collective: bool = False) -> None:
         """Drop an unreduced publish. ``collective=True`` (every rank must call
@@ -370,7 +387,7 @@ class BoundaryAllReduce:
         (an aborted step's all-gather, the device, two barriers) are bounded by
         ``host_timeout_s`` each: a rank that does not arrive is named in a
         ``RuntimeError`` (a dead peer: recreate the group)."""
-        self._open()
+        self._guard.mailbox  # noqa: B018  (raises once closed)
         self._guard.published = None
         # The barriers below synchronize the device (collective); else only an event
         # recorded in a capture that never joined it (it raised) is dropped.
@@ -399,7 +416,8 @@ class BoundaryAllReduce:
         ends (the last one on the group marks this rank "closed")."""
         if self.capturing:
             raise RuntimeError("BoundaryAllReduce.close() during a CUDA graph capture")
-        box, self._box, self._guard.published = self._box, None, None
+        guard = self._guard
+        box, guard.box, guard.published = guard.box, None, None
         self._in_flight.forget(device_synced=True)  # the device is synchronized below
         try:
             if collective:
@@ -419,21 +437,26 @@ class BoundaryAllReduce:
     def __exit__(self, *exc) -> None:
         self.close()  # local: a peer's with-block may have raised and never close
 
-    # -- what the collaborators use (custom ops, rejection, the publishing GEMM) ----------
+    # -- its state ------------------------------------------------------------------------
 
     @property
     def mailbox(self) -> Mailbox:
         """The mailbox and device words; ``RuntimeError`` once closed."""
-        return self._open()
+        return self._guard.mailbox
+
+    @property
+    def handle(self) -> int:
+        """What the custom ops name this instance by (:mod:`.ops`)."""
+        return self.launches.handle
 
     @property
     def closed(self) -> bool:
-        return self._box is None
+        return self._guard.box is None
 
     @property
     def accepts_steps(self) -> bool:
         """Open, and no step failed since the last ``reset(collective=True)``."""
-        return self._box is not None and self._guard.failed is None
+        return self._guard.box is not None and self._guard.failed is None
 
     @property
     def has_unreduced_publish(self) -> bool:
@@ -445,34 +468,17 @@ class BoundaryAllReduce:
         """The keys of the kernel variants compiled so far (:meth:`compile_variants`)."""
         return frozenset(self._guard.compiled)
 
-    def abort_step(self, error: Exception, like: object, published: bool) -> None:
-        """Abort this step after ``error`` rejected it, before ``error`` is raised
-        (:meth:`.step_guard.StepGuard.abort`); ``published``: this rank's
-        contribution already went out."""
-        self._guard.abort(error, like, published)
-
-    # -- internals -------------------------------------------------------------------------
-
-    def _open(self) -> Mailbox:
-        if self._box is None:
-            raise RuntimeError("BoundaryAllReduce is closed")
-        return self._box
-
-    @property
-    def capturing(self) -> bool:
-        """A CUDA graph is being captured on this instance's device (current stream)."""
-        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
     @property
     def host_timeout(self) -> float:
         """The bound of this instance's blocking host waits (``host_timeout_s``)."""
-        if self.host_timeout_s is not None:
-            return float(self.host_timeout_s)
-        return max(HOST_TIMEOUT_MIN_S, 10 * self.wait_timeout_s)
+        return self.settings.host_timeout
 
-    def _ready(self) -> Mailbox:
-        """The mailbox, unless closed or a step failed since the last reset."""
-        return self.launches.ready()
+    def abort_step(self, error: Exception, like: object, published: bool) -> None:
+        """Abort this step after ``error`` rejected it, before ``error`` is raised
+        (:meth:`.step_guard.StepGuard.abort`); ``published``: this rank's
+        contribution already went out. For a producer that publishes itself
+        (the publishing GEMM)."""
+        self._guard.abort(error, like, published)
 
     def compile_variants(self, compilers: dict, force_barrier: bool = False) -> None:
         """Compile the variants (key -> compile-only call) not compiled yet, then

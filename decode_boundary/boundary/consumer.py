@@ -8,7 +8,7 @@ What it takes and checks: :mod:`.consumer_inputs`; its tactic tables:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import triton
@@ -21,7 +21,6 @@ from ..mixes.handoff import MixesFinish
 from ..mixes.mixes_kernel import launch_next_mixes
 from ..mxfp8.format import check_scale_buffer, mxfp8_scale_bytes
 from .consumer_inputs import (
-    COLLAPSES,
     QUANT_GROUP,
     MhcMixes,
     WaitTimeout,
@@ -32,6 +31,7 @@ from .consumer_inputs import (
 )
 from .consumer_kernel import (
     ABORT_BIT,
+    COLLAPSES,
     FULL,
     NO_MIXES,
     NORM_TIMEOUT_BIT,
@@ -40,10 +40,10 @@ from .consumer_kernel import (
     consumer_kernel,
 )
 from .consumer_tactics import (
-    CONSUMER_TACTICS,
-    MIXES_TACTICS,
-    SAME_PRE_MIXES_TACTICS,
     ConsumerTactic,
+    consumer_tactic,
+    fuses_mixes,
+    side_stream_possible,
 )
 
 # Wait bound without %globaltimer, as spins: the order of one spin on a GPU and in
@@ -52,50 +52,10 @@ SPINS_PER_SECOND = 1_000_000
 INTERPRETER_SPINS_PER_SECOND = 1_000
 
 
-# Beyond this many tokens V4.1's next mixes come from the mixes kernel after the
-# consumer (mixes_kernel.py: hc_fn read once per 16 tokens, not once per token): the
-# crossover measured in the chain (docs/EXPERIMENTS.md).
-MIXES_FUSED_MAX_ROWS = 32
-# From this many tokens on, V4.1's mixes on the all-reduce's side stream
-# (mixes="side_stream", what mixes="auto" picks) take less of the step than inline:
-# below, the side kernel's SM time and the join cost more (docs/EXPERIMENTS.md).
-MIXES_ASIDE_MIN_ROWS = 32
-
-
-def consumer_tactic(m: int, hidden: int, mixes: str | None = None) -> ConsumerTactic:
-    """The table's tactic for M tokens (``mixes``: the collapse of mixes fused in
-    the consumer, ``MIXES_TACTICS`` for "previous", ``SAME_PRE_MIXES_TACTICS``
-    for "same"; None: ``CONSUMER_TACTICS``); serial in the interpreter (which
-    runs programs one after another, so they cannot wait for each other)."""
-    table = {None: CONSUMER_TACTICS, "previous": MIXES_TACTICS,
-             "same": SAME_PRE_MIXES_TACTICS}[mixes]
-    tactic = next(t for limit, t in table if m <= limit)
-    tactic = tactic._replace(block_h=min(tactic.block_h, triton.next_power_of_2(hidden)))
-    if env.interpret_mode():
-        tactic = tactic._replace(cooperative=False)
-    return tactic
-
-
-def fuses_mixes(m: int, hc: int, collapse: str) -> bool:
-    """Whether the consumer computes the next mixes of M tokens itself; else
-    the mixes kernel does, right after it. V4's collapse needs them inside the
-    consumer; the mixes kernel's dot needs >= 16 slots, and it holds hc x 3
-    BF16 parts of 128 x slots (hc = 2-4: 16 or 32 slots; hc = 8's 64 slots
-    did not fit even as one FP32 tile per stream: 520 KB of shared memory)."""
-    return collapse == "same" or m <= MIXES_FUSED_MAX_ROWS or not mixes_kernel_takes(hc)
-
-
-def mixes_kernel_takes(hc: int) -> bool:
-    """Whether the mixes kernel serves hc streams (:func:`fuses_mixes`)."""
-    return 16 <= mix_slots(hc) <= 32
-
-
 def sumsq_columns(hidden: int) -> int:
     """Row length of the per-token sum-of-squares scratch (one tagged word per
     32 columns, the finest chunk a tactic may use)."""
     return triton.cdiv(hidden, QUANT_GROUP)
-
-
 
 
 def wait_bound(timeout_s: float, device: torch.device) -> int:
@@ -162,7 +122,7 @@ def compile_inputs(m: int, hc: int, hidden: int, device: torch.device, residual_
     return variants
 
 
-def consume(
+def prepare_consume(
     mailbox: torch.Tensor,
     tp: int,
     m: int,
@@ -183,18 +143,16 @@ def consume(
     wait_bound: int | WaitTimeout = 0,
     lamport: bool = True,
     tactic: ConsumerTactic | None = None,
-    compile_only: bool = False,
     partial: torch.Tensor | None = None,
-    before_launch: Callable[[], object] | None = None,
     mixes: MhcMixes | None = None,
     mix_words: torch.Tensor | None = None,
     combine_mixes: bool = True,
     mixes_stream: torch.cuda.Stream | None = None,
-) -> tuple:
-    """Launch the consumer for ``m`` tokens. Returns (``reduced`` [M, H] in plain
-    mode / ``residual_out`` [M, hc, H], ``layer_input`` [M, H] or None), and
-    with ``mixes`` a third element: the next sublayer's (pre [M, hc], post
-    [M, hc], comb [M, hc, hc]) FP32, computed from this ``residual_out``.
+) -> ConsumerLaunch:
+    """Check every input of a consumer launch for ``m`` tokens and allocate its
+    outputs; the :class:`ConsumerLaunch` returned launches it (its ``result``:
+    a :class:`ConsumerResult`; with ``mixes`` its ``mixes``, the next
+    sublayer's, computed from this ``residual_out``).
 
     ``mailbox``: BF16 [STAGES, tp, capacity, H] (Lamport) or [tp, M, H] (gathered).
     ``generation`` int32 [rows] and ``sumsq`` int64 [rows, ``sumsq_columns(H)``]
@@ -206,15 +164,14 @@ def consume(
     (``%globaltimer``), spins without; > 0 whenever something may wait; a
     :class:`WaitTimeout` is converted here, with the kernel variant's own PTX
     decision. ``tactic``: default from ``consumer_tactic`` (by the fused
-    mixes' collapse). ``compile_only``: compile this variant, launch nothing (the
-    outputs are then unwritten). ``mixes`` (full mode): :class:`MhcMixes`;
+    mixes' collapse). ``mixes`` (full mode): :class:`MhcMixes`;
     with ``collapse="same"`` ``pre`` is None (the kernel collapses with the pre
     it computes); ``mix_words`` int64 [rows, ``mix_columns(H, hc)``] is then its
     per-token scratch, zeroed together with ``generation`` and ``sumsq``. The
     consumer computes the mixes itself where :func:`fuses_mixes` says so, else
     the mixes kernel (:mod:`decode_boundary.mixes.mixes_kernel`) does, launched right after it on
     the same stream (from the same checked inputs and scratch).
-    ``combine_mixes=False`` (with ``mixes``): a fourth element, a
+    ``combine_mixes=False`` (with ``mixes``): the result's ``finish``, a
     ``MixesFinish`` (the device arguments of ``decode_boundary.mixes.handoff``)
     where the consumer computed the shares but left their combine (pre, post
     and comb: then unwritten) to the kernel launched right after it, the next
@@ -224,7 +181,7 @@ def consume(
     bits would then depend on the kernel's FMA contraction), so the consumer
     combined.
     ``mixes_stream`` (with ``mixes`` of the previous pre, V4.1, whose hc fits
-    the mixes kernel: :func:`mixes_aside_ok`): the consumer runs without the
+    the mixes kernel: :func:`.consumer_tactics.side_stream_possible`): the consumer runs without the
     mixes and the mixes kernel runs on this stream, after everything the
     current stream has enqueued (this consumer included), without PDL (it
     releases nothing before it completes). Its pre, post and comb, and the
@@ -245,9 +202,8 @@ def consume(
     rank published (``BoundaryAllReduce``'s ``x``), never read here, only
     checked: an early input that overlaps it, the mailbox, ``mxfp8_out`` or
     the stage, status and scratch words raises ``ValueError``.
-    ``before_launch``: called once every check has passed, just before the
-    consumer launches (not with ``compile_only``): ``BoundaryAllReduce`` runs
-    the step's publish (or all-gather) there, so that an input this rank
+    Nothing is launched here: ``BoundaryAllReduce`` runs the step's publish
+    (or all-gather) between this and the launch, so that an input this rank
     rejects has written nothing to a peer (docs/FAILURES.md).
     """
     device = mailbox.device
@@ -280,7 +236,7 @@ def consume(
         need(comb, "comb", torch.float32, (m, hc, hc), device)
         out = torch.empty(m, hc, hidden, dtype=torch.bfloat16, device=device)
     if mixes_stream is not None and not (isinstance(mixes, MhcMixes) and mode == FULL and
-                                         mixes_aside_ok(hc, mixes.collapse)):
+                                         side_stream_possible(hc, mixes.collapse)):
         raise ValueError("mixes_stream needs the full mode with mixes of the previous pre "
                          f"(collapse 'previous') and 16 <= mix_slots(hc) <= 32, got hc = {hc}, "
                          f"collapse {getattr(mixes, 'collapse', None)!r}")
@@ -336,62 +292,104 @@ def consume(
     grid = (1 if serial else triton.cdiv(hidden, tactic.block_h), m)
     dummy = out  # stands in for pointers a mode does not touch
     pdl = ptx and env.use_pdl(device)
-    kernel = consumer_kernel.warmup if compile_only else consumer_kernel[grid]
-    kwargs = dict(grid=grid) if compile_only else {}
-    stamps, first_slot, timeline = (dummy, 0, False) if compile_only else \
-        launch_args("consumer_kernel", grid[0] * grid[1], device, dummy)
     if status is None:  # gathered plain / residual-only: the kernel's abort report needs a word
         status = torch.zeros(1, dtype=torch.int32, device=device)
-    if before_launch is not None and not compile_only:
-        before_launch()
-    compiled = kernel(
-        mailbox, _or(stage_state, dummy), _or(status, dummy), _or(generation, dummy),
+    tensors = (
+        mailbox, _or(stage_state, dummy), status, _or(generation, dummy),
         _or(sumsq, dummy), _or(prenorm, dummy), _or(residual, dummy),
         _or(post, dummy), _or(comb, dummy), _or(pre, dummy), _or(norm_weight, dummy), out,
         _or(layer_input, dummy), mxfp8_out[0] if quant else dummy,
         mxfp8_out[1] if quant else dummy,
         _or(fn, dummy), _or(scale, dummy), _or(base, dummy), _or(mix_words, dummy),
-        *(mixes_out or (dummy,) * 3),
-        stamps, first_slot, float(eps), float(mixes.hc_eps) if mixes is not None else 0.0,
-        capacity, int(wait_bound), mixes.sinkhorn_iters - 1 if mixes is not None else 0,
+        *(mixes_out or (dummy,) * 3))
+    scalars = (float(eps), float(mixes.hc_eps) if mixes is not None else 0.0, capacity,
+               int(wait_bound), mixes.sinkhorn_iters - 1 if mixes is not None else 0)
+    constants = dict(
         TP=tp, HC=hc, HIDDEN=hidden, BLOCK_H=tactic.block_h,
-        UNITS_P2=triton.next_power_of_2(sumsq_columns(hidden)), MODE=mode, QUANT=quant,
+        UNITS_P2=triton.next_power_of_2(sumsq_columns(hidden)), MODE=int(mode), QUANT=quant,
         LAMPORT=lamport, COOPERATIVE=tactic.cooperative, USE_PTX=ptx,
-        USE_PDL=pdl, TIMELINE=timeline, num_warps=tactic.warps, enable_fp_fusion=False,
+        USE_PDL=pdl, num_warps=tactic.warps, enable_fp_fusion=False,
         launch_pdl=pdl, **_mix_constants(mixes if fused else None, hc, hidden, tactic),
-        COMBINE=not defer, **kwargs,
-    )
-    if compile_only:
-        load_module(compiled)
+        COMBINE=not defer)
+    mixes_kernel = None
     if mixes is not None and not fused:
-        aside = mixes_stream is not None
-        launch = functools.partial(
+        mixes_kernel = functools.partial(
             launch_next_mixes, out, fn, scale, base, eps, mixes.hc_eps, mixes.sinkhorn_iters,
             generation, mix_words, status, wait_bound, mixes_out, _mix_row(hidden, hc),
-            cooperative=tactic.cooperative, ptx=ptx, pdl=pdl and not aside,
-            compile_only=compile_only)
-        if aside and device.type == "cuda" and not compile_only:
-            mixes_stream.wait_stream(torch.cuda.current_stream(device))
-            for t in (out, *mixes_out, fn, scale, base):  # in use there until it is joined
-                t.record_stream(mixes_stream)
-            with torch.cuda.stream(mixes_stream):
-                launch()
-        else:
-            launch()
-    if mixes is None:
-        return out, layer_input
-    if combine_mixes:
-        return out, layer_input, mixes_out
+            cooperative=tactic.cooperative, ptx=ptx, pdl=pdl and mixes_stream is None)
     finish = mixes_finish(mixes, mix_words, generation, status, mixes_out, eps, wait_bound,
                           hidden, tactic, ptx) if defer else None
-    return out, layer_input, mixes_out, finish
+    return ConsumerLaunch(grid, tensors, scalars, constants, mixes_kernel, mixes_stream,
+                          (out, *(mixes_out or ()), fn, scale, base),
+                          ConsumerResult(out, layer_input, mixes_out, finish))
 
 
-def mixes_aside_ok(hc: int, collapse: str | None) -> bool:
-    """Whether the next mixes of a consumer call may run on a side stream (the
-    mixes kernel): only with the previous pre (V4's collapse needs them inside
-    the consumer) and an hc the mixes kernel takes."""
-    return collapse == "previous" and mixes_kernel_takes(hc)
+class ConsumerResult(NamedTuple):
+    """What a consumer launch returns: ``residual_out`` (the plain sum [M, H]
+    in plain mode, else [M, hc, H]); ``layer_input`` [M, H] (full mode, else
+    None); ``mixes``, the next sublayer's (pre [M, hc], post [M, hc], comb [M,
+    hc, hc]) FP32 (with mixes, else None; unwritten where ``finish`` is set);
+    ``finish``, the ``MixesFinish`` of a combine left to the next kernel
+    (``combine_mixes=False`` where it could be left, else None)."""
+
+    residual_out: torch.Tensor
+    layer_input: torch.Tensor | None
+    mixes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    finish: MixesFinish | None
+
+
+class ConsumerLaunch(NamedTuple):
+    """A consumer launch whose every input passed :func:`prepare_consume`'s
+    checks: :meth:`run` launches it (and the mixes kernel after it, where it
+    computes them), :meth:`compile` compiles its variants, launching nothing."""
+
+    grid: tuple[int, int]
+    tensors: tuple  # the kernel's arguments before the timeline's
+    scalars: tuple  # after them
+    constants: dict
+    mixes_kernel: functools.partial | None  # launch_next_mixes, its arguments bound
+    mixes_stream: torch.cuda.Stream | str | None  # "inline": the mixes aside, off the GPU
+    on_stream: tuple  # what the mixes kernel aside uses until it is joined
+    result: ConsumerResult
+
+    def compile(self) -> None:
+        tensors, dummy = self.tensors, self.result.residual_out
+        compiled = consumer_kernel.warmup(*tensors, dummy, 0, *self.scalars, TIMELINE=False,
+                                          grid=self.grid, **self.constants)
+        load_module(compiled)
+        if self.mixes_kernel is not None:
+            self.mixes_kernel(compile_only=True)
+
+    def run(self) -> ConsumerResult:
+        grid, out = self.grid, self.result
+        stamps, first_slot, timeline = launch_args("consumer_kernel", grid[0] * grid[1],
+                                                   out.residual_out.device, out.residual_out)
+        consumer_kernel[grid](*self.tensors, stamps, first_slot, *self.scalars,
+                              TIMELINE=timeline, **self.constants)
+        if self.mixes_kernel is None:
+            return out
+        device, stream = out.residual_out.device, self.mixes_stream
+        if stream is not None and device.type == "cuda":
+            stream.wait_stream(torch.cuda.current_stream(device))
+            for t in self.on_stream:  # for the allocator
+                t.record_stream(stream)
+            with torch.cuda.stream(stream):
+                self.mixes_kernel()
+        else:
+            self.mixes_kernel()
+        return out
+
+
+def consume(mailbox: torch.Tensor, tp: int, m: int, *, compile_only: bool = False,
+            **inputs) -> ConsumerResult:
+    """Check and launch the consumer in one go (:func:`prepare_consume`, then
+    its launch's ``run``); ``compile_only``: compile its variant, launch
+    nothing (the outputs are then unwritten)."""
+    launch = prepare_consume(mailbox, tp, m, **inputs)
+    if not compile_only:
+        return launch.run()
+    launch.compile()
+    return launch.result
 
 
 def can_leave_combine(ptx: bool, device: torch.device) -> bool:

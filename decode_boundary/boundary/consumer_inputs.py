@@ -64,7 +64,7 @@ import triton
 from .. import env
 from ..common.contract import MIX_MIN_BLOCK, mix_columns
 from ..mixes.mixes_kernel import MIXES_KERNEL_BLOCK_H
-from .consumer_kernel import FULL, NEXT_MIXES, SAME_PRE
+from .consumer_kernel import COLLAPSES, FULL, Collapse
 from .consumer_tactics import ConsumerTactic
 
 QUANT_GROUP = 32  # MXFP8 group: a chunk holds whole groups, so it is >= 32 columns
@@ -98,17 +98,15 @@ class MhcMixes(NamedTuple):
     ``eps`` as its ``rms_eps``). ``hc_fn`` FP32 [(2 + hc) * hc, hc * H],
     ``hc_scale`` FP32 [3], ``hc_base`` FP32 [(2 + hc) * hc]. ``collapse``:
     "previous" (V4.1: collapse with the given pre, the new mixes are the next
-    boundary's) or "same" (V4: collapse with the pre just computed)."""
+    boundary's) or "same" (V4: collapse with the pre just computed):
+    :class:`~.consumer_kernel.Collapse`."""
 
     hc_fn: torch.Tensor
     hc_scale: torch.Tensor
     hc_base: torch.Tensor
     hc_eps: float
     sinkhorn_iters: int
-    collapse: str = "previous"
-
-
-COLLAPSES = {"previous": NEXT_MIXES, "same": SAME_PRE}
+    collapse: Collapse = Collapse.V4_1
 
 
 class WaitTimeout(NamedTuple):
@@ -156,11 +154,11 @@ def check_mixes(mixes: MhcMixes, mode: int, pre, mix_words, m: int, hc: int, hid
     if not isinstance(mixes, MhcMixes):
         raise ValueError(f"mixes must be a consumer.MhcMixes, got {type(mixes).__name__}")
     if mixes.collapse not in COLLAPSES:
-        raise ValueError(f"mixes.collapse must be one of {sorted(COLLAPSES)}, got "
+        raise ValueError(f"mixes.collapse must be one of {[c.value for c in Collapse]}, got "
                          f"{mixes.collapse!r}")
     if mode != FULL:
         raise ValueError("mixes need the full mode (norm_weight, and pre unless collapse='same')")
-    if mixes.collapse == "same" and pre is not None:
+    if mixes.collapse == Collapse.V4 and pre is not None:
         raise ValueError("mixes.collapse='same' collapses with the pre computed here: pass "
                          "pre=None")
     if hc & (hc - 1):

@@ -123,6 +123,8 @@ grid depends only on M, fixed per captured graph.
 """
 from __future__ import annotations
 
+from enum import IntEnum, StrEnum
+
 import triton
 import triton.language as tl
 
@@ -151,8 +153,29 @@ from ..mixes.mhc_combine import (
     pre_from_shares,
 )
 
-PLAIN, RESIDUAL_ONLY, FULL = 0, 1, 2  # MODE values (host side)
-_PLAIN, _FULL = tl.constexpr(PLAIN), tl.constexpr(FULL)
+
+class Mode(IntEnum):
+    """``MODE``: what a consumer launch computes (module docstring)."""
+
+    PLAIN = 0  # the rank-ordered sum alone (the fusion's baseline)
+    RESIDUAL_ONLY = 1  # mHC mixing: residual_out
+    FULL = 2  # mixing, collapse, RMSNorm, optional MXFP8: residual_out and layer_input
+
+
+PLAIN, RESIDUAL_ONLY, FULL = Mode.PLAIN, Mode.RESIDUAL_ONLY, Mode.FULL
+
+
+class Collapse(StrEnum):
+    """Which pre the layer input collapses with where the consumer also
+    computes the next sublayer's mixes (docs/DESIGN.md §5.1); its ``MIXES``
+    value is ``COLLAPSES[collapse]``."""
+
+    V4_1 = "previous"  # the given pre; the mixes computed here are the next boundary's
+    V4 = "same"  # the pre computed here from this residual_out (calls pass pre=None)
+
+
+COLLAPSES = {Collapse.V4_1: NEXT_MIXES, Collapse.V4: SAME_PRE}
+_PLAIN, _FULL = tl.constexpr(int(PLAIN)), tl.constexpr(int(FULL))
 _NO_MIXES, _NEXT_MIXES, _SAME_PRE = (tl.constexpr(NO_MIXES), tl.constexpr(NEXT_MIXES),
                                      tl.constexpr(SAME_PRE))
 SENTINEL = tl.constexpr(SENTINEL_BITS)  # an unwritten slot element, as int16 bits

@@ -1,10 +1,19 @@
-"""The consumer's tactic tables: :class:`ConsumerTactic` and, per collapse of
-the fused mixes, the (largest M, tactic) rows ``consumer.consumer_tactic``
-looks up."""
+"""The all-reduce's tactics in one place: the consumer's tables
+(:class:`ConsumerTactic`, per collapse of the mixes fused in it, the (largest
+M, tactic) rows :func:`consumer_tactic` looks up), the row thresholds that
+decide where the next mixes run and who publishes, and the rules that read
+them (what ``decode-boundary tune`` calls too)."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
+
+import triton
+
+from .. import env
+from ..common.contract import mix_slots
+from ..mixes.handoff import MixesPlacement
+from .consumer_kernel import Collapse
 
 
 class ConsumerTactic(NamedTuple):
@@ -49,3 +58,81 @@ SAME_PRE_MIXES_TACTICS = (
     (16, ConsumerTactic(128, 4, release_late=True)),  # the next GEMM waits for the shares
     (1 << 30, ConsumerTactic(256, 4)),  # beyond 16 tokens V4.1's choice
 )
+
+# Beyond this many tokens V4.1's next mixes come from the mixes kernel after the
+# consumer (mixes_kernel.py: hc_fn read once per 16 tokens, not once per token): the
+# chain's crossover (docs/EXPERIMENTS.md).
+MIXES_FUSED_MAX_ROWS = 32
+# From this many tokens on, V4.1's mixes on the all-reduce's side stream
+# (mixes_placement="side_stream", what "auto" picks) take less of the step than
+# inline: below, the side kernel's SM time and the join cost more (docs/EXPERIMENTS.md).
+MIXES_ASIDE_MIN_ROWS = 32
+# Up to this many rows the publishing GEMM's epilogue publishes wo_b's partial
+# (decode_boundary.publishing_linear); above, the plain GEMM and the publish kernel
+# would run: in the chain the epilogue wins at every M up to the 64-row capacity
+# (docs/EXPERIMENTS.md).
+PUBLISH_EPILOGUE_MAX_ROWS = 64
+
+
+def mixes_kernel_takes(hc: int) -> bool:
+    """Whether the mixes kernel serves hc streams: its dot needs >= 16 slots,
+    and it holds hc x 3 BF16 parts of 128 x slots (hc = 2-4: 16 or 32 slots;
+    hc = 8's 64 slots did not fit even as one FP32 tile per stream: 520 KB of
+    shared memory)."""
+    return 16 <= mix_slots(hc) <= 32
+
+
+def fuses_mixes(m: int, hc: int, collapse: Collapse) -> bool:
+    """Whether the consumer computes the next mixes of M tokens itself; else
+    the mixes kernel does, right after it. V4's collapse needs them inside the
+    consumer."""
+    return collapse == Collapse.V4 or m <= MIXES_FUSED_MAX_ROWS or not mixes_kernel_takes(hc)
+
+
+def side_stream_possible(hc: int, collapse: Collapse | None) -> bool:
+    """Whether the next mixes of a consumer call may run on a side stream (the
+    mixes kernel): only with V4.1's collapse (V4's needs them inside the
+    consumer) and an hc the mixes kernel takes."""
+    return collapse == Collapse.V4_1 and mixes_kernel_takes(hc)
+
+
+def auto_placement(m: int, aside_possible: bool) -> MixesPlacement:
+    """What ``mixes_placement="auto"`` resolves to for M tokens."""
+    aside = m >= MIXES_ASIDE_MIN_ROWS and aside_possible
+    return MixesPlacement.SIDE_STREAM if aside else MixesPlacement.NEXT_GEMM
+
+
+def fused_collapse(m: int, hc: int, collapse: Collapse | None,
+                   placement: MixesPlacement) -> Collapse | None:
+    """The collapse of the mixes the consumer computes itself for M tokens
+    (resolved ``placement``), or None where it computes none: what picks its
+    table (:func:`consumer_table`)."""
+    if collapse is None or placement == MixesPlacement.SIDE_STREAM or \
+            not fuses_mixes(m, hc, collapse):
+        return None
+    return collapse
+
+
+def consumer_table(fused: Collapse | None) -> tuple:
+    """The table of the consumer with ``fused`` mixes (:func:`fused_collapse`)."""
+    return {None: CONSUMER_TACTICS, Collapse.V4_1: MIXES_TACTICS,
+            Collapse.V4: SAME_PRE_MIXES_TACTICS}[fused]
+
+
+def runs_as(tactic: ConsumerTactic, hidden: int) -> ConsumerTactic:
+    """What the consumer runs for ``tactic`` (a table's or a pinned one): no
+    wider than the row, serial in the interpreter (which runs programs one
+    after another, so they cannot wait for each other)."""
+    tactic = tactic._replace(block_h=min(tactic.block_h, triton.next_power_of_2(hidden)))
+    return tactic._replace(cooperative=False) if env.interpret_mode() else tactic
+
+
+def table_entry(table: tuple, m: int) -> ConsumerTactic:
+    """The entry of a (largest M, tactic) table that serves M tokens."""
+    return next(t for limit, t in table if m <= limit)
+
+
+def consumer_tactic(m: int, hidden: int, fused: Collapse | None = None) -> ConsumerTactic:
+    """The table's tactic for M tokens (``fused``: the collapse of the mixes
+    fused in the consumer, :func:`consumer_table`), as it runs."""
+    return runs_as(table_entry(consumer_table(fused), m), hidden)

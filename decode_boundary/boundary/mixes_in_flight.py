@@ -1,8 +1,8 @@
 """The next mixes a ``BoundaryAllReduce`` call left unfinished, owned by that
 instance: those the mixes kernel computes on the side stream
-(``mixes="side_stream"``: an event the calling stream must join before it
+(``mixes_placement="side_stream"``: an event the calling stream must join before it
 reads them or launches the next consumer, whose scratch that kernel reads) and
-those whose combine it left to the next GEMM (``mixes="next_gemm"``: the
+those whose combine it left to the next GEMM (``mixes_placement="next_gemm"``: the
 :class:`~decode_boundary.mixes.handoff.NextMixes` it returned, which the
 instance's next call refuses to pass while no GEMM launched with it)."""
 
@@ -52,7 +52,7 @@ class MixesInFlight:
             self.pending = pending  # still to be joined, outside the capture
             raise RuntimeError(
                 "BoundaryAllReduce: an eager call's next mixes are still pending on the side "
-                "stream (mixes='side_stream') and a CUDA graph is being captured; call "
+                "stream (mixes_placement='side_stream') and a CUDA graph is being captured; call "
                 "join_mixes() before the capture begins")
         torch.cuda.current_stream(self.device).wait_event(event)
 
@@ -66,9 +66,9 @@ class MixesInFlight:
             # stays valid (nothing rewrote its shares), so it can still be launched.
             raise RuntimeError(
                 "the previous call left its next mixes to the GEMM after it "
-                "(mixes='next_gemm'), but no GEMM launched with them, so their pre, post and "
-                "comb are unwritten: launch mxfp8_mm(layer, x, finish_mixes=result.mixes) "
-                "right after such a call (or call with mixes='consumer')")
+                "(mixes_placement='next_gemm'), but no GEMM launched with them, so their pre, "
+                "post and comb are unwritten: launch mxfp8_mm(layer, x, finish_mixes=result.mixes) "
+                "right after such a call (or call with mixes_placement='consumer')")
         self.left_to_gemm = None
 
     def forget(self, device_synced: bool) -> None:

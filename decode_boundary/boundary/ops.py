@@ -16,12 +16,12 @@ class and are traced with the step. Open the mailbox (construct,
 before its first launch, as the eager path does (a rejected input aborts the
 step: docs/FAILURES.md), so a direct call cannot write a peer with bad input.
 
-An op names its instance by an int ``handle`` (:func:`register`, at
-construction; :func:`instance`); the registry holds weak references, so an
-instance lives no longer than its owner keeps it. The ops use the instance's
-eager paths (``ar.launches``: ``publish_eager``, ``publish_finalize_eager``,
-``reduce_eager``) and its ``mailbox``; this module never imports the class
-(``all_reduce`` imports it).
+An op names an instance's launches (:class:`~.launches.Launches`) by an int
+``handle`` (:func:`register`, at construction; :func:`instance`); the
+registry holds weak references, so they live no longer than their all-reduce.
+The ops run their eager paths (``publish_eager``, ``publish_finalize_eager``,
+``reduce_eager``) and read their ``mailbox``; nothing here reaches the
+all-reduce.
 """
 
 from __future__ import annotations
@@ -31,27 +31,28 @@ import weakref
 
 import torch
 
-from .consumer_kernel import FULL, PLAIN
+from .consumer_kernel import FULL, PLAIN, Mode
+from .plan import StepInputs
 
 _HANDLES = itertools.count()
 _INSTANCES: dict[int, weakref.ref] = {}
 _SCRATCH = ("stage_state", "status", "generation", "sumsq", "prenorm")
 
 
-def register(ar) -> int:
-    """A new handle naming ``ar`` for the custom ops (held weakly)."""
+def register(launches) -> int:
+    """A new handle naming ``launches`` for the custom ops (held weakly)."""
     handle = next(_HANDLES)
-    _INSTANCES[handle] = weakref.ref(ar)
+    _INSTANCES[handle] = weakref.ref(launches)
     return handle
 
 
 def instance(handle: int):
-    """The live (open) all-reduce a custom op's ``handle`` names."""
+    """The launches of the live (open) all-reduce a custom op's ``handle`` names."""
     ref = _INSTANCES.get(handle)
-    ar = ref() if ref is not None else None
-    if ar is None or ar.closed:
+    launches = ref() if ref is not None else None
+    if launches is None or launches.guard.box is None:
         raise RuntimeError(f"BoundaryAllReduce {handle} is closed or gone")
-    return ar
+    return launches
 
 
 def sync_words(handle: int, **passed: torch.Tensor) -> None:
@@ -68,7 +69,7 @@ def sync_words(handle: int, **passed: torch.Tensor) -> None:
 @torch.library.custom_op("decode_boundary::boundary_publish", mutates_args=("stage_state",))
 def publish_op(handle: int, x: torch.Tensor, stage_state: torch.Tensor) -> None:
     """``x`` into every peer's mailbox; ACTIVE of this rank's stage words set."""
-    instance(handle).launches.publish_eager(x)
+    instance(handle).publish_eager(x)
     sync_words(handle, stage_state=stage_state)
 
 
@@ -77,7 +78,7 @@ def publish_op(handle: int, x: torch.Tensor, stage_state: torch.Tensor) -> None:
 def publish_finalize_op(handle: int, gemm2_permuted: torch.Tensor,
                          expert_weights: torch.Tensor, idx: torch.Tensor,
                          shared_output: torch.Tensor, stage_state: torch.Tensor) -> torch.Tensor:
-    partial = instance(handle).launches.publish_finalize_eager(gemm2_permuted, expert_weights, idx,
+    partial = instance(handle).publish_finalize_eager(gemm2_permuted, expert_weights, idx,
                                                       shared_output)
     sync_words(handle, stage_state=stage_state)
     return partial
@@ -111,12 +112,13 @@ def reduce_op(handle: int, x: torch.Tensor, publish: bool, reduce_mode: int,
     default: the dispatcher drops an argument passed at its default, and
     torch 2.11's in-place bookkeeping then indexes past the arguments of a
     mutated optional one (``mix_words``; pytorch#176078)."""
-    ar = instance(handle)
+    launches = instance(handle)
     inputs = {} if reduce_mode == PLAIN else dict(
         residual=residual, post=post, comb=comb, pre=pre, norm_weight=norm_weight, eps=eps,
         mxfp8_out=None if mxfp8_data is None else (mxfp8_data, mxfp8_scale),
         mix_weights=None if hc_fn is None else (hc_fn, hc_scale, hc_base))
-    result = ar.launches.reduce_eager(x, reduce_mode, publish, **inputs)
+    result = launches.reduce_eager(x, Mode(reduce_mode), publish,
+                                   StepInputs(**inputs))
     sync_words(handle, stage_state=stage_state, status=status, generation=generation,
                sumsq=sumsq, prenorm=prenorm,
                **({} if mix_words is None else dict(mix_words=mix_words)))

@@ -3,7 +3,8 @@ by it (docs/FAILURES.md): the contribution published and not yet reduced,
 whether a step of this rank failed (its steps refuse until
 ``reset(collective=True)``), an aborted step's pending all-gather, the kernel
 variants compiled so far, and the bounded barriers of its group
-(:mod:`.host_wait`). It reads the all-reduce's public attributes only.
+(:mod:`.host_wait`), and the mailbox itself (None once closed). It takes the
+all-reduce's spec, mailbox and settings, never the all-reduce.
 
 Compiling: the first call of a kernel variant JIT-compiles it (seconds), and
 ranks compile at different speeds; a peer still compiling its publish would
@@ -23,29 +24,48 @@ import torch.distributed as dist
 from .. import env
 from ..common.contract import SENTINEL
 from . import host_wait
+from .consumer import status_error
 from .consumer_kernel import ABORT_BIT
+from .mailbox import Mailbox
 from .rejection import poison_gather, poison_mailboxes
+from .spec import BoundarySpec, Settings
 
 # Ranks JIT-compile at different speeds: the bound of compile barriers.
 COMPILE_TIMEOUT_S = 900.0
 
 
 class StepGuard:
-    """The step state of the all-reduce ``ar`` (module docstring)."""
+    """The step state of one rank's all-reduce of ``spec`` over ``box``, its
+    host waits bounded by ``settings`` (module docstring)."""
 
-    def __init__(self, ar) -> None:
-        self.ar = ar
+    def __init__(self, spec: BoundarySpec, box: Mailbox, settings: Settings) -> None:
+        self.spec = spec
+        self.box: Mailbox | None = box  # None once closed
+        self.settings = settings
         self.published: torch.Tensor | None = None
         self.failed: str | None = None  # why a step of this rank failed
         self.abort_work: tuple | None = None  # gather transport: an abort's all-gather
         self.last_rows = 1  # M of the last accepted step (an abort's guess in that transport)
         self.compiled: set[tuple] = set()
 
+    @property
+    def mailbox(self) -> Mailbox:
+        """The mailbox and device words; ``RuntimeError`` once closed."""
+        if self.box is None:
+            raise RuntimeError("BoundaryAllReduce is closed")
+        return self.box
+
+    def ready(self) -> Mailbox:
+        """The mailbox, unless closed or a step failed since the last reset."""
+        box = self.mailbox
+        self.refuse_if_failed()
+        return box
+
     def refuse_if_failed(self) -> None:
         """``RuntimeError`` while a step of this rank failed since the last reset."""
         if self.failed is not None:
             raise RuntimeError(
-                f"BoundaryAllReduce rank {self.ar.rank}: a step failed ({self.failed}); call "
+                f"BoundaryAllReduce rank {self.spec.rank}: a step failed ({self.failed}); call "
                 "reset(collective=True) on every rank before the next step")
 
     def refuse_unreduced(self) -> None:
@@ -53,9 +73,14 @@ class StepGuard:
         if self.published is not None:
             raise RuntimeError("a published contribution is still unreduced")
 
-    def multi_process(self) -> bool:
-        group = self.ar.group
-        return group is not None and dist.get_world_size(group) > 1
+    def check(self) -> None:
+        """``BoundaryAllReduce.check``: read the status word (device sync)."""
+        spec = self.spec
+        error = status_error(int(self.mailbox.status.item()), spec.tp, spec.wait_timeout_s)
+        if error is not None:
+            if self.failed is None:
+                self.failed = error  # later steps refuse until reset(collective=True)
+            raise RuntimeError(f"BoundaryAllReduce rank {spec.rank}: {error}")
 
     def barrier(self, tag: str | None = None, timeout_s: float | None = None,
                 aborts_arrive: bool = False) -> None:
@@ -66,27 +91,27 @@ class StepGuard:
         pair). Without (``close(collective=True)``): a device sync, a store
         barrier bounded the same way, then the group's own ``dist.barrier``.
         Either way a rank judged dead by its liveness mark is named at once."""
-        ar = self.ar
+        spec, settings = self.spec, self.settings
         if tag is None:
-            if ar.device.type == "cuda":
-                torch.cuda.synchronize(ar.device)
-            if self.multi_process():
-                host_wait.barrier(ar.group, ar.host_timeout, "close",
+            if spec.device.type == "cuda":
+                torch.cuda.synchronize(spec.device)
+            if spec.multi_process:
+                host_wait.barrier(spec.group, settings.host_timeout, "close",
                                   "the close barrier of BoundaryAllReduce",
-                                  liveness_s=ar.liveness_timeout_s)
-                dist.barrier(group=ar.group)
+                                  liveness_s=settings.liveness_timeout_s)
+                dist.barrier(group=spec.group)
             return
-        timeout_s = ar.host_timeout if timeout_s is None else timeout_s
+        timeout_s = settings.host_timeout if timeout_s is None else timeout_s
         what = f"the {tag} barrier of BoundaryAllReduce"
-        host_wait.sync_device(ar.device, timeout_s, what)
-        if self.multi_process():
-            host_wait.barrier(ar.group, timeout_s, tag, what, aborts_arrive,
-                              ar.liveness_timeout_s)
+        host_wait.sync_device(spec.device, timeout_s, what)
+        if spec.multi_process:
+            host_wait.barrier(spec.group, timeout_s, tag, what, aborts_arrive,
+                              settings.liveness_timeout_s)
 
     def compile_variants(self, compilers: dict, force_barrier: bool = False) -> None:
         """``BoundaryAllReduce.compile_variants``."""
         new = [key for key in compilers if key not in self.compiled]
-        if new and self.ar.capturing:
+        if new and self.spec.capturing:
             raise RuntimeError(
                 f"BoundaryAllReduce: kernel variant(s) {new} are not compiled and a CUDA graph "
                 "is being captured; call precompile(rows) with every M you capture (on every "
@@ -98,7 +123,7 @@ class StepGuard:
         if new or force_barrier:
             # Ranks compile at different speeds: a longer bound than host_timeout_s. A
             # rank that aborted this step compiles nothing: it counts as arrived.
-            self.barrier("compile", max(self.ar.host_timeout, COMPILE_TIMEOUT_S),
+            self.barrier("compile", max(self.settings.host_timeout, COMPILE_TIMEOUT_S),
                          aborts_arrive=True)
 
     def abort(self, error: Exception, like: object, published: bool) -> None:
@@ -113,41 +138,40 @@ class StepGuard:
         status word names it, compile barriers of this epoch count it as
         arrived, and its steps refuse until ``reset(collective=True)``. Nothing
         runs while tracing or capturing (nothing of the step executes)."""
-        ar = self.ar
+        spec, box = self.spec, self.box
         self.published = None
-        if ar.closed or ar.capturing or torch.compiler.is_compiling():
+        if box is None or spec.capturing or torch.compiler.is_compiling():
             return
-        box = ar.mailbox
-        if ar.tp == 1:
+        if spec.tp == 1:
             if published and box.buffer is not None:
                 box.buffer.fill_(SENTINEL)
             return
         why = f"{type(error).__name__}: {error}"
         self.failed = f"this rank aborted it: {why}"
-        if ar.transport == "mailbox":
-            poison_mailboxes(box, ar.device)
+        if spec.transport == "mailbox":
+            poison_mailboxes(box, spec.device)
         else:
             rows = getattr(like, "shape", (0,))[0] if getattr(like, "ndim", 0) == 2 else 0
-            rows = rows if 0 < rows <= ar.capacity else self.last_rows
+            rows = rows if 0 < rows <= spec.capacity else self.last_rows
             # Kept alive until reset waits for it.
-            self.abort_work = poison_gather(ar.group, ar.tp, rows, ar.hidden_size, ar.device)
-        box.status.bitwise_or_(ABORT_BIT | 1 << ar.rank)
-        if self.multi_process():
-            host_wait.signal_abort(ar.group, why)
-        error.add_note(f"BoundaryAllReduce rank {ar.rank} aborted this step: its peers "
+            self.abort_work = poison_gather(spec.group, spec.tp, rows, spec.hidden, spec.device)
+        box.status.bitwise_or_(ABORT_BIT | 1 << spec.rank)
+        if spec.multi_process:
+            host_wait.signal_abort(spec.group, why)
+        error.add_note(f"BoundaryAllReduce rank {spec.rank} aborted this step: its peers "
                        "raise RuntimeError naming it; call reset(collective=True) on every rank")
 
     def rearm(self) -> None:
         """The collective part of ``reset(collective=True)``: wait for an aborted
         step's all-gather, barrier, re-arm the mailbox, barrier, allow steps."""
-        ar = self.ar
+        spec, settings = self.spec, self.settings
         work, self.abort_work = self.abort_work, None
         if work is not None:
-            host_wait.wait_work(work[0], ar.group, ar.host_timeout,
-                                "the aborted step's all-gather", ar.liveness_timeout_s)
+            host_wait.wait_work(work[0], spec.group, settings.host_timeout,
+                                "the aborted step's all-gather", settings.liveness_timeout_s)
         self.barrier("reset-a")
-        ar.mailbox.rearm()
+        self.mailbox.rearm()
         self.barrier("reset-b")
         self.failed = None
-        if self.multi_process():
-            host_wait.next_epoch(ar.group)
+        if spec.multi_process:
+            host_wait.next_epoch(spec.group)

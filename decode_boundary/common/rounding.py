@@ -78,7 +78,7 @@ def _scale_exponent(bits):
     pattern ``bits`` (sign clear): the biased exponent of RN(amax / 448), one
     more if that quotient is not a power of two, at most 254 (inf and NaN give
     254) — the reference's rule — without the division (equal to it for every
-    FP32 pattern: tests/test_rounding.py)."""
+    FP32 pattern: tests/gemm/test_rounding.py)."""
     biased = (bits >> 23) & 0xFF
     fraction = bits & 0x7FFFFF
     # Normal amax = 1.f * 2^(b-127): amax / 448 = (1.f / 1.75) * 2^(b-135), which rounds

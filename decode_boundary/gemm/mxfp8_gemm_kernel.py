@@ -111,7 +111,7 @@ a quantizer launch. Groups of 32 run along the output columns, so a program
 must own whole groups: ``BLOCK_N % 32 == 0`` (the launcher checks it). Not
 with PUBLISH (the mailbox holds BF16).
 
-**Finishing the consumer's mixes** (``FINISH_MIXES``; ``common.contract.MixesFinish``).
+**Finishing the consumer's mixes** (``FINISH_MIXES``; ``mixes.handoff.MixesFinish``).
 The consumer right before this GEMM may leave the combine of the next mHC
 mixes (summing each token's shares, then pre, post and comb) to it, so that
 this grid's wait no longer waits for the consumer's serial combine. The grid

@@ -18,6 +18,8 @@ the rows. The count lives with the rows (no state outside the instances).
 
 from __future__ import annotations
 
+import warnings
+from enum import StrEnum
 from typing import NamedTuple
 
 import torch
@@ -77,56 +79,64 @@ class MixRows:
         return self.epoch
 
 
-# The ``mixes=`` choices of an all-reduce call: how its next mixes are computed and
-# when they are complete (MIXES_CHOICES' docstring below, NextMixes.how).
-MIXES_CHOICES = ("consumer", "next_gemm", "side_stream", "auto")
-"""The all-reduce's ``mixes=`` choices (docs/DESIGN.md §5.1):
+class MixesPlacement(StrEnum):
+    """Where an all-reduce call's next mixes are computed and when they are
+    complete: its ``mixes_placement=`` (docs/DESIGN.md §5.1), and, but "auto",
+    the result's ``NextMixes.placement``:
 
-* "consumer" (the default): in the consumer (beyond ``MIXES_FUSED_MAX_ROWS``
-  tokens of V4.1, by the mixes kernel right after it); complete in stream order.
-* "next_gemm": the consumer computes the mixes' shares and leaves their
-  combine (pre, post and comb unwritten) to the GEMM launched right after it
-  on the call's stream, ``mxfp8_mm(layer, x, finish_mixes=result.mixes)``: its
-  M extra programs combine while the products run, instead of the consumer's
-  grid ending with the combine, which the next kernel's grid wait would wait
-  for; the bits are the same. Where nothing can be left (the mixes kernel
-  combined, PTX is off on the GPU, or under torch.compile, where the consumer
-  combines) the result's mixes say "consumer" and the GEMM runs plain. The
-  GEMM must run on the call's stream before the next consumer launch on these
-  scratch rows (else it refuses the hand-off: ``ValueError``), and the
-  all-reduce refuses its next call (``RuntimeError``, the step aborted as for
-  a bad argument) while no GEMM launched with it. pre, post and comb are
-  complete when that GEMM's grid is: a kernel that reads them before its own
-  grid wait (the next consumer does, for its early inputs) must not be able to
-  start while the GEMM runs, i.e. not sit in an unbroken chain of kernels that
-  release their dependents early (PDL) behind it.
-* "side_stream" (mixes of the previous pre, V4.1, at an hc the mixes kernel
-  takes): the consumer runs without the mixes and the mixes kernel computes
-  them on the all-reduce's side stream, forked after the consumer, so that no
-  kernel on the calling stream waits for them (as V4.1 engines run their mixes
-  GEMM). pre, post and comb are complete only once the calling stream has
-  *joined* the side stream: the all-reduce's ``join_mixes``, which its next
-  call does by itself before its consumer (whose scratch the mixes kernel
-  reads). Read them on no stream before that; a CUDA-graph capture must call
-  ``join_mixes`` before it ends (CUDA refuses an unjoined capture) and cannot
-  start while an eager call's mixes are pending (``RuntimeError``: join
-  first). The pre, post and comb are the mixes kernel's (another FP32
-  summation order than the consumer's fused dots: equal within
-  ``MIXES_ATOL``, not bit for bit); residual_out is the same bit for bit, the
-  layer input may differ in its last bits (the consumer without the mixes runs
-  its own tactic: another sum-of-squares order). The mixes kernel reports a
-  missing share into the status word like the consumer: ``check`` sees that
-  only once the side stream is joined (every call joins the last one's first).
-  A capture that raises before it joins leaves its event pending: ``reset()``
-  drops it. Refused (``ValueError``) without mixes or for V4.
-* "auto": "side_stream" from ``MIXES_ASIDE_MIN_ROWS`` tokens on where it is
-  possible, else "next_gemm" (the model chain's choice).
-"""
+    * "consumer" (the default): in the consumer (beyond ``MIXES_FUSED_MAX_ROWS``
+      tokens of V4.1, by the mixes kernel right after it); complete in stream order.
+    * "next_gemm": the consumer computes the mixes' shares and leaves their
+      combine (pre, post and comb unwritten) to the GEMM launched right after it
+      on the call's stream, ``mxfp8_mm(layer, x, finish_mixes=result.mixes)``: its
+      M extra programs combine while the products run, instead of the consumer's
+      grid ending with the combine, which the next kernel's grid wait would wait
+      for; the bits are the same. Where nothing can be left (the mixes kernel
+      combined, PTX is off on the GPU, or under torch.compile, where the consumer
+      combines) the result's mixes say "consumer" and the GEMM runs plain. The
+      GEMM must run on the call's stream before the next consumer launch on these
+      scratch rows (else it refuses the hand-off: ``ValueError``), and the
+      all-reduce refuses its next call (``RuntimeError``, the step aborted as for
+      a bad argument) while no GEMM launched with it. pre, post and comb are
+      complete when that GEMM's grid is: a kernel that reads them before its own
+      grid wait (the next consumer does, for its early inputs) must not be able to
+      start while the GEMM runs, i.e. not sit in an unbroken chain of kernels that
+      release their dependents early (PDL) behind it.
+    * "side_stream" (mixes of the previous pre, V4.1, at an hc the mixes kernel
+      takes): the consumer runs without the mixes and the mixes kernel computes
+      them on the all-reduce's side stream, forked after the consumer, so that no
+      kernel on the calling stream waits for them (as V4.1 engines run their mixes
+      GEMM). pre, post and comb are complete only once the calling stream has
+      *joined* the side stream: the all-reduce's ``join_mixes``, which its next
+      call does by itself before its consumer (whose scratch the mixes kernel
+      reads). Read them on no stream before that; a CUDA-graph capture must call
+      ``join_mixes`` before it ends (CUDA refuses an unjoined capture) and cannot
+      start while an eager call's mixes are pending (``RuntimeError``: join
+      first). The pre, post and comb are the mixes kernel's (another FP32
+      summation order than the consumer's fused dots: equal within
+      ``MIXES_ATOL``, not bit for bit); residual_out is the same bit for bit, the
+      layer input may differ in its last bits (the consumer without the mixes runs
+      its own tactic: another sum-of-squares order). The mixes kernel reports a
+      missing share into the status word like the consumer: ``check`` sees that
+      only once the side stream is joined (every call joins the last one's first).
+      A capture that raises before it joins leaves its event pending: ``reset()``
+      drops it. Refused (``ValueError``) without mixes or for V4.
+    * "auto": "side_stream" from ``MIXES_ASIDE_MIN_ROWS`` tokens on where it is
+      possible, else "next_gemm" (the model chain's choice).
+    """
+
+    CONSUMER = "consumer"
+    NEXT_GEMM = "next_gemm"
+    SIDE_STREAM = "side_stream"
+    AUTO = "auto"
+
+
+MIXES_PLACEMENTS = tuple(p.value for p in MixesPlacement)  # as error messages list them
 
 
 class NextMixes:
     """The next sublayer's (pre, post, comb) of one all-reduce call; iterates
-    and indexes as that triple. ``how``: "consumer" (complete in stream order after the
+    and indexes as that triple. ``placement``: "consumer" (complete in stream order after the
     call), "next_gemm" (complete once the GEMM launched with this object is:
     ``mxfp8_mm(layer, x, finish_mixes=...)``, which must run next on the
     call's stream) or "side_stream" (complete once the all-reduce's
@@ -135,16 +145,24 @@ class NextMixes:
     a GEMM is then harmless (the GEMM runs plain)."""
 
     def __init__(self, pre: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                 how: str = "consumer", finish: MixesFinish | None = None,
+                 placement: MixesPlacement = MixesPlacement.CONSUMER,
+                 finish: MixesFinish | None = None,
                  rows: MixRows | None = None, epoch: int | None = None,
                  stream: int = 0) -> None:
         self.pre, self.post, self.comb = pre, post, comb
-        self.how = how
+        self.placement = MixesPlacement(placement)
         self.finish = finish  # the device arguments left to the GEMM (None: nothing left)
         self.rows = rows  # the scratch the shares live in, with its write count
         self.epoch = epoch  # that count at the launch that left them; None: compile only
         self.stream = stream  # the stream the GEMM must launch on
         self.finished = False  # a GEMM launched with it
+
+    @property
+    def how(self) -> MixesPlacement:
+        """Deprecated spelling of :attr:`placement`."""
+        warnings.warn("NextMixes.how is deprecated: read NextMixes.placement",
+                      DeprecationWarning, stacklevel=2)
+        return self.placement
 
     def __iter__(self):
         return iter((self.pre, self.post, self.comb))
@@ -192,6 +210,6 @@ class NextMixes:
         """The same hand-off with some of its device arguments (``MixesFinish``
         fields) replaced: what a check of the GEMM's refusals builds."""
         finish = self.finish._replace(**fields)
-        other = NextMixes(finish.pre, finish.post, finish.comb, self.how, finish, self.rows,
+        other = NextMixes(finish.pre, finish.post, finish.comb, self.placement, finish, self.rows,
                           self.epoch, self.stream)
         return other

@@ -26,7 +26,7 @@ after them), exp and sigmoid from ``ex2.approx.ftz`` and ``rcp.approx.ftz``
 ``tl.exp`` / ``tl.sigmoid`` lower to are expanded by ptxas, with FFMAs where
 contraction is allowed), the mean's division as ``div.rn`` (correctly
 rounded), and the shares summed in a tree fixed by their indices
-(:func:`_pairwise_sum`). tests/test_boundary_ptx.py compiles the combine both
+(:func:`_pairwise_sum`). tests/boundary/test_boundary_ptx.py compiles the combine both
 ways and compares the SASS.
 """
 from __future__ import annotations

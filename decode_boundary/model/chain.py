@@ -21,6 +21,7 @@ The baselines and the benchmark harness live in ``decode_boundary.bench``.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -235,7 +236,7 @@ class AttentionBoundary:
 
         ``mixes_aside`` (where :attr:`mixes_aside_possible`: V4.1): the next
         mixes run on the all-reduce's side stream, off the chain's critical
-        path (the all-reduce's ``mixes="side_stream"``); the step's
+        path (the all-reduce's ``mixes_placement="side_stream"``); the step's
         ``next_pre`` / ``next_post`` / ``next_comb`` are complete only after
         :meth:`join_mixes` (the next step joins by itself). Elsewhere (V4,
         whose collapse needs them in the consumer) it changes nothing.
@@ -248,7 +249,7 @@ class AttentionBoundary:
         return self.consume(inputs, self.produce(inputs, fused), mixes_aside)
 
     def mixes_choice(self, mixes_aside: bool | str) -> str:
-        """The all-reduce's ``mixes=`` for the chain's ``mixes_aside``: the
+        """The all-reduce's ``mixes_placement`` for the chain's ``mixes_aside``: the
         combine left to ``fused_wqa_wkv`` ("next_gemm"), on the side stream
         where this model can ("side_stream"), or "auto" (the all-reduce picks
         by the row count where it can)."""
@@ -297,17 +298,23 @@ class AttentionBoundary:
                 mixes_aside: bool | str = False) -> BoundaryOutputs:
         """The consumer (all-reduce + mHC + RMSNorm + MXFP8 + the next mixes'
         shares) and ``fused_wqa_wkv``, whose extra programs combine the mixes
-        (``mixes="next_gemm"``); with ``mixes_aside`` (:meth:`__call__`) the
+        (``mixes_placement="next_gemm"``); with ``mixes_aside`` (:meth:`__call__`) the
         mixes kernel on the side stream instead."""
         result = self.reduce(inputs, partial, self.mixes_choice(mixes_aside))
         q = mxfp8_mm(self.fused_wqa_wkv, result.mxfp8, finish_mixes=result.mixes)
         return BoundaryOutputs(result.residual_out, result.layer_input, q, *result.mixes)
 
     def reduce(self, inputs: BoundaryInputs, partial: torch.Tensor,
-               mixes: str | None = None) -> BoundaryResult:
+               mixes_placement: str | None = None, *, mixes: str | None = None
+               ) -> BoundaryResult:
         """The consumer alone from the published ``partial``: the all-reduce's
         :class:`BoundaryResult` (its ``mxfp8`` the next layer's input, its
-        ``mixes`` the next sublayer's; ``mixes``: the all-reduce's choice)."""
+        ``mixes`` the next sublayer's; ``mixes_placement``: the all-reduce's;
+        ``mixes=``, its old spelling, works with a ``DeprecationWarning``)."""
+        if mixes is not None:
+            warnings.warn("AttentionBoundary.reduce(..., mixes=) is deprecated: pass "
+                          "mixes_placement=", DeprecationWarning, stacklevel=2)
+            mixes_placement = mixes
         c, rows = self.config, inputs.rows
         data = torch.empty(rows, c.hidden, dtype=torch.float8_e4m3fn, device=self.device)
         scale = torch.empty(mxfp8_scale_bytes(rows, c.hidden), dtype=torch.uint8,
@@ -316,7 +323,7 @@ class AttentionBoundary:
         return self.all_reduce(
             partial, residual=inputs.residual, post=inputs.post, comb=inputs.comb, pre=pre,
             norm_weight=self.norm_weight, norm_eps=c.eps, mxfp8_out=(data, scale),
-            mix_weights=self.mix_weights, mixes=mixes,
+            mix_weights=self.mix_weights, mixes_placement=mixes_placement,
         )
 
     def reference_partial(self, inputs: BoundaryInputs) -> torch.Tensor:

@@ -22,7 +22,7 @@ OUTPUT_NAMES = ("residual_out", "layer_input", "q")  # BoundaryOutputs' tensors 
 MIX_NAMES = ("next_pre", "next_post", "next_comb")
 # pre / post / comb against the mixes reference of the same residual_out: FP32 dots
 # of length hc * H summed in another order, then sigmoid / softmax / Sinkhorn
-# (tests/test_consumer_mixes.py). Against the chain's reference they are checked like
+# (tests/mixes/test_consumer_mixes.py). Against the chain's reference they are checked like
 # every output (CHAIN_RTOL): its residual_out may differ by the GEMMs' last bits.
 MIXES_ATOL = 1e-5
 

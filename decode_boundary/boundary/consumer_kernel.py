@@ -162,6 +162,11 @@ class Mode(IntEnum):
     FULL = 2  # mixing, collapse, RMSNorm, optional MXFP8: residual_out and layer_input
 
 
+# A member by its value, by dict lookup: Dynamo (torch 2.11) cannot trace Mode(value)
+# inside a compiled step.
+MODES = {m.value: m for m in Mode}
+
+
 PLAIN, RESIDUAL_ONLY, FULL = Mode.PLAIN, Mode.RESIDUAL_ONLY, Mode.FULL
 
 

@@ -31,7 +31,7 @@ import weakref
 
 import torch
 
-from .consumer_kernel import FULL, PLAIN, Mode
+from .consumer_kernel import FULL, MODES, PLAIN
 from .plan import StepInputs
 
 _HANDLES = itertools.count()
@@ -117,7 +117,7 @@ def reduce_op(handle: int, x: torch.Tensor, publish: bool, reduce_mode: int,
         residual=residual, post=post, comb=comb, pre=pre, norm_weight=norm_weight, eps=eps,
         mxfp8_out=None if mxfp8_data is None else (mxfp8_data, mxfp8_scale),
         mix_weights=None if hc_fn is None else (hc_fn, hc_scale, hc_base))
-    result = launches.reduce_eager(x, Mode(reduce_mode), publish,
+    result = launches.reduce_eager(x, MODES[reduce_mode], publish,
                                    StepInputs(**inputs))
     sync_words(handle, stage_state=stage_state, status=status, generation=generation,
                sumsq=sumsq, prenorm=prenorm,

@@ -17,9 +17,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..mixes.handoff import MIXES_PLACEMENTS, MixesPlacement
+from ..mixes.handoff import MIXES_PLACEMENTS, MixesPlacement, placement_of
 from .consumer_inputs import MhcMixes, is_nonnegative_real
-from .consumer_kernel import FULL, PLAIN, RESIDUAL_ONLY, Collapse, Mode
+from .consumer_kernel import FULL, MODES, PLAIN, RESIDUAL_ONLY, Collapse, Mode
 from .consumer_tactics import ConsumerTactic, auto_placement, consumer_tactic, fused_collapse
 from .spec import BoundarySpec
 
@@ -82,7 +82,7 @@ def variant_plan(spec: BoundarySpec, pinned: ConsumerTactic | None, rows: int, m
     collapse = spec.collapse if mode == FULL else None
     fused = fused_collapse(rows, spec.hc, collapse, placement)
     tactic = pinned or consumer_tactic(rows, spec.hidden, fused)
-    return StepPlan(Mode(mode), rows, inputs, placement, collapse, fused, tactic)
+    return StepPlan(MODES[mode], rows, inputs, placement, collapse, fused, tactic)
 
 
 def plan_step(spec: BoundarySpec, pinned: ConsumerTactic | None, x: torch.Tensor, mode: Mode,
@@ -94,7 +94,7 @@ def plan_step(spec: BoundarySpec, pinned: ConsumerTactic | None, x: torch.Tensor
     if mode != PLAIN:
         check_inputs(spec, mode, inputs)
     rows = x.shape[0]
-    placement = MixesPlacement(placement or MixesPlacement.CONSUMER)
+    placement = placement_of(placement or MixesPlacement.CONSUMER)
     if placement == MixesPlacement.AUTO:
         placement = auto_placement(rows, spec.side_stream_possible)
     return variant_plan(spec, pinned, rows, mode, inputs, placement)

@@ -131,6 +131,16 @@ class MixesPlacement(StrEnum):
     AUTO = "auto"
 
 
+# A member by its value, by dict lookup: torch.compile (Dynamo in torch 2.11) cannot
+# trace an enum's construction, MixesPlacement(value), inside a compiled step.
+_PLACEMENTS = {p.value: p for p in MixesPlacement}
+
+
+def placement_of(value: str) -> MixesPlacement:
+    """The ``MixesPlacement`` of ``value`` (a member or its string)."""
+    return _PLACEMENTS[value]
+
+
 MIXES_PLACEMENTS = tuple(p.value for p in MixesPlacement)  # as error messages list them
 
 
@@ -150,7 +160,7 @@ class NextMixes:
                  rows: MixRows | None = None, epoch: int | None = None,
                  stream: int = 0) -> None:
         self.pre, self.post, self.comb = pre, post, comb
-        self.placement = MixesPlacement(placement)
+        self.placement = placement_of(placement)
         self.finish = finish  # the device arguments left to the GEMM (None: nothing left)
         self.rows = rows  # the scratch the shares live in, with its write count
         self.epoch = epoch  # that count at the launch that left them; None: compile only

@@ -295,12 +295,14 @@ def prepare_consume(
     if status is None:  # gathered plain / residual-only: the kernel's abort report needs a word
         status = torch.zeros(1, dtype=torch.int32, device=device)
     tensors = (
-        mailbox, _or(stage_state, dummy), status, _or(generation, dummy),
-        _or(sumsq, dummy), _or(prenorm, dummy), _or(residual, dummy),
-        _or(post, dummy), _or(comb, dummy), _or(pre, dummy), _or(norm_weight, dummy), out,
-        _or(layer_input, dummy), mxfp8_out[0] if quant else dummy,
+        mailbox, _given_or(stage_state, dummy), status, _given_or(generation, dummy),
+        _given_or(sumsq, dummy), _given_or(prenorm, dummy), _given_or(residual, dummy),
+        _given_or(post, dummy), _given_or(comb, dummy), _given_or(pre, dummy),
+        _given_or(norm_weight, dummy), out,
+        _given_or(layer_input, dummy), mxfp8_out[0] if quant else dummy,
         mxfp8_out[1] if quant else dummy,
-        _or(fn, dummy), _or(scale, dummy), _or(base, dummy), _or(mix_words, dummy),
+        _given_or(fn, dummy), _given_or(scale, dummy), _given_or(base, dummy),
+        _given_or(mix_words, dummy),
         *(mixes_out or (dummy,) * 3))
     scalars = (float(eps), float(mixes.hc_eps) if mixes is not None else 0.0, capacity,
                int(wait_bound), mixes.sinkhorn_iters - 1 if mixes is not None else 0)
@@ -437,5 +439,6 @@ def holds_mix_weights(tactic: ConsumerTactic, hc: int) -> bool:
     return tactic.mix_weights_early and tactic.cooperative and mix_slots(hc) * hc <= 128
 
 
-def _or(t, default):
+def _given_or(t, default):
+    """``t``, or ``default`` (a dummy pointer) where the argument was not given."""
     return default if t is None else t

@@ -169,7 +169,7 @@ def mxfp8_mm(layer, x, *, finish_mixes: NextMixes | None = None, mxfp8_out: bool
     """``layer``'s GEMM of ``x`` with the selected tactic (any row count).
     ``finish_mixes``: the next mHC mixes of the all-reduce call right before
     this GEMM on the stream (its result's ``mixes``); where that call left
-    their combine to this GEMM (``mixes="next_gemm"``), M more programs of
+    their combine to this GEMM (``mixes_placement="next_gemm"``), M more programs of
     this launch combine them while the products run (eager launches of a
     layer the kernel takes, M >= 1; the output bits do not change), else
     it changes nothing.

@@ -185,20 +185,27 @@ class UserStep:
         """The next mixes of ``residual_out``: :meth:`mix_inputs`, then the kernel."""
         return launch_user_mixes(*self.mix_inputs(residual_out), *self.kernel_args)
 
+    def _first_args(self, x: BoundaryInputs) -> tuple:
+        """The first compiled graph's arguments of the inline step (V4.1) or of
+        V4's step."""
+        if self.same:
+            return (x.attn_out, x.residual, x.post, x.comb, self.wo_a, self.wo_b,
+                    self.group_name)
+        return (x.attn_out, x.residual, x.post, x.comb, x.pre, self.wo_a, self.wo_b,
+                self.fused_wqa_wkv, self.norm_weight, self.eps, self.group_name)
+
+    def _collapse(self, residual_out: torch.Tensor, pre: torch.Tensor):
+        """V4's second graph: (layer_input, q) of ``residual_out`` collapsed with ``pre``."""
+        return self.second(residual_out, pre, self.norm_weight, self.eps, self.fused_wqa_wkv)
+
     def stages(self, inputs: BoundaryInputs) -> dict:
         """The inline step's launches, each a callable to time alone (the bench's
         breakdown): its compiled graphs and the mixes kernel."""
         if self.lane is not None:
             raise ValueError("the breakdown times the inline user step (aside=False)")
-        x = inputs
-        if self.same:
-            first_args = (x.attn_out, x.residual, x.post, x.comb, self.wo_a, self.wo_b,
-                          self.group_name)
-            residual_out = self.first(*first_args)
-        else:
-            first_args = (x.attn_out, x.residual, x.post, x.comb, x.pre, self.wo_a, self.wo_b,
-                          self.fused_wqa_wkv, self.norm_weight, self.eps, self.group_name)
-            residual_out = self.first(*first_args)[0]
+        first_args = self._first_args(inputs)
+        first = self.first(*first_args)
+        residual_out = first if self.same else first[0]
         projected, rstd = self.mix_inputs(residual_out)
         pre = launch_user_mixes(projected, rstd, *self.kernel_args)[0]
         stages = {
@@ -211,8 +218,8 @@ class UserStep:
                 lambda: launch_user_mixes(projected, rstd, *self.kernel_args),
         }
         if self.same:
-            stages["collapse + RMSNorm + fused_wqa_wkv (torch.compile)"] = lambda: self.second(
-                residual_out, pre, self.norm_weight, self.eps, self.fused_wqa_wkv)
+            stages["collapse + RMSNorm + fused_wqa_wkv (torch.compile)"] = \
+                lambda: self._collapse(residual_out, pre)
         return stages
 
     def join(self) -> None:
@@ -223,16 +230,12 @@ class UserStep:
     def __call__(self, inputs: BoundaryInputs) -> BoundaryOutputs:
         x = inputs
         if self.same:
-            residual_out = self.first(x.attn_out, x.residual, x.post, x.comb, self.wo_a,
-                                      self.wo_b, self.group_name)
+            residual_out = self.first(*self._first_args(x))
             mixes = self.mixes(residual_out)
-            layer_input, q = self.second(residual_out, mixes[0], self.norm_weight, self.eps,
-                                         self.fused_wqa_wkv)
-            return BoundaryOutputs(residual_out, layer_input, q, *mixes)
+            return BoundaryOutputs(residual_out, *self._collapse(residual_out, mixes[0]),
+                                   *mixes)
         if self.lane is None:
-            outs = self.first(x.attn_out, x.residual, x.post, x.comb, x.pre, self.wo_a,
-                              self.wo_b, self.fused_wqa_wkv, self.norm_weight, self.eps,
-                              self.group_name)
+            outs = self.first(*self._first_args(x))
             return BoundaryOutputs(*outs, *self.mixes(outs[0]))
         reduced = self.first(x.attn_out, self.wo_a, self.wo_b, self.group_name)
         self.lane.join()  # the previous step's mixes, before this step's mHC

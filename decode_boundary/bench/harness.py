@@ -296,7 +296,7 @@ def _time_paths(ab: AttentionBoundary, spec: BenchSpec, ctx: RankContext, stage:
     inputs = ab.make_inputs(breakdown_rows, seed=breakdown_rows)
     # A stage or a mixes path reads far fewer bytes than the whole step: rotated over the
     # step's copies alone, its weights (or hc_fn) would stay in L2. Ours rotate over
-    # ``parts``; the baselines' stages reuse their steps (its BF16 weights are twice
+    # ``parts``; the baselines' stages reuse their steps (their BF16 weights are twice
     # ours: a stage's rotation over the step's copies already exceeds the L2).
     breakdown = {}
     for path, stages_of in STAGES.items():

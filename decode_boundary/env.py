@@ -126,6 +126,23 @@ def env_flag(name: str, default: bool = False) -> bool:
                      f"{'/'.join(_TRUE)} or {'/'.join(_FALSE)} (any case)")
 
 
+BATCH_INVARIANT_ENV = "DECODE_BOUNDARY_BATCH_INVARIANT"
+
+
+def batch_invariant(given: bool | None = None) -> bool:
+    """Whether batch-invariant mode is on: ``given`` where it is a bool, else
+    ``DECODE_BOUNDARY_BATCH_INVARIANT`` (:func:`env_flag`, default off), read
+    now. ``mxfp8_mm`` and ``precompile`` read it at each call that passes
+    None; ``BoundaryAllReduce`` and ``AttentionBoundary`` once, at
+    construction."""
+    if given is None:
+        return env_flag(BATCH_INVARIANT_ENV)
+    if not isinstance(given, bool):
+        raise ValueError(f"batch_invariant must be True, False or None (the environment's "
+                         f"{BATCH_INVARIANT_ENV}), got {given!r}")
+    return given
+
+
 def resolve_device(device: torch.device | str | None) -> torch.device:
     """``device`` with a bare ``"cuda"`` (or None) meaning the current CUDA device."""
     if device is None:

@@ -4,7 +4,8 @@ At a low-row boundary the unfused path runs three kernels: the MXFP8 GEMM
 writes this rank's partial, the publish kernel reads it back and stores it into
 every peer's mailbox, then the consumer reduces. :class:`PublishingMxfp8Linear`
 runs the *same* low-latency GEMM with the *same* tactic a plain call would
-select, compiled with its publishing epilogue: each BF16 output value, with −0
+select (in the all-reduce's batch-invariant mode, that mode's), compiled with
+its publishing epilogue: each BF16 output value, with −0
 turned into +0, also goes to ``mailbox_p[NEXT, rank, token, column]`` of every
 peer p (unicast 16-byte stores; never multicast), and one thread of the grid
 sets ACTIVE. The caller's next ``all_reduce(out, ...)`` then launches only the
@@ -167,12 +168,14 @@ class PublishingMxfp8Linear:
         publishing kernel for the input kind (``bf16_input``: the BF16-in
         variant) compiled through the all-reduce: the first use is collective,
         so a rank still compiling cannot make a peer's consumer wait past its
-        bound."""
-        tactic = selected_tactic(linear, rows)
+        bound. Batch-invariant mode is the all-reduce's."""
+        invariant = self.all_reduce.batch_invariant
+        tactic = selected_tactic(linear, rows, invariant)
         k, n = linear.weight.shape
         self.all_reduce.compile_variants({
             ("publishing_gemm", n, k, tactic, bf16_input):
-                lambda: precompile(linear, [rows], publish=target, bf16_input=bf16_input),
+                lambda: precompile(linear, [rows], publish=target, bf16_input=bf16_input,
+                                   batch_invariant=invariant),
         })
         return tactic
 

@@ -196,9 +196,24 @@ def verify_rows(ab: AttentionBoundary, rows: int, group: dist.ProcessGroup | Non
         identical = len(set(digests)) == 1
     verdict = _verdict(ab, rows, outputs_identical(fused, unfused), fused, unfused, ref,
                        identical)
-    verdict["failures"] += baseline_failures
+    verdict["failures"] += baseline_failures + _invariant_failures(ab, inputs, ref)
     verdict["ok"] = not verdict["failures"]
     return verdict
+
+
+def _invariant_failures(ab: AttentionBoundary, inputs, ref: BoundaryOutputs) -> list[str]:
+    """The batch-invariant path (``fused_invariant``) against the reference, and
+    its tokens against the same tokens alone (M = 1) and as the first half of
+    the batch: every bit."""
+    twin = ab.batch_invariant_twin()
+    out = twin(inputs, fused=True, mixes_aside="auto")
+    heads = [(m, twin(inputs.head(m), fused=True, mixes_aside="auto"))
+             for m in sorted({1, max(1, inputs.rows // 2)})]
+    twin.join_mixes()
+    failures = [f"fused_invariant {f}" for f in check_outputs(out, ref) + check_mixes(out, ab)]
+    failures += [f"fused_invariant: its first {m} token(s) differ from the same at M = {m}"
+                 for m, head in heads if not outputs_identical(out.head(m), head)]
+    return failures
 
 
 def verify_simulated(spec: BenchSpec, tp: int) -> dict:
@@ -235,6 +250,7 @@ def run_rank(ctx: RankContext, spec: BenchSpec) -> dict:
                            ctx.device, max(spec.rows), seed=spec.seed,
                            weights_dir=spec.weights_dir)
     ab.precompile(spec.rows)
+    ab.batch_invariant_twin().precompile(spec.rows)  # fused_invariant
     seconds = {"precompile": time.perf_counter() - start, "first_call": {}}
     names = baselines_for(ab, spec.baselines)
     paths = paths_for(ab, spec.baselines)

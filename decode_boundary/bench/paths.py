@@ -23,10 +23,13 @@ from .user_step import UserStep
 Step = Callable[[BoundaryInputs], BoundaryOutputs]
 
 
-def _ours(fused: bool) -> Callable[[AttentionBoundary], Step]:
+def _ours(fused: bool, batch_invariant: bool = False) -> Callable[[AttentionBoundary], Step]:
     # V4.1's mixes on the side stream where that pays ("auto"); the timer joins them at
     # the graph's end (graph_time_us(join=...)), each step joins the one before.
-    return lambda ab: functools.partial(ab, fused=fused, mixes_aside="auto")
+    def step(ab: AttentionBoundary) -> Step:
+        chain = ab.batch_invariant_twin() if batch_invariant else ab
+        return functools.partial(chain, fused=fused, mixes_aside="auto")
+    return step
 
 
 PATHS: dict[str, Callable[[AttentionBoundary], Step]] = {
@@ -40,6 +43,8 @@ PATHS: dict[str, Callable[[AttentionBoundary], Step]] = {
     "baseline": EagerBaseline,  # cuBLAS FP8 row-wise + eager torch
     "unfused": _ours(fused=False),  # our GEMMs, the publish kernel, the consumer
     "fused": _ours(fused=True),  # the publishing wo_b: four launches
+    # The same in batch-invariant mode (docs/DESIGN.md §7.1): its cost, in the same run.
+    "fused_invariant": _ours(fused=True, batch_invariant=True),
 }
 
 
@@ -86,6 +91,9 @@ def join_all(ab: AttentionBoundary, steps: list[Step]) -> Callable[[], None]:
         for step in steps:
             if isinstance(step, UserStep):
                 step.join()
+            elif isinstance(step, functools.partial) and \
+                    isinstance(step.func, AttentionBoundary) and step.func is not ab:
+                step.func.join_mixes()  # a twin's own all-reduce (fused_invariant)
     return join
 
 

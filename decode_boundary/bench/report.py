@@ -68,7 +68,8 @@ BASELINES = ("user_step", "user_step_aside", "compiled_step", "strong_baseline",
 # (the whole step, mixes included, by max-autotune) costs one more autotuned compile
 # per M: --baselines adds it (``all``: every baseline).
 DEFAULT_BASELINES = ("user_step", "user_step_aside", "strong_baseline", "baseline")
-SPEEDUPS = (*((b, "fused") for b in BASELINES), ("unfused", "fused"))
+SPEEDUPS = (*((b, "fused") for b in BASELINES), ("unfused", "fused"),
+            ("fused_invariant", "fused"))
 # table headers (JSON keeps the names)
 SHORT = {"user_step": "user", "user_step_aside": "user aside", "compiled_step": "compiled",
          "strong_baseline": "strong", "baseline": "eager"}

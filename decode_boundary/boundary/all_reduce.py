@@ -126,6 +126,8 @@ class BoundaryAllReduce:
     collapse_pre = _from_spec("collapse", "The next mixes' Collapse (None: none).")
     hc_eps = _from_spec("hc_eps", "The mixes' Sinkhorn eps.")
     hc_sinkhorn_iters = _from_spec("hc_sinkhorn_iters", "The mixes' Sinkhorn rounds.")
+    batch_invariant = _from_spec(
+        "batch_invariant", "Whether a token's outputs are independent of M and its batch-mates.")
     side_stream_possible = _from_spec(
         "side_stream_possible", 'Whether full calls may take mixes_placement="side_stream".')
     capturing = _from_spec("capturing", "A CUDA graph is being captured on this device.")
@@ -136,6 +138,7 @@ class BoundaryAllReduce:
                  wait_timeout_s: float = 1.0, transport: str = "auto",
                  tactic: ConsumerTactic | None = None, collapse_pre: str | None = None,
                  hc_eps: float = 1e-6, hc_sinkhorn_iters: int = 20,
+                 batch_invariant: bool | None = None,
                  _mailbox: Mailbox | None = None) -> None:
         """Collective over ``group`` (every rank constructs with the same arguments).
 
@@ -152,8 +155,17 @@ class BoundaryAllReduce:
         before anything is allocated. Before the exchange, a bounded barrier
         over the rendezvous store (``host_timeout_s``, settable on the class
         before constructing; :mod:`.host_wait`) names a rank that never
-        constructs in a ``RuntimeError``."""
+        constructs in a ``RuntimeError``.
+
+        ``batch_invariant`` (None: ``DECODE_BOUNDARY_BATCH_INVARIANT``, read
+        here, once): a token's outputs do not depend on M or its batch-mates
+        (docs/DESIGN.md §7.1): one consumer tactic for every M
+        (``consumer_tactics.INVARIANT_CONSUMER``; a pinned ``tactic`` must
+        have its shape), the mixes kernel's shares in the consumer's order,
+        and the publisher's GEMM on the invariant tactics. Compared across
+        ranks like the geometry."""
         env.disable_multicast(group)  # before anything may touch the group
+        batch_invariant = env.batch_invariant(batch_invariant)
         tp = _mailbox.tp if _mailbox is not None else \
             dist.get_world_size(group) if group is not None else 1
         check_tp(tp)
@@ -174,7 +186,8 @@ class BoundaryAllReduce:
                             top_k=top_k, quantize_layer_input=bool(quantize_layer_input),
                             residual_only=bool(residual_only), dtype=str(MAILBOX_DTYPE),
                             transport=transport, collapse_pre=collapse_pre,
-                            hc_eps=float(hc_eps), hc_sinkhorn_iters=hc_sinkhorn_iters)
+                            hc_eps=float(hc_eps), hc_sinkhorn_iters=hc_sinkhorn_iters,
+                            batch_invariant=batch_invariant)
             try:
                 host_wait.barrier(group, self.settings.host_timeout, "construct",
                                   "the construction of BoundaryAllReduce",
@@ -200,7 +213,7 @@ class BoundaryAllReduce:
         self.spec = BoundarySpec(
             _mailbox.tp, _mailbox.rank, hidden_size, hc_mult, capacity, top_k, device, group,
             transport, bool(residual_only), bool(quantize_layer_input), wait_timeout_s,
-            collapse, hc_eps, hc_sinkhorn_iters)
+            collapse, hc_eps, hc_sinkhorn_iters, batch_invariant)
         # published, failed, compiled variants, barriers; the mailbox
         self._guard = StepGuard(self.spec, _mailbox, self.settings)
         # The mixes the last call left unfinished: on the side stream, or to the next GEMM.

@@ -41,6 +41,7 @@ from .consumer_kernel import (
 )
 from .consumer_tactics import (
     ConsumerTactic,
+    check_invariant_tactic,
     consumer_tactic,
     fuses_mixes,
     side_stream_possible,
@@ -148,6 +149,7 @@ def prepare_consume(
     mix_words: torch.Tensor | None = None,
     combine_mixes: bool = True,
     mixes_stream: torch.cuda.Stream | None = None,
+    batch_invariant: bool = False,
 ) -> ConsumerLaunch:
     """Check every input of a consumer launch for ``m`` tokens and allocate its
     outputs; the :class:`ConsumerLaunch` returned launches it (its ``result``:
@@ -191,6 +193,12 @@ def prepare_consume(
     the mixes, or launch the next consumer on the same scratch, before that.
     ``residual_out``, the mixes and the mix weights are recorded on the
     stream for the allocator. On a CPU device (the interpreter) the kernel runs inline.
+    ``batch_invariant``: the default tactic is the mode's
+    (``consumer_tactic(..., batch_invariant=True)``) and the mixes kernel
+    computes its shares in the consumer's order (``CONSUMER_ORDER``), which
+    needs the consumer's tactic to have the shape ``INVARIANT_CONSUMER``
+    (else ``ValueError``): a token's outputs are then the same whichever
+    kernel computes its mixes (docs/DESIGN.md §7.1).
 
     Early inputs (module docstring): ``residual``, ``post``, ``comb``, ``pre``
     and ``norm_weight`` (and with ``mixes`` ``hc_fn``, early where the tactic
@@ -243,7 +251,10 @@ def prepare_consume(
     fused = isinstance(mixes, MhcMixes) and mixes_stream is None and \
         fuses_mixes(m, hc, mixes.collapse)
     tactic = ConsumerTactic(*(tactic or consumer_tactic(m, hidden,
-                                                        mixes.collapse if fused else None)))
+                                                        mixes.collapse if fused else None,
+                                                        batch_invariant)))
+    if batch_invariant:
+        check_invariant_tactic(tactic, hidden)
     check_tactic(tactic, hidden, mode, fused, isinstance(mixes, MhcMixes) and not fused)
     if not isinstance(combine_mixes, bool):
         raise ValueError(f"combine_mixes must be a bool, got {combine_mixes!r}")
@@ -318,7 +329,8 @@ def prepare_consume(
         mixes_kernel = functools.partial(
             launch_next_mixes, out, fn, scale, base, eps, mixes.hc_eps, mixes.sinkhorn_iters,
             generation, mix_words, status, wait_bound, mixes_out, _mix_row(hidden, hc),
-            cooperative=tactic.cooperative, ptx=ptx, pdl=pdl and mixes_stream is None)
+            cooperative=tactic.cooperative, ptx=ptx, pdl=pdl and mixes_stream is None,
+            consumer_order=batch_invariant)
     finish = mixes_finish(mixes, mix_words, generation, status, mixes_out, eps, wait_bound,
                           hidden, tactic, ptx) if defer else None
     return ConsumerLaunch(grid, tensors, scalars, constants, mixes_kernel, mixes_stream,

@@ -13,6 +13,7 @@ import triton
 from .. import env
 from ..common.contract import mix_slots
 from ..mixes.handoff import MixesPlacement
+from ..mixes.mixes_kernel import MIXES_KERNEL_BLOCK_H, MIXES_KERNEL_WARPS
 from .consumer_kernel import Collapse
 
 
@@ -58,6 +59,12 @@ SAME_PRE_MIXES_TACTICS = (
     (16, ConsumerTactic(128, 4, release_late=True)),  # the next GEMM waits for the shares
     (1 << 30, ConsumerTactic(256, 4)),  # beyond 16 tokens V4.1's choice
 )
+
+# Batch-invariant mode (docs/DESIGN.md §7.1): the (columns, warps) of the consumer at
+# every M, whatever the table's entry (its other fields, which change no sum, stay):
+# the sum of squares and the mixes' shares follow them. The mixes kernel's shares in
+# the consumer's order (its CONSUMER_ORDER) need the consumer's shape to be its own.
+INVARIANT_CONSUMER = (MIXES_KERNEL_BLOCK_H, MIXES_KERNEL_WARPS)
 
 # Beyond this many tokens V4.1's next mixes come from the mixes kernel after the
 # consumer (mixes_kernel.py: hc_fn read once per 16 tokens, not once per token): the
@@ -132,7 +139,22 @@ def table_entry(table: tuple, m: int) -> ConsumerTactic:
     return next(t for limit, t in table if m <= limit)
 
 
-def consumer_tactic(m: int, hidden: int, fused: Collapse | None = None) -> ConsumerTactic:
+def consumer_tactic(m: int, hidden: int, fused: Collapse | None = None,
+                    batch_invariant: bool = False) -> ConsumerTactic:
     """The table's tactic for M tokens (``fused``: the collapse of the mixes
-    fused in the consumer, :func:`consumer_table`), as it runs."""
-    return runs_as(table_entry(consumer_table(fused), m), hidden)
+    fused in the consumer, :func:`consumer_table`), as it runs; in
+    batch-invariant mode of the shape ``INVARIANT_CONSUMER``."""
+    entry = table_entry(consumer_table(fused), m)
+    if batch_invariant:
+        entry = entry._replace(block_h=INVARIANT_CONSUMER[0], warps=INVARIANT_CONSUMER[1])
+    return runs_as(entry, hidden)
+
+
+def check_invariant_tactic(tactic: ConsumerTactic, hidden: int) -> None:
+    """``ValueError`` for a consumer tactic batch-invariant mode cannot run
+    (another shape than ``INVARIANT_CONSUMER``, as it runs)."""
+    want = runs_as(ConsumerTactic(*INVARIANT_CONSUMER), hidden)
+    if (tactic.block_h, tactic.warps) != (want.block_h, want.warps):
+        raise ValueError(f"batch-invariant mode runs the consumer at block_h {want.block_h} "
+                         f"and {want.warps} warps at every M (the mixes kernel's order), got "
+                         f"the tactic {tactic}")

@@ -113,7 +113,8 @@ class Launches:
         # The status word and bound serve the norm hand-off in both transports.
         scratch = dict(generation=box.generation, sumsq=box.sumsq, prenorm=box.prenorm,
                        status=box.status, tactic=plan.tactic, wait_bound=self.wait_bound,
-                       partial=x)  # only checked: an early input must not alias it
+                       # partial: only checked (an early input must not alias it)
+                       partial=x, batch_invariant=plan.batch_invariant)
         if spec.transport == "mailbox":
             return prepare_consume(box.buffer, spec.tp, plan.rows, mode=plan.mode,
                                    stage_state=box.stage_state, **scratch, **inputs), None
@@ -166,7 +167,8 @@ class Launches:
         mix_params = MhcMixes(torch.empty(0, **f32), torch.empty(3, **f32),
                               torch.empty((2 + hc) * hc, **f32), spec.hc_eps,
                               spec.hc_sinkhorn_iters, spec.collapse)
-        tactic = self.settings.tactic or consumer_tactic(m, h, spec.collapse)
+        tactic = self.settings.tactic or consumer_tactic(m, h, spec.collapse,
+                                                         spec.batch_invariant)
         bound = wait_bound(self.wait_bound.seconds, device)  # a WaitTimeout, converted
         outputs = (torch.empty(m, hc, **f32), torch.empty(m, hc, **f32),
                    torch.empty(m, hc, hc, **f32))

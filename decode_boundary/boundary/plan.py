@@ -20,7 +20,13 @@ import torch
 from ..mixes.handoff import MIXES_PLACEMENTS, MixesPlacement, placement_of
 from .consumer_inputs import MhcMixes, is_nonnegative_real
 from .consumer_kernel import FULL, MODES, PLAIN, RESIDUAL_ONLY, Collapse, Mode
-from .consumer_tactics import ConsumerTactic, auto_placement, consumer_tactic, fused_collapse
+from .consumer_tactics import (
+    ConsumerTactic,
+    auto_placement,
+    check_invariant_tactic,
+    consumer_tactic,
+    fused_collapse,
+)
 from .spec import BoundarySpec
 
 
@@ -42,7 +48,8 @@ class StepPlan(NamedTuple):
     ``placement``, where its next mixes run (resolved: never "auto";
     "consumer" without mixes); ``fused``, the collapse of the mixes the
     consumer computes itself (None: none, or the mixes kernel does); the
-    consumer's ``tactic``."""
+    consumer's ``tactic``; ``batch_invariant``: the spec's mode (the mixes
+    kernel's shares in the consumer's order)."""
 
     mode: Mode
     rows: int
@@ -51,6 +58,7 @@ class StepPlan(NamedTuple):
     collapse: Collapse | None  # of this call's mixes (None: it computes none)
     fused: Collapse | None
     tactic: ConsumerTactic
+    batch_invariant: bool = False
 
     @property
     def quantize(self) -> bool:
@@ -66,7 +74,8 @@ class StepPlan(NamedTuple):
     def variant(self) -> tuple:
         """The key of the consumer variant this call runs."""
         return ("consume", self.mode, self.quantize, self.collapse, self.fused is not None,
-                self.combine, self.placement == MixesPlacement.SIDE_STREAM, self.tactic)
+                self.combine, self.placement == MixesPlacement.SIDE_STREAM, self.tactic,
+                self.batch_invariant)
 
     def mix_params(self, spec: BoundarySpec) -> MhcMixes | None:
         """The next mixes' parameters (None without mixes)."""
@@ -78,11 +87,15 @@ def variant_plan(spec: BoundarySpec, pinned: ConsumerTactic | None, rows: int, m
                  placement: MixesPlacement = MixesPlacement.CONSUMER) -> StepPlan:
     """The plan of a call already checked (or of a variant to compile): the
     resolved ``placement``, the consumer's tactic (``pinned``, else the
-    tables')."""
+    tables'; batch-invariant mode refuses a pinned one of another shape than
+    its own)."""
     collapse = spec.collapse if mode == FULL else None
     fused = fused_collapse(rows, spec.hc, collapse, placement)
-    tactic = pinned or consumer_tactic(rows, spec.hidden, fused)
-    return StepPlan(MODES[mode], rows, inputs, placement, collapse, fused, tactic)
+    tactic = pinned or consumer_tactic(rows, spec.hidden, fused, spec.batch_invariant)
+    if spec.batch_invariant:
+        check_invariant_tactic(tactic, spec.hidden)
+    return StepPlan(MODES[mode], rows, inputs, placement, collapse, fused, tactic,
+                    spec.batch_invariant)
 
 
 def plan_step(spec: BoundarySpec, pinned: ConsumerTactic | None, x: torch.Tensor, mode: Mode,

@@ -73,7 +73,8 @@ class BoundarySpec:
     (the MoE finalize); ``transport`` as resolved ("mailbox" or "nccl"); the
     modes it allows (``residual_only``, ``quantize_layer_input``); the
     consumer's wait bound; the next mixes' ``collapse`` (None: none) with the
-    model's ``hc_eps`` and Sinkhorn rounds."""
+    model's ``hc_eps`` and Sinkhorn rounds; ``batch_invariant``: a token's
+    outputs do not depend on M or its batch-mates (docs/DESIGN.md §7.1)."""
 
     tp: int
     rank: int
@@ -90,6 +91,7 @@ class BoundarySpec:
     collapse: Collapse | None
     hc_eps: float
     hc_sinkhorn_iters: int
+    batch_invariant: bool = False
 
     @property
     def side_stream_possible(self) -> bool:

@@ -23,13 +23,15 @@ from .tactics import (
     WIDE_LOW_LATENCY_MAX_ROWS,
     Tactic,
     default_tactic,
+    invariant_tactic,
     row_bucket,
     valid_tactics,
 )
 
 __all__ = [
     "LOW_BATCH_MAX_ROWS", "Mxfp8Linear", "Tactic", "WIDE_LOW_LATENCY_MAX_ROWS",
-    "check_mxfp8_mm", "default_tactic", "launch_low_latency", "load_linear", "mxfp8_eligible",
+    "check_mxfp8_mm", "default_tactic", "invariant_tactic", "launch_low_latency", "load_linear",
+    "mxfp8_eligible",
     "mxfp8_mm", "mxfp8_mm_ref", "mxfp8_out_in_epilogue", "precompile", "row_bucket",
     "selected_tactic", "shape_representatives", "valid_tactics", "warmup_low_latency",
 ]

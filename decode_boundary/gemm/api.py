@@ -15,7 +15,15 @@ input's original dtype (computed as BF16).
 ``mxfp8_mm`` runs any row count with :func:`selected_tactic` (the table's
 tactic, else the heuristic: tactics.py), the same
 tactic for a BF16 input and for its ``quantize_mxfp8``, so both give the same
-output bits (the summation order follows the tactic). A layer no kernel
+output bits (the summation order follows the tactic).
+
+**Batch-invariant mode** (``batch_invariant=True``, or None with
+``DECODE_BOUNDARY_BATCH_INVARIANT=1`` in the environment, read at each call
+that passes None; under torch.compile, at trace time): every row count runs
+the shape's one reduction order (``tactics.invariant_tactic``), so a row's
+output bits are the same for every M and any batch-mates, for BF16 and
+MXFP8 inputs alike. It costs most at 1-2 rows, where the tables' CUDA-core
+tiles are faster (docs/PERFORMANCE.md). A layer no kernel
 takes ((N / groups) % 16 != 0, K % 32 != 0, misaligned buffers) raises
 ``ValueError``: ``mxfp8_mm_ref`` (reference.py) computes any layer, slowly.
 Malformed operands raise ValueError.
@@ -27,6 +35,7 @@ from collections.abc import Iterable
 
 import torch
 
+from decode_boundary.env import batch_invariant as resolve_batch_invariant
 from decode_boundary.mixes.handoff import NextMixes
 from decode_boundary.mxfp8.format import QuantizedActivation, check_quantized
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
@@ -38,7 +47,7 @@ from .launcher import (
     warmup_low_latency,
     weight_operands,
 )
-from .tactics import PROLOGUE_MAX_ROWS, Tactic, default_tactic
+from .tactics import PROLOGUE_MAX_ROWS, Tactic, tactic_for
 
 
 def _shape(layer) -> tuple[int, int, int]:
@@ -70,14 +79,16 @@ def _refusal(layer) -> str | None:
     return None
 
 
-def selected_tactic(layer_or_shape, rows: int) -> Tactic:
+def selected_tactic(layer_or_shape, rows: int, batch_invariant: bool | None = None) -> Tactic:
     """The tactic ``mxfp8_mm`` runs for ``rows`` rows of MXFP8 or BF16
     activations alike (it never depends on the input kind): the table's
-    tactic, else the heuristic (``tactics.default_tactic``).
+    tactic, else the heuristic (``tactics.default_tactic``); in
+    batch-invariant mode (module docstring; None: the environment's) the
+    shape's one order (``tactics.invariant_tactic``).
     ``layer_or_shape`` is a layer or an (N, K) / (N, K, groups) tuple."""
     n, k, groups = (*layer_or_shape, 1)[:3] if isinstance(layer_or_shape, tuple) \
         else _shape(layer_or_shape)
-    return default_tactic(n, k, rows, groups)
+    return tactic_for(n, k, rows, groups, resolve_batch_invariant(batch_invariant))
 
 
 def _activation(layer, x):
@@ -151,21 +162,22 @@ def _mark_finished(mixes: NextMixes | None) -> None:
         mixes.mark_finished()
 
 
-def _traced_mm(layer, x) -> torch.Tensor:
+def _traced_mm(layer, x, invariant: bool) -> torch.Tensor:
     """``mxfp8_mm`` while torch.compile traces: one ``decode_boundary::mxfp8_mm``."""
     groups = getattr(layer, "groups", 1)
     if isinstance(x, QuantizedActivation):
         out = torch.ops.decode_boundary.mxfp8_mm(x.data, x.scale, layer.weight,
-                                                 layer.weight_scale, groups)
+                                                 layer.weight_scale, groups, invariant)
         shape, dtype = x.orig_shape, x.orig_dtype
     else:
         out = torch.ops.decode_boundary.mxfp8_mm(x.reshape(-1, x.shape[-1]), None, layer.weight,
-                                                 layer.weight_scale, groups)
+                                                 layer.weight_scale, groups, invariant)
         shape, dtype = x.shape, x.dtype
     return _finish(layer, out, dtype, shape)
 
 
-def mxfp8_mm(layer, x, *, finish_mixes: NextMixes | None = None, mxfp8_out: bool = False):
+def mxfp8_mm(layer, x, *, finish_mixes: NextMixes | None = None, mxfp8_out: bool = False,
+             batch_invariant: bool | None = None):
     """``layer``'s GEMM of ``x`` with the selected tactic (any row count).
     ``finish_mixes``: the next mHC mixes of the all-reduce call right before
     this GEMM on the stream (its result's ``mixes``); where that call left
@@ -176,7 +188,10 @@ def mxfp8_mm(layer, x, *, finish_mixes: NextMixes | None = None, mxfp8_out: bool
     ``mxfp8_out``: return the output as MXFP8 (a ``QuantizedActivation``),
     byte for byte ``quantize_mxfp8(mxfp8_mm(layer, x))``: written so by the
     GEMM's own epilogue where :func:`mxfp8_out_in_epilogue` (no quantizer
-    launch, no BF16 round trip), else quantized after the GEMM."""
+    launch, no BF16 round trip), else quantized after the GEMM.
+    ``batch_invariant``: batch-invariant mode (module docstring); None reads
+    ``DECODE_BOUNDARY_BATCH_INVARIANT`` now."""
+    invariant = resolve_batch_invariant(batch_invariant)
     weight_operands(layer)  # malformed weights raise here
     if finish_mixes is not None and not isinstance(finish_mixes, NextMixes):
         raise ValueError(f"finish_mixes must be the NextMixes of an all-reduce call, got "
@@ -191,8 +206,9 @@ def mxfp8_mm(layer, x, *, finish_mixes: NextMixes | None = None, mxfp8_out: bool
         raise ValueError("finish_mixes needs an eager launch of a layer the kernel takes "
                          "(mxfp8_eligible)")
     if not torch.compiler.is_compiling():
-        return _run(layer, x, lambda rows: selected_tactic(layer, rows), finish_mixes, mxfp8_out)
-    out = _traced_mm(layer, x)
+        return _run(layer, x, lambda rows: selected_tactic(layer, rows, invariant), finish_mixes,
+                    mxfp8_out)
+    out = _traced_mm(layer, x, invariant)
     return quantize_mxfp8(out) if mxfp8_out else out
 
 
@@ -204,14 +220,15 @@ def _epilogue_quantizes(layer, tactic: Tactic, dtype: torch.dtype) -> bool:
             and quantized_out_fits(tactic))
 
 
-def mxfp8_out_in_epilogue(layer, rows: int, dtype: torch.dtype = torch.bfloat16) -> bool:
+def mxfp8_out_in_epilogue(layer, rows: int, dtype: torch.dtype = torch.bfloat16,
+                          batch_invariant: bool | None = None) -> bool:
     """Whether ``mxfp8_mm(layer, x, mxfp8_out=True)`` of ``rows`` rows of
     ``dtype`` writes the MXFP8 output from the GEMM's epilogue (an eager launch
     of a layer the kernel takes, no bias, a BF16 or FP32 input, a selected
     tactic of whole 32-column groups per program); elsewhere it quantizes
     after the GEMM, one launch more."""
     return (rows > 0 and not torch.compiler.is_compiling() and mxfp8_eligible(layer)
-            and _epilogue_quantizes(layer, selected_tactic(layer, rows), dtype))
+            and _epilogue_quantizes(layer, selected_tactic(layer, rows, batch_invariant), dtype))
 
 
 def shape_representatives(layers: Iterable) -> list:
@@ -226,7 +243,8 @@ def shape_representatives(layers: Iterable) -> list:
 
 def precompile(layer, rows_list: Iterable[int], publish=None, bf16_input: bool | None = None,
                stream: torch.cuda.Stream | None = None,
-               finish_mixes: NextMixes | None = None, mxfp8_out: bool = False):
+               finish_mixes: NextMixes | None = None, mxfp8_out: bool = False,
+               batch_invariant: bool | None = None):
     """Compile the kernels ``mxfp8_mm`` (or, with ``publish``, the publishing
     launch) uses for each row count and allocate their split-K scratch,
     launching nothing (but the quantizer, once, where a BF16 input of that many
@@ -240,7 +258,9 @@ def precompile(layer, rows_list: Iterable[int], publish=None, bf16_input: bool |
     ``finish_mixes``: the variant that also finishes these mixes (the
     all-reduce's ``deferred_finish(rows)``; one row count). ``mxfp8_out``:
     the variant writing an MXFP8 output, at the row counts where
-    :func:`mxfp8_out_in_epilogue` (and the quantizer where it is not)."""
+    :func:`mxfp8_out_in_epilogue` (and the quantizer where it is not).
+    ``batch_invariant``: the mode's tactics (None: the environment's, read now)."""
+    invariant = resolve_batch_invariant(batch_invariant)
     if not mxfp8_eligible(layer):
         return
     rows_list = list(rows_list)
@@ -257,7 +277,7 @@ def precompile(layer, rows_list: Iterable[int], publish=None, bf16_input: bool |
                 # launch on zeros, writing only its own outputs), not under capture.
                 _load_quantizer(rows, groups * k, layer.weight.device)
                 bf16 = False
-            tactic = selected_tactic(layer, rows)
+            tactic = selected_tactic(layer, rows, invariant)
             in_epilogue = mxfp8_out and _epilogue_quantizes(layer, tactic, torch.bfloat16)
             if mxfp8_out and not in_epilogue:  # quantized after the GEMM
                 _load_quantizer(rows, n, layer.weight.device)

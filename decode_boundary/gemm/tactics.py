@@ -19,6 +19,20 @@ entries. Every selection here is a function of (N, K, groups, rows) only: the
 FP32 summation order depends on the whole tactic, so a tactic that followed
 the input kind would make a BF16 input and its ``quantize_mxfp8`` give
 different bits.
+
+**Batch-invariant mode** (:func:`tactic_for` with ``batch_invariant``;
+docs/DESIGN.md §7.1). The tables change the summation order with the row
+count (split-K, CUDA-core or tensor-core products, block), so a row's bits
+depend on how many rows share its launch. The mode runs one
+:class:`ReductionOrder` per (N, K, groups) at every row count
+(``INVARIANT_ORDERS``, else :func:`heuristic_order`): the same weight block,
+split-K, K-pieces and warps, always on tensor cores; only the activation tile
+(16, 32 or 64 rows: :func:`dot_tile`) follows the row count. A tensor-core
+product of one output element does not depend on the other rows of its tile
+(each is its own chain of MMAs over K) nor on the tile's height, so a row
+gets the same bits for every M and any batch-mates (held on the GPU by
+tests/gemm/test_batch_invariant_gpu.py). The CUDA-core tiles are never used
+there: their products are another rounding order.
 """
 
 from __future__ import annotations
@@ -207,6 +221,104 @@ TABLE: dict[tuple[int, int, int], dict[int, Tactic]] = {
         64: _t(64, 64, 8, 4, 64),  # as at 48 rows
     },
 }
+
+
+class ReductionOrder(NamedTuple):
+    """A tactic less its activation tile: what fixes an output element's FP32
+    summation order on tensor cores (module docstring, batch-invariant mode)."""
+
+    block_n: int
+    split_k: int
+    num_warps: int
+    chunk_k: int
+
+
+def _o(block_n, split_k, num_warps=4, chunk_k=128) -> ReductionOrder:
+    return ReductionOrder(block_n, split_k, num_warps, chunk_k)
+
+
+# (N, K, groups) -> the one order of batch-invariant mode. Chosen by timing candidate
+# orders at M = 1-64 against the tables (decode-boundary tune --batch-invariant) and
+# keeping the one whose slowest row count loses least; each line says why it wins.
+INVARIANT_ORDERS: dict[tuple[int, int, int], ReductionOrder] = {
+    (5120, 2048, 1): _o(64, 4),  # wo_b at TP 4: the tables' 16-64-row order
+    (8192, 1280, 1): _o(64, 5),  # wq_b at TP 4: the 16-row order; 3 splits lose at 1-16 rows
+    (1792, 5120, 1): _o(64, 14),  # fused_wqa_wkv: the 32-row order, level with the tables
+    (2048, 4096, 2): _o(64, 8, 4, 256),  # wo_a at TP 4: the 16/64-row order
+    (7168, 4096, 1): _o(64, 11),  # V4-Pro wo_b at TP 4: the 16-row order
+}
+
+
+def dot_tile(rows: int) -> int:
+    """The tensor-core activation tile of ``rows`` rows in batch-invariant mode:
+    the smallest of ``DOT_TILES`` that holds them, 64 above (over row blocks)."""
+    if rows < 1:
+        raise ValueError(f"rows must be positive, got {rows}")
+    return next((t for t in DOT_TILES if rows <= t), DOT_TILES[-1])
+
+
+def heuristic_order(n: int, k: int, groups: int = 1) -> ReductionOrder:
+    """The order of a shape ``INVARIANT_ORDERS`` does not hold: 64 weight rows
+    (wgmma) x ~384-element K-slices in 128-wide pieces, 4 warps, as the tables'
+    tensor-core entries; narrower blocks and other splits until one fits."""
+    if k % 32 or k <= 0 or n <= 0 or groups < 1 or n % groups or (n // groups) % 16:
+        raise ValueError(f"no MXFP8 GEMM tactic for N={n}, K={k}, groups={groups} "
+                         "(need K % 32 == 0 and (N / groups) % 16 == 0)")
+    split = _split_for(k, 384)
+    for block_n in (64, 32, 16):
+        for sp in (split, *SPLIT_KS):
+            for chunk in (128, 64, 256):
+                order = _o(block_n, sp, 4, chunk)
+                if fits(with_tile(order, DOT_TILES[-1]), n, k, groups):
+                    return order
+    raise ValueError(f"no MXFP8 GEMM tactic fits N={n}, K={k}, groups={groups}")
+
+
+def with_tile(order: ReductionOrder, rows_tile: int) -> Tactic:
+    """The tactic of ``order`` on activation tile ``rows_tile``."""
+    return Tactic(order.block_n, rows_tile, order.split_k, order.num_warps, order.chunk_k)
+
+
+def order_of(tactic: Tactic) -> ReductionOrder:
+    """``tactic`` less its activation tile."""
+    return ReductionOrder(tactic.block_n, tactic.split_k, tactic.num_warps, tactic.chunk_k)
+
+
+def invariant_order(n: int, k: int, groups: int = 1) -> ReductionOrder:
+    """The order batch-invariant mode runs for (N, K, groups)."""
+    return INVARIANT_ORDERS.get((n, k, groups)) or heuristic_order(n, k, groups)
+
+
+def invariant_tactic(n: int, k: int, rows: int, groups: int = 1) -> Tactic:
+    """What batch-invariant mode runs for ``rows`` rows: the shape's one order
+    on :func:`dot_tile` of the rows."""
+    return with_tile(invariant_order(n, k, groups), dot_tile(rows))
+
+
+def invariant_candidates(n: int, k: int, groups: int = 1, limit: int = 6
+                         ) -> list[ReductionOrder]:
+    """The orders ``decode-boundary tune --batch-invariant`` times for a shape,
+    the current one first: the tables' tensor-core orders (their 4-64-row
+    entries), the 64-row entry's with fewer or more splits and with 64-wide
+    pieces, the heuristic's; those that fit, at most ``limit``."""
+    out = [invariant_order(n, k, groups)]
+    out += [order_of(default_tactic(n, k, rows, groups)) for rows in (4, 16, 32, 64)
+            if default_tactic(n, k, rows, groups).rows_tile in DOT_TILES]
+    base = order_of(default_tactic(n, k, 64, groups))
+    out += [base._replace(split_k=max(1, base.split_k // 2)),
+            base._replace(split_k=base.split_k + 2), base._replace(chunk_k=64),
+            heuristic_order(n, k, groups)]
+    fitting = [o for o in dict.fromkeys(out) if fits(with_tile(o, DOT_TILES[-1]), n, k, groups)]
+    return fitting[:limit]
+
+
+def tactic_for(n: int, k: int, rows: int, groups: int = 1,
+               batch_invariant: bool = False) -> Tactic:
+    """The tactic of (N, K, groups) at ``rows`` rows (either input kind):
+    :func:`invariant_tactic` in batch-invariant mode, else :func:`default_tactic`."""
+    if batch_invariant:
+        return invariant_tactic(n, k, rows, groups)
+    return default_tactic(n, k, rows, groups)
 
 
 def table_tactic(n: int, k: int, rows: int, groups: int = 1) -> Tactic | None:

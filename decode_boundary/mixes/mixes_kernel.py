@@ -53,6 +53,18 @@ parts are multiplied as FP32 (as
 BF16 values, exact in TF32 too). The dots are not the reference's summation
 order: pre/post/comb match it within FP32 rounding, as the fused mixes do,
 not bit for bit.
+
+**The consumer's order** (``CONSUMER_ORDER``, batch-invariant mode): the
+shares are computed token by token with the consumer's own device function
+(``consumer_mixes.publish_mix_partials``: FP32 products, its sums over the
+[SLOTS, BLOCK_H] tile) on hc_fn's FP32 columns, with ``BLOCK_H`` and the
+warps of the consumer's batch-invariant tactic
+(``consumer_tactics.INVARIANT_CONSUMER``), so each share is word for word
+the one that consumer publishes with the mixes fused, and the combine is the
+same function: a token's pre, post and comb then do not depend on which of
+the two computed them, i.e. on the row count that picks one. FP32 FMA dots
+are slower than the MMAs; the kernel runs on the side stream from
+``MIXES_ASIDE_MIN_ROWS`` tokens, where it overlaps the next GEMM.
 """
 from __future__ import annotations
 
@@ -63,7 +75,7 @@ import triton.language as tl
 from ..common.compiled import load_module
 from ..common.tagged_words import tag_word
 from ..common.timeline import END, MARK1, MARK2, START, WAITED, launch_args, stamp, stamp_after
-from .consumer_mixes import load_mix_weights
+from .consumer_mixes import load_mix_weights, publish_mix_partials
 from .mhc_combine import combine_shares
 
 TOKENS = 16  # tokens per program: tl.dot's smallest M
@@ -93,6 +105,57 @@ def _chunk_parts(hc_fn_ptr, chunk, HC: tl.constexpr, HIDDEN: tl.constexpr,
     """Chunk ``chunk``'s columns of hc_fn, loaded and split (``_split_bf16``)."""
     cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
     return _split_bf16(load_mix_weights(hc_fn_ptr, cols, cols < HIDDEN, HC, HIDDEN, SLOTS), HC)
+
+
+@triton.jit
+def _store_consumer_shares(streams_ptr, mix_ptr, generation_ptr, fn, chunk, group, m_total,
+                           HC: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr,
+                           TOKENS: tl.constexpr, SLOTS: tl.constexpr, MIX_ROW: tl.constexpr):
+    """``CONSUMER_ORDER``: chunk ``chunk``'s share of each live token of the
+    group, token by token, by the consumer's own device function
+    (``publish_mix_partials``: FP32 products, its sums) on the same [SLOTS,
+    BLOCK_H] tiles and warps: word for word the share the consumer with
+    fused mixes and this ``BLOCK_H`` publishes. ``fn``: the chunk's hc_fn
+    columns in FP32 (``load_mix_weights``)."""
+    cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
+    cmask = cols < HIDDEN
+    for i in range(TOKENS):
+        m = group * TOKENS + i
+        if m < m_total:
+            streams = ()
+            for t in tl.static_range(HC):
+                streams = streams + (tl.load(streams_ptr + (m * HC + t).to(tl.int64) * HIDDEN
+                                             + cols, mask=cmask, other=0.0),)
+            publish_mix_partials(mix_ptr, fn, m, chunk, streams, tl.load(generation_ptr + m),
+                                 HC, SLOTS, MIX_ROW)
+
+
+@triton.jit
+def _chunk_weights(hc_fn_ptr, chunk, HC: tl.constexpr, HIDDEN: tl.constexpr,
+                   BLOCK_H: tl.constexpr, SLOTS: tl.constexpr, CONSUMER_ORDER: tl.constexpr):
+    """Chunk ``chunk``'s hc_fn columns as the shares take them: FP32 tiles
+    (``CONSUMER_ORDER``) or split into BF16 parts (``_chunk_parts``)."""
+    if CONSUMER_ORDER:
+        cols = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
+        fn = load_mix_weights(hc_fn_ptr, cols, cols < HIDDEN, HC, HIDDEN, SLOTS)
+    else:
+        fn = _chunk_parts(hc_fn_ptr, chunk, HC, HIDDEN, BLOCK_H, SLOTS)
+    return fn
+
+
+@triton.jit
+def _chunk_shares(streams_ptr, mix_ptr, generation_ptr, fn, chunk, group, m_total, tokens, live,
+                  tags, HC: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr,
+                  TOKENS: tl.constexpr, SLOTS: tl.constexpr, MIX_ROW: tl.constexpr,
+                  USE_PTX: tl.constexpr, CONSUMER_ORDER: tl.constexpr):
+    """Chunk ``chunk``'s shares of the group's live tokens, in the consumer's
+    order or on tensor cores (``CONSUMER_ORDER``)."""
+    if CONSUMER_ORDER:
+        _store_consumer_shares(streams_ptr, mix_ptr, generation_ptr, fn, chunk, group, m_total,
+                               HC, HIDDEN, BLOCK_H, TOKENS, SLOTS, MIX_ROW)
+    else:
+        _store_shares(streams_ptr, mix_ptr, fn, chunk, tokens, live, tags, HC, HIDDEN, BLOCK_H,
+                      SLOTS, MIX_ROW, USE_PTX)
 
 
 @triton.jit
@@ -135,7 +198,7 @@ def next_mixes_kernel(
     BLOCK_H: tl.constexpr, TOKENS: tl.constexpr, SLOTS: tl.constexpr, MIX_ROW: tl.constexpr,
     TOTALS_OFF: tl.constexpr, CHUNKS_P2: tl.constexpr,
     COOPERATIVE: tl.constexpr, USE_PTX: tl.constexpr, USE_PDL: tl.constexpr,
-    TIMELINE: tl.constexpr,
+    TIMELINE: tl.constexpr, CONSUMER_ORDER: tl.constexpr = False,
 ):
     CHUNKS: tl.constexpr = (HIDDEN + BLOCK_H - 1) // BLOCK_H
     chunk = tl.program_id(0)  # always 0 without COOPERATIVE: the program walks the chunks
@@ -143,9 +206,9 @@ def next_mixes_kernel(
     slot = stamp_base + group * tl.num_programs(0) + chunk  # common.timeline (a diagnostic)
     stamp(stamp_ptr, slot, START, TIMELINE)
     if COOPERATIVE:  # a weight: its loads overlap the consumer
-        fn = _chunk_parts(hc_fn_ptr, chunk, HC, HIDDEN, BLOCK_H, SLOTS)
+        fn = _chunk_weights(hc_fn_ptr, chunk, HC, HIDDEN, BLOCK_H, SLOTS, CONSUMER_ORDER)
         if TIMELINE:  # mark2: hc_fn's columns in
-            last = tl.sum(fn[3 * HC - 1].to(tl.float32), axis=None).to(tl.int32)
+            last = tl.sum(fn[len(fn) - 1].to(tl.float32), axis=None).to(tl.int32)
             stamp_after(stamp_ptr, slot, MARK2, last, TIMELINE)
     if USE_PDL:
         # Released before the wait, so the next GEMM's weight stream still overlaps the
@@ -158,15 +221,17 @@ def next_mixes_kernel(
     live = tokens < m_total
     tags = tl.load(generation_ptr + tokens, mask=live, other=0)
     if COOPERATIVE:
-        _store_shares(streams_ptr, mix_ptr, fn, chunk, tokens, live, tags, HC, HIDDEN, BLOCK_H,
-                      SLOTS, MIX_ROW, USE_PTX)
+        _chunk_shares(streams_ptr, mix_ptr, generation_ptr, fn, chunk, group, m_total, tokens,
+                      live, tags, HC, HIDDEN, BLOCK_H, TOKENS, SLOTS, MIX_ROW, USE_PTX,
+                      CONSUMER_ORDER)
         first, step = chunk, CHUNKS
         stamp(stamp_ptr, slot, MARK1, TIMELINE)  # mark1: the shares stored
     else:
         for c in range(CHUNKS):
-            _store_shares(streams_ptr, mix_ptr,
-                          _chunk_parts(hc_fn_ptr, c, HC, HIDDEN, BLOCK_H, SLOTS), c, tokens, live,
-                          tags, HC, HIDDEN, BLOCK_H, SLOTS, MIX_ROW, USE_PTX)
+            _chunk_shares(streams_ptr, mix_ptr, generation_ptr,
+                          _chunk_weights(hc_fn_ptr, c, HC, HIDDEN, BLOCK_H, SLOTS, CONSUMER_ORDER),
+                          c, group, m_total, tokens, live, tags, HC, HIDDEN, BLOCK_H, TOKENS,
+                          SLOTS, MIX_ROW, USE_PTX, CONSUMER_ORDER)
         tl.debug_barrier()  # this program's stores precede its polls below
         first, step = tl.full((), 0, tl.int32), 1
     i = first
@@ -185,11 +250,13 @@ def launch_next_mixes(streams: torch.Tensor, hc_fn: torch.Tensor, hc_scale: torc
                       hc_base: torch.Tensor, eps: float, hc_eps: float, sinkhorn_iters: int,
                       generation: torch.Tensor, mix_words: torch.Tensor, status: torch.Tensor,
                       wait_bound: int, outputs: tuple, row: dict, *, cooperative: bool,
-                      ptx: bool, pdl: bool, compile_only: bool = False) -> None:
+                      ptx: bool, pdl: bool, consumer_order: bool = False,
+                      compile_only: bool = False) -> None:
     """Launch the kernel on tensors ``consume`` has checked (it is the only
     caller): ``outputs`` = (pre [M, hc], post [M, hc], comb [M, hc, hc]) FP32,
     written; ``row``: the mix row's geometry as constexprs (SLOTS, MIX_ROW,
-    TOTALS_OFF; ``consumer._mix_row``)."""
+    TOTALS_OFF; ``consumer._mix_row``); ``consumer_order``: the shares as the
+    consumer computes them (module docstring, batch-invariant mode)."""
     m, hc, hidden = streams.shape
     chunks = triton.cdiv(hidden, MIXES_KERNEL_BLOCK_H)
     grid = (chunks if cooperative else 1, triton.cdiv(m, TOKENS))
@@ -202,7 +269,8 @@ def launch_next_mixes(streams: torch.Tensor, hc_fn: torch.Tensor, hc_scale: torc
         float(eps), float(hc_eps), sinkhorn_iters - 1, int(wait_bound),
         HC=hc, HIDDEN=hidden, BLOCK_H=MIXES_KERNEL_BLOCK_H, TOKENS=TOKENS, **row,
         CHUNKS_P2=triton.next_power_of_2(chunks), COOPERATIVE=cooperative, USE_PTX=ptx,
-        USE_PDL=pdl, TIMELINE=timeline, num_warps=MIXES_KERNEL_WARPS, enable_fp_fusion=False,
+        USE_PDL=pdl, TIMELINE=timeline, CONSUMER_ORDER=consumer_order,
+        num_warps=MIXES_KERNEL_WARPS, enable_fp_fusion=False,
         launch_pdl=pdl,
         **(dict(grid=grid) if compile_only else {}))
     if compile_only:

@@ -21,8 +21,10 @@ The baselines and the benchmark harness live in ``decode_boundary.bench``.
 
 from __future__ import annotations
 
+import copy
 import warnings
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
@@ -59,6 +61,10 @@ class BoundaryInputs:
     def rows(self) -> int:
         return self.attn_out.shape[0]
 
+    def head(self, rows: int) -> BoundaryInputs:
+        """The first ``rows`` tokens' inputs (contiguous copies)."""
+        return BoundaryInputs(*(getattr(self, f.name)[:rows].contiguous() for f in fields(self)))
+
 
 @dataclass
 class BoundaryOutputs:
@@ -69,6 +75,10 @@ class BoundaryOutputs:
     next_pre: torch.Tensor
     next_post: torch.Tensor
     next_comb: torch.Tensor
+
+    def head(self, rows: int) -> BoundaryOutputs:
+        """The first ``rows`` tokens' outputs (views)."""
+        return BoundaryOutputs(*(getattr(self, f.name)[:rows] for f in fields(self)))
 
 
 def _random_linear(n: int, k: int, seed: int, device: torch.device) -> Mxfp8Linear:
@@ -90,6 +100,13 @@ class AttentionBoundary:
     consumer also computes the next sublayer's mixes from ``residual_out``
     (``hc_fn`` etc., synthetic, replicated); V4.1 collapses with the given
     (previous) ``pre``, V4-Flash / V4-Pro with the pre just computed.
+
+    ``batch_invariant`` (None: ``DECODE_BOUNDARY_BATCH_INVARIANT``, read at
+    construction): every GEMM of the chain, the consumer and the next mixes
+    run in batch-invariant mode (docs/DESIGN.md §7.1), so a token's
+    ``residual_out``, ``layer_input`` (and its MXFP8 bytes), ``q`` and next
+    mixes have the same bits whatever M and its batch-mates. A given
+    ``all_reduce`` must run in the same mode.
     """
 
     def __init__(
@@ -104,8 +121,14 @@ class AttentionBoundary:
         weights_dir: str | None = None,
         layer: int = 0,
         all_reduce: BoundaryAllReduce | None = None,
+        batch_invariant: bool | None = None,
     ) -> None:
         config.check_tp(tp)
+        # Read once, here (None: the environment's DECODE_BOUNDARY_BATCH_INVARIANT).
+        batch_invariant = env.batch_invariant(batch_invariant)
+        if all_reduce is not None and all_reduce.batch_invariant != batch_invariant:
+            raise ValueError(f"batch_invariant={batch_invariant} but the all-reduce given runs "
+                             f"with batch_invariant={all_reduce.batch_invariant}")
         if all_reduce is not None and all_reduce.collapse_pre != config.collapse_pre:
             raise ValueError(f"{config.name} collapses with the {config.collapse_pre!r} pre, "
                              f"the all-reduce given with {all_reduce.collapse_pre!r}")
@@ -136,20 +159,28 @@ class AttentionBoundary:
             (torch.randn(n_mix, generator=gen) * 0.5).to(self.device),
         )
         self._owns_all_reduce = all_reduce is None
-        self.all_reduce = all_reduce or BoundaryAllReduce(
-            config.hidden,
-            config.hc_mult,
-            capacity,
-            config.top_k,
-            group,
-            quantize_layer_input=True,
-            residual_only=False,
-            device=self.device,
-            collapse_pre=config.collapse_pre,
-            hc_eps=config.hc_eps,
-            hc_sinkhorn_iters=config.hc_sinkhorn_iters,
-        )
+        self.all_reduce = all_reduce or _chain_all_reduce(config, group, self.device, capacity,
+                                                          batch_invariant)
+        self.batch_invariant = batch_invariant
         self.publisher = PublishingMxfp8Linear(self.all_reduce)
+
+    def batch_invariant_twin(self) -> AttentionBoundary:
+        """This boundary's weights on an all-reduce in batch-invariant mode
+        (itself where it runs in that mode): the bench's ``fused_invariant``
+        path. The twins of boundaries that share an all-reduce share one
+        (created at the first twin: collective, as any construction); it is
+        closed with this boundary's. The twin is not collective otherwise."""
+        if self.batch_invariant:
+            return self
+        shared = _INVARIANT_ALL_REDUCES.get(self.all_reduce)
+        if shared is None:
+            shared = _chain_all_reduce(self.config, self.group, self.device,
+                                       self.all_reduce.capacity, True)
+            _INVARIANT_ALL_REDUCES[self.all_reduce] = shared
+        twin = copy.copy(self)
+        twin.all_reduce, twin.batch_invariant, twin._owns_all_reduce = shared, True, False
+        twin.publisher = PublishingMxfp8Linear(shared)
+        return twin
 
     def _load(self, weights_dir: str, layer: int, groups_local: int) -> None:
         """Layer ``layer`` of a DSV4.1 checkpoint: this rank's wo_a groups, its
@@ -174,25 +205,33 @@ class AttentionBoundary:
         it on every rank before the first step, so no rank's consumer waits on
         a peer that is still compiling, and before capturing CUDA graphs."""
         rows_list = list(rows_list)
-        gemm_precompile(self.wo_a, rows_list, bf16_input=True)  # attention output: BF16
-        handoff = [r for r in rows_list if mxfp8_out_in_epilogue(self.wo_a, r)]
-        gemm_precompile(self.wo_a, handoff, bf16_input=True, mxfp8_out=True)  # fused: to wo_b
-        gemm_precompile(self.wo_b, rows_list, bf16_input=True)  # unfused: wo_a's BF16 output
+        inv = dict(batch_invariant=self.batch_invariant)
+        gemm_precompile(self.wo_a, rows_list, bf16_input=True, **inv)  # attention output: BF16
+        handoff = [r for r in rows_list if mxfp8_out_in_epilogue(self.wo_a, r, **inv)]
+        gemm_precompile(self.wo_a, handoff, bf16_input=True, mxfp8_out=True,
+                        **inv)  # fused: to wo_b
+        gemm_precompile(self.wo_b, rows_list, bf16_input=True,
+                        **inv)  # unfused: wo_a's BF16 output
         # Fused, where the publisher declines (NCCL transport, above its rows): the plain
         # wo_b on the handed-over MXFP8.
-        gemm_precompile(self.wo_b, handoff, bf16_input=False)
-        gemm_precompile(self.fused_wqa_wkv, rows_list, bf16_input=False)  # the consumer's MXFP8
+        gemm_precompile(self.wo_b, handoff, bf16_input=False, **inv)
+        gemm_precompile(self.fused_wqa_wkv, rows_list, bf16_input=False,
+                        **inv)  # the consumer's MXFP8
         for rows in rows_list:
             self.publisher.precompile(self.wo_b, rows)
             # The variant that finishes the consumer's mixes (consume); before the
             # all-reduce's precompile, whose barrier then covers this compile too.
             finish = self.all_reduce.deferred_finish(rows)
             if finish is not None:
-                gemm_precompile(self.fused_wqa_wkv, [rows], bf16_input=False, finish_mixes=finish)
+                gemm_precompile(self.fused_wqa_wkv, [rows], bf16_input=False, finish_mixes=finish,
+                                **inv)
         self.all_reduce.precompile(rows_list)
 
     def close(self) -> None:
         if self._owns_all_reduce:
+            twin = _INVARIANT_ALL_REDUCES.pop(self.all_reduce, None)
+            if twin is not None:
+                twin.close()
             self.all_reduce.close()
 
     def weight_copies(self, n: int) -> list[AttentionBoundary]:
@@ -204,6 +243,7 @@ class AttentionBoundary:
                 AttentionBoundary(
                     self.config, self.tp, self.rank, self.group, self.device,
                     self.all_reduce.capacity, seed=1 + i, all_reduce=self.all_reduce,
+                    batch_invariant=self.batch_invariant,
                 )
             )
         return copies
@@ -279,8 +319,9 @@ class AttentionBoundary:
         # byte the quantizer's), so wo_b neither quantizes in its prologue nor waits
         # for a quantizer launch; unfused, wo_b takes BF16 (quantized in its
         # prologue, or by the quantizer above PROLOGUE_MAX_ROWS): the same bits.
-        handoff = fused and mxfp8_out_in_epilogue(self.wo_a, inputs.rows)
-        o = mxfp8_mm(self.wo_a, inputs.attn_out, mxfp8_out=handoff)
+        inv = self.batch_invariant
+        handoff = fused and mxfp8_out_in_epilogue(self.wo_a, inputs.rows, batch_invariant=inv)
+        o = mxfp8_mm(self.wo_a, inputs.attn_out, mxfp8_out=handoff, batch_invariant=inv)
         return self.wo_b_published(o, fused)
 
     def wo_b_published(self, o: torch.Tensor, fused: bool = True) -> torch.Tensor:
@@ -290,7 +331,7 @@ class AttentionBoundary:
         rows = o.rows if isinstance(o, QuantizedActivation) else o.shape[0]
         if fused and self.publisher.supports(self.wo_b, rows):
             return self.publisher(self.wo_b, o)
-        partial = mxfp8_mm(self.wo_b, o)
+        partial = mxfp8_mm(self.wo_b, o, batch_invariant=self.batch_invariant)
         self.all_reduce.publish(partial)
         return partial
 
@@ -301,7 +342,8 @@ class AttentionBoundary:
         (``mixes_placement="next_gemm"``); with ``mixes_aside`` (:meth:`__call__`) the
         mixes kernel on the side stream instead."""
         result = self.reduce(inputs, partial, self.mixes_choice(mixes_aside))
-        q = mxfp8_mm(self.fused_wqa_wkv, result.mxfp8, finish_mixes=result.mixes)
+        q = mxfp8_mm(self.fused_wqa_wkv, result.mxfp8, finish_mixes=result.mixes,
+                     batch_invariant=self.batch_invariant)
         return BoundaryOutputs(result.residual_out, result.layer_input, q, *result.mixes)
 
     def reduce(self, inputs: BoundaryInputs, partial: torch.Tensor,
@@ -350,6 +392,21 @@ class AttentionBoundary:
             self.mix_weights, c.hc_eps, c.hc_sinkhorn_iters, quantize=True)
         q = mxfp8_mm_ref(quantized, self.fused_wqa_wkv.weight, self.fused_wqa_wkv.weight_scale)
         return BoundaryOutputs(residual_out, layer_input, q, *mixes)
+
+
+# The batch-invariant all-reduce of each chain all-reduce that has twins (batch_invariant_twin).
+_INVARIANT_ALL_REDUCES: weakref.WeakKeyDictionary[BoundaryAllReduce, BoundaryAllReduce] = \
+    weakref.WeakKeyDictionary()
+
+
+def _chain_all_reduce(config: BoundaryConfig, group, device: torch.device, capacity: int,
+                      batch_invariant: bool) -> BoundaryAllReduce:
+    """The all-reduce a boundary of ``config`` runs on (collective over ``group``)."""
+    return BoundaryAllReduce(
+        config.hidden, config.hc_mult, capacity, config.top_k, group,
+        quantize_layer_input=True, residual_only=False, device=device,
+        collapse_pre=config.collapse_pre, hc_eps=config.hc_eps,
+        hc_sinkhorn_iters=config.hc_sinkhorn_iters, batch_invariant=batch_invariant)
 
 
 def _mm_ref(linear, x: torch.Tensor) -> torch.Tensor:

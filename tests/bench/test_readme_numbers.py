@@ -42,6 +42,10 @@ def test_readme_table_is_the_committed_bench_file():
     floor_key = next(k for k in table if k.startswith("fused / floor"))
     assert f"{floor:.1f} µs" in floor_key
     assert table[floor_key] == [f"{us[m]['fused'] / floor:.2f}" for m in rows]
+    assert _row(table, "batch-invariant mode") == \
+        [f"{us[m]['fused_invariant']:.1f}" for m in rows]
+    assert _row(table, "its cost") == [f"{us[m]['fused_invariant'] / us[m]['fused']:.2f}"
+                                       for m in rows]
     env = result["environment"]
     readme = (ROOT / "README.md").read_text()
     assert f"tree {env['git_commit']}" in readme and not env["git_dirty"]

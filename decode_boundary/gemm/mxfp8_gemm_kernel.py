@@ -34,7 +34,9 @@ stamps showed it as body time after the weights had arrived).
   bytes 10..246) and one ``tl.dot`` per piece, FP32 accumulation, computed
   transposed ``out^T[BLOCK_N, ROWS] = W . A^T`` (the weight streams on the
   dot's M side). In the interpreter the operands stay FP32 (its BF16 dot is
-  wrong, docs/DESIGN.md §8.1): the same exact values.
+  wrong, docs/DESIGN.md §8.1) and the products are summed along K per output
+  with ``tl.sum``, not ``tl.dot`` (numpy's matmul would sum a row in an order
+  that follows the tile's height): the same exact values.
 
 Every product of two scaled e4m3 values is exact in FP32 (8 significant bits),
 so products need no fixed rounding point; the only roundings are the FP32
@@ -237,10 +239,16 @@ def _chunk(acc, w, ws, fetched, CH: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: t
         a, sa = _decode_activation(fetched[0], fetched[1], CH, A_BF16, not INTERPRETER)
         af = _scaled(a, sa, ROWS, CH)
         wf = _scaled(w, ws, BLOCK_N, CH)
-        if not INTERPRETER:
+        if INTERPRETER:
+            # numpy's matmul blocks by the operands' shapes, so a row's sum would change
+            # with the tile's height; the same exact products summed along K per output
+            # (numpy's pairwise sum, fixed by K alone) keep a row's bits (batch-invariant
+            # mode: tactics.py).
+            acc = acc + tl.sum(wf[:, None, :] * af[None, :, :], axis=2)
+        else:
             af = af.to(tl.bfloat16)  # exact (module docstring)
             wf = wf.to(tl.bfloat16)
-        acc = tl.dot(wf, tl.trans(af), acc)
+            acc = tl.dot(wf, tl.trans(af), acc)
     else:
         # Unscaled e4m3 products summed per 32-group (exact products, FP32 sums,
         # as the reference), then the groups weighted by both scales.

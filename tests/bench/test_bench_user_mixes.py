@@ -172,12 +172,12 @@ def test_v4_has_no_aside_user_step(boundaries):
     # The bench's default set leaves compiled_step out; --baselines picks, in order.
     assert paths_for(v41, DEFAULT_BASELINES) == ["user_step", "user_step_aside",
                                                  "strong_baseline", "baseline", "unfused",
-                                                 "fused"]
+                                                 "fused", "fused_invariant"]
     assert paths_for(v4, DEFAULT_BASELINES) == ["user_step", "strong_baseline", "baseline",
-                                                "unfused", "fused"]
+                                                "unfused", "fused", "fused_invariant"]
     assert baselines_for(v41, ("baseline", "compiled_step")) == ["compiled_step", "baseline"]
     assert paths_for(v4) == ["user_step", "compiled_step", "strong_baseline", "baseline",
-                             "unfused", "fused"]
+                             "unfused", "fused", "fused_invariant"]
     with pytest.raises(ValueError, match="user_step_aside"):
         build("user_step_aside", v4)
     with pytest.raises(ValueError, match="cannot run aside"):

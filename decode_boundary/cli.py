@@ -12,6 +12,8 @@
 * ``gemm``: our MXFP8 GEMM vs cuBLAS BF16 / FP8 row-wise vs the HBM floor.
 * ``tune``: a model's GEMM and consumer tactics chosen inside the chain on one
   GPU (``bench.tune``); prints the tables' lines, writes ``tune-<model>-tp<N>.json``.
+  With ``--batch-invariant``, batch-invariant mode's one order per GEMM shape
+  (``bench.tune_invariant``).
 
 Exit codes: 0 success, 1 a check failed or a rank failed, 2 bad arguments
 (one line on stderr naming the argument) or no GPU for a command that needs one.
@@ -287,6 +289,12 @@ def _add_tune_parser(sub) -> argparse.ArgumentParser:
                            "(default: every bucket, 1 2 4 8 16 32 48 64)")
     tune.add_argument("--rounds", type=_positive, default=3,
                       help="alternating rounds of the tables against the choice (default 3)")
+    tune.add_argument("--batch-invariant", action="store_true", dest="batch_invariant",
+                      help="choose batch-invariant mode's one reduction order per GEMM shape "
+                           "instead (gemm/tactics.py's INVARIANT_ORDERS): each order costed "
+                           "at every --rows count as it is, by the geometric mean of the "
+                           "mode's chain over the default's; writes "
+                           "tune-<model>-tp<N>-batch-invariant.json")
     tune.add_argument("--out", type=_out_dir,
                       help="folder for the JSON (default: benchmarks/results of a checkout)")
     return tune
@@ -468,7 +476,13 @@ def _tune(parser: argparse.ArgumentParser, args) -> int:
     if not torch.cuda.is_available():
         print(NO_GPU.format(cmd="tune"), file=sys.stderr)
         return 2
-    from decode_boundary.bench.tune import run  # kernels: import only once needed
+    # kernels: import only once needed
+    if args.batch_invariant:
+        from decode_boundary.bench.tune_invariant import run
+        where = "gemm/tactics.py's INVARIANT_ORDERS"
+    else:
+        from decode_boundary.bench.tune import run
+        where = "gemm/tactics.py, boundary/consumer_tactics.py"
 
     out = args.out or default_out_dir(Path.cwd(), time.strftime("%Y%m%d-%H%M%S"))
     path, lines, failures = run(args.model, args.tp_shapes, args.rows, args.rounds, out,
@@ -477,8 +491,7 @@ def _tune(parser: argparse.ArgumentParser, args) -> int:
         print("decode-boundary tune: the chosen tactics failed their checks: "
               + "; ".join(failures), file=sys.stderr)
     else:
-        print("\n".join(["# tables' lines (gemm/tactics.py, boundary/consumer_tactics.py):",
-                         *lines]))
+        print("\n".join([f"# tables' lines ({where}):", *lines]))
     print(f"Results in {path}")
     return 1 if failures else 0
 

@@ -26,7 +26,7 @@ PARTS=(
   "mixes|tests/mixes/test_boundary_mixes.py tests/mixes/test_consumer_mixes.py||the next sublayer's mixes in the consumer and the next GEMM"
   "chain|tests/model/test_chain.py tests/model/test_chain_multigpu.py tests/cli/test_cli.py tests/bench/test_bench_user_mixes.py||the model chain, the CLI end to end and the bench's user mixes kernel"
   "compile|tests/model/test_compile_gpu.py||torch.compile and CUDA graphs of the step"
-  "tune|tests/bench/test_tune.py||the tune command inside the chain"
+  "tune|tests/bench/test_tune.py tests/bench/test_tune_invariant.py||the tune command inside the chain, and in batch-invariant mode"
   "invariant|tests/gemm/test_batch_invariant_gpu.py||batch-invariant mode: the GEMMs and the chain, every bit over M and batch-mates"
 )
 OPT_IN=exhaustive  # the one part `all` leaves out: name it to run it

@@ -134,15 +134,17 @@ def descend(candidates: dict[str, list], time_with: Callable[[dict], float],
             trials: list[dict]) -> dict:
     """Coordinate descent over the slots, in ``candidates``' order: each
     candidate timed once (``time_with(choice)``) with the other slots at their
-    best so far (the first candidates to start), the fastest kept; a tie keeps
-    the earlier candidate. Appends ``{"slot", "tactic", "us"}`` to ``trials``."""
+    best so far (the first candidates to start), the cheapest kept; a tie keeps
+    the earlier candidate. Appends ``{"slot", "tactic", "cost"}`` to ``trials``
+    (the cost: what ``time_with`` returns, µs here, a ratio in
+    ``tune_invariant``)."""
     best = {slot: options[0] for slot, options in candidates.items()}
     for slot, options in candidates.items():
         timed = []
         for i, option in enumerate(options):
-            us = time_with({**best, slot: option})
-            trials.append({"slot": slot, "tactic": option._asdict(), "us": us})
-            timed.append((us, i))
+            cost = time_with({**best, slot: option})
+            trials.append({"slot": slot, "tactic": option._asdict(), "cost": cost})
+            timed.append((cost, i))
         best[slot] = options[min(timed)[1]]
     return best
 

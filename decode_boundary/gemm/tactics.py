@@ -237,9 +237,9 @@ def _o(block_n, split_k, num_warps=4, chunk_k=128) -> ReductionOrder:
     return ReductionOrder(block_n, split_k, num_warps, chunk_k)
 
 
-# (N, K, groups) -> the one order of batch-invariant mode. Chosen by timing candidate
-# orders at M = 1-64 against the tables (decode-boundary tune --batch-invariant) and
-# keeping the one whose slowest row count loses least; each line says why it wins.
+# (N, K, groups) -> the one order of batch-invariant mode, chosen inside the chain by
+# decode-boundary tune --batch-invariant (bench/tune_invariant.py: the geometric mean over
+# M of the mode's step over the default's); each line says why it wins.
 INVARIANT_ORDERS: dict[tuple[int, int, int], ReductionOrder] = {
     (5120, 2048, 1): _o(64, 4),  # wo_b at TP 4: the tables' 16-64-row order
     (8192, 1280, 1): _o(64, 5),  # wq_b at TP 4: the 16-row order; 3 splits lose at 1-16 rows

@@ -104,7 +104,7 @@ def test_descend_keeps_each_slots_fastest_and_the_earlier_on_ties():
             want = min(range(len(options)), key=lambda i, s=s: (costs[s][i], i))
             assert best[s] == options[want]
         assert len(trials) == len(seen) == sum(slots.values())
-        assert [t["us"] for t in trials] == [cost(c) for c in seen]
+        assert [t["cost"] for t in trials] == [cost(c) for c in seen]
         # slot by slot: the earlier slots already at their best, the later at their first
         order = list(candidates)
         for choice, trial in zip(seen, trials, strict=True):
@@ -418,7 +418,7 @@ def test_tune_on_gpu(tmp_path, capsys):
     chain, alone = result["runs"]
     assert chain["consumer_table"] == "MIXES_TACTICS" and list(alone["shapes"]) == ["wq_b"]
     for run in (chain, alone):
-        assert run["failures"] == [] and all(0 < t["us"] < 1e5 for t in run["trials"])
+        assert run["failures"] == [] and all(0 < t["cost"] < 1e5 for t in run["trials"])
         for slot, shape in run["shapes"].items():
             timed = [Tactic(**t["tactic"]) for t in run["trials"] if t["slot"] == slot]
             assert timed == tune.gemm_candidates(*shape, 1)

@@ -5,11 +5,11 @@ fails in the default mode), and for the tiny model's whole boundary chain."""
 
 import pytest
 import torch
-from invariance_checks import chain_failures, gemm_failures
+from invariance_checks import cancelling, chain_failures, gemm_failures
 
 from decode_boundary import env
 from decode_boundary.boundary.consumer_tactics import INVARIANT_CONSUMER, ConsumerTactic
-from decode_boundary.gemm import Mxfp8Linear, selected_tactic
+from decode_boundary.gemm import selected_tactic
 from decode_boundary.gemm.tactics import (
     DOT_TILES,
     INVARIANT_ORDERS,
@@ -58,18 +58,6 @@ def test_the_switch(monkeypatch):
         env.batch_invariant(1)
 
 
-def _cancelling(n: int, k: int, rows: int, gen: torch.Generator):
-    """A layer and BF16 rows whose products cancel: K-group 0 and the group half
-    K later carry the same large values with opposite weights, so the FP32
-    sum's bits depend on where the large terms meet the small ones."""
-    half = k // 2
-    w = torch.randn(n, k, generator=gen)
-    w[:, half:half + 32] = -w[:, :32]
-    x = torch.randn(rows, k, generator=gen)
-    x[:, :32] = x[:, half:half + 32] = torch.randn(rows, 32, generator=gen) * 2.0 ** 14
-    return Mxfp8Linear.from_float(w.bfloat16()), x.bfloat16()
-
-
 @pytest.mark.parametrize("bf16_input", [True, False], ids=["bf16", "mxfp8"])
 def test_gemm_rows_keep_their_bits(monkeypatch, bf16_input):
     n, k = 64, 1024
@@ -78,7 +66,7 @@ def test_gemm_rows_keep_their_bits(monkeypatch, bf16_input):
         1: Tactic(8, 1, 1, 4, 1024), 2: Tactic(16, 2, 2, 4, 512), 4: Tactic(32, 16, 4, 4, 128),
         8: Tactic(32, 16, 4, 4, 128), 16: Tactic(64, 16, 2, 4, 128), 32: Tactic(64, 32, 4, 4, 64),
         48: Tactic(32, 64, 4, 4, 64), 64: Tactic(32, 64, 4, 4, 64)})
-    layer, x = _cancelling(n, k, 40, torch.Generator().manual_seed(3))
+    layer, x = cancelling(n, k, 40, torch.Generator().manual_seed(3))
     rows = [1, 2, 3, 5, 9, 17, 33]
     default = gemm_failures(layer, x, rows, bf16_input, mates=0, batch_invariant=False)
     assert default, "the default mode's tables must change a row's bits (else this test is vacuous)"

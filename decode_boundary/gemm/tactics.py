@@ -242,9 +242,9 @@ def _o(block_n, split_k, num_warps=4, chunk_k=128) -> ReductionOrder:
 # M of the mode's step over the default's); each line says why it wins.
 INVARIANT_ORDERS: dict[tuple[int, int, int], ReductionOrder] = {
     (5120, 2048, 1): _o(64, 4),  # wo_b at TP 4: the tables' 16-64-row order
-    (8192, 1280, 1): _o(64, 5),  # wq_b at TP 4: the 16-row order; 3 splits lose at 1-16 rows
-    (1792, 5120, 1): _o(64, 14),  # fused_wqa_wkv: the 32-row order, level with the tables
-    (2048, 4096, 2): _o(64, 8, 4, 256),  # wo_a at TP 4: the 16/64-row order
+    (8192, 1280, 1): _o(64, 3),  # wq_b at TP 4: 3 splits lose at 1 row, 5 at 32-64 rows more
+    (1792, 5120, 1): _o(64, 10),  # fused_wqa_wkv: 10 splits beside the aside mixes at 32-64 rows
+    (2048, 4096, 2): _o(64, 11),  # wo_a at TP 4: 11 splits; the tables' 8 lose at 32-64 rows
     (7168, 4096, 1): _o(64, 11),  # V4-Pro wo_b at TP 4: the 16-row order
 }
 

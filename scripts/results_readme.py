@@ -12,8 +12,9 @@ still listed, with whatever provenance it carries.
 Kinds read: the bench (``decode-boundary bench``: per M the fused µs, every
 baseline, the fastest baseline and the gain, fused / floor), the GEMM table (per
 shape and M: ours, cuBLAS BF16, the floor), the timeline (per M the step and each
-kernel's span), the all-reduce comparison (per M each path, its fastest tactic) and
-pytest logs (the summary line). Each bench file's baselines are named, with
+kernel's span), the all-reduce comparison (per M each path, its fastest tactic),
+``tune --batch-invariant`` (each slot's chosen order, its cost, per M the mode's µs
+against the default's) and pytest logs (the summary line). Each bench file's baselines are named, with
 whether the user-built steps (today's headline baselines) are among them; a file
 run before the GEMM rebuild, one that one GPU cannot regenerate, and a command
 naming a script since replaced each get a line saying so.
@@ -262,6 +263,29 @@ def allreduce_section(data: dict) -> list[str]:
     return table(["hidden", "M", *(f"{p} µs" for p in paths)], rows)
 
 
+def tune_invariant_section(data: dict) -> list[str]:
+    """Per tuned run (the chain, each projection outside it): the chosen order of
+    each GEMM slot, its cost (the geometric mean over M of the mode's µs over the
+    default's) and, per M, the mode's µs with it against the default's."""
+    header, rows = None, []
+    for run in data.get("runs", []):
+        winner = run.get("winner") or {}
+        timed = [t for t in run.get("timings", []) if t.get("orders") == winner]
+        default = run.get("default_us") or {}
+        if header is None:
+            header = ["GEMM slots", "orders (block, split-K, warps, K-piece)", "cost",
+                      *(f"M = {m}: mode / default µs" for m in default)]
+        mode = timed[-1] if timed else {}
+        orders = "; ".join(f"{slot} ({', '.join(str(v) for v in o.values())})"
+                           for slot, o in winner.items())
+        cells = [f"{fmt(mode.get('us', {}).get(m))} / {fmt(us)}" for m, us in default.items()]
+        rows.append([", ".join(winner) or MISSING, orders or MISSING,
+                     fmt(mode.get("cost"), 3), *cells])
+    if not rows:
+        return ["No tuned runs recorded."]
+    return table(header, rows)
+
+
 def _number(value) -> float:
     return value if isinstance(value, int | float) else float("inf")
 
@@ -281,7 +305,7 @@ def kind_of(name: str, data: dict) -> str:
 
 SECTIONS: dict[str, Callable[[dict], list[str]]] = {
     "bench": bench_section, "gemm": gemm_section, "timeline": timeline_section,
-    "allreduce": allreduce_section,
+    "allreduce": allreduce_section, "tune-batch-invariant": tune_invariant_section,
 }
 
 

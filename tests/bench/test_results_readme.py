@@ -210,6 +210,32 @@ def test_allreduce_keeps_each_path_s_fastest_tactic(tmp_path):
     assert "run at commit — on 2026-11-29 20:22" in text  # "HEAD" is no commit
 
 
+def test_tune_batch_invariant_shows_each_winner_and_its_cost(tmp_path):
+    rng = random.Random()
+    rows = (1, 16, 64)
+    runs = []
+    for slots in (("wo_a", "wo_b"), ("wq_b",)):
+        winner = {s: {"block_n": 64, "split_k": rng.randint(1, 16), "num_warps": 4,
+                      "chunk_k": 128} for s in slots}
+        other = {s: {**o, "split_k": o["split_k"] + 1} for s, o in winner.items()}
+        timings = [{"orders": orders, "us": {str(m): rng.uniform(5, 60) for m in rows},
+                    "cost": rng.uniform(0.9, 1.5)} for orders in (other, winner, other)]
+        runs.append({"winner": winner, "timings": timings,
+                     "default_us": {str(m): rng.uniform(5, 60) for m in rows}})
+    (tmp_path / "tune-v4.1-flash-tp4-batch-invariant.json").write_text(json.dumps(
+        {"schema": 1, "kind": "tune-batch-invariant", "runs": runs}))
+    text = results_readme.render(tmp_path)
+    table = _table(text, "tune-v4.1-flash-tp4-batch-invariant.json")
+    assert [row[0] for row in table] == ["wo_a, wo_b", "wq_b"]
+    for row, run in zip(table, runs, strict=True):
+        chosen = run["timings"][1]
+        assert row[1] == "; ".join(f"{s} (64, {o['split_k']}, 4, 128)"
+                                   for s, o in run["winner"].items())
+        assert row[2] == f"{chosen['cost']:.3f}"
+        assert row[3:] == [f"{chosen['us'][str(m)]:.1f} / {run['default_us'][str(m)]:.1f}"
+                           for m in rows]
+
+
 def test_files_without_fields_are_listed_not_fatal(tmp_path):
     (tmp_path / "gpu-tests.log").write_text("....s.\n\n5 passed, 1 skipped in 12.34s\n")
     (tmp_path / "broken.json").write_text("{not json")

@@ -14,10 +14,10 @@ baseline, the fastest baseline and the gain, fused / floor), the GEMM table (per
 shape and M: ours, cuBLAS BF16, the floor), the timeline (per M the step and each
 kernel's span), the all-reduce comparison (per M each path, its fastest tactic),
 ``tune --batch-invariant`` (each slot's chosen order, its cost, per M the mode's µs
-against the default's) and pytest logs (the summary line). Each bench file's baselines are named, with
-whether the user-built steps (today's headline baselines) are among them; a file
-run before the GEMM rebuild, one that one GPU cannot regenerate, and a command
-naming a script since replaced each get a line saying so.
+against the default's) and pytest logs (the summary line). Each bench file's
+baselines are named, with whether the user-built steps (today's headline baselines)
+are among them; a file run before the GEMM rebuild, one that one GPU cannot
+regenerate, and a command naming a script since replaced each get a line saying so.
 """
 
 from __future__ import annotations

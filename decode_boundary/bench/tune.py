@@ -93,13 +93,16 @@ def tune_rows(rows: Sequence[int]) -> list[int]:
 
 def gemm_candidates(n: int, k: int, groups: int, rows: int) -> list[Tactic]:
     """The table's tactic (else the heuristic's) first, then its neighbours
-    (``tactics.sweep_tactics``) and its register-footprint variants
+    (``tactics.sweep_tactics``), its register-footprint variants
     (``FMA_FOOTPRINTS`` / ``DOT_FOOTPRINTS``): in the chain a GEMM's programs
-    start only where the kernel before them has left registers free."""
+    start only where the kernel before them has left registers free; and
+    batch-invariant mode's tactic at this M (``tactics.invariant_tactic``): the
+    default mode may take whatever the mode runs, so it is never the slower."""
     base = default_tactic(n, k, rows, groups)
     footprints = FMA_FOOTPRINTS if base.rows_tile < 16 else DOT_FOOTPRINTS
     out = [*tactics.sweep_tactics(n, k, rows, groups),
-           *(base._replace(num_warps=w, chunk_k=c) for w, c in footprints)]
+           *(base._replace(num_warps=w, chunk_k=c) for w, c in footprints),
+           tactics.invariant_tactic(n, k, rows, groups)]
     return [t for t in dict.fromkeys(out) if is_valid(t, n, k, rows, groups)]
 
 

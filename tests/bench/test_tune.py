@@ -52,6 +52,7 @@ def test_gemm_candidates_are_valid_with_the_table_first(shape):
         footprints = [t for t in got if (t.block_n, t.rows_tile, t.split_k) ==
                       (base.block_n, base.rows_tile, base.split_k) and t != base]
         assert footprints, (shape, rows)  # other warps / K-pieces of the same blocks
+        assert tactics.invariant_tactic(n, k, rows, groups) in got  # the mode's, offered
 
 
 def test_consumer_candidates():

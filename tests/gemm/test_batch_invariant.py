@@ -60,14 +60,14 @@ def test_the_switch(monkeypatch):
 
 @pytest.mark.parametrize("bf16_input", [True, False], ids=["bf16", "mxfp8"])
 def test_gemm_rows_keep_their_bits(monkeypatch, bf16_input):
-    n, k = 64, 1024
+    n, k = 64, 512
     # Tables that change every part of the order with the row count, as the real ones do.
     monkeypatch.setitem(TABLE, (n, k, 1), {
         1: Tactic(8, 1, 1, 4, 1024), 2: Tactic(16, 2, 2, 4, 512), 4: Tactic(32, 16, 4, 4, 128),
         8: Tactic(32, 16, 4, 4, 128), 16: Tactic(64, 16, 2, 4, 128), 32: Tactic(64, 32, 4, 4, 64),
         48: Tactic(32, 64, 4, 4, 64), 64: Tactic(32, 64, 4, 4, 64)})
     layer, x = cancelling(n, k, 40, torch.Generator().manual_seed(3))
-    rows = [1, 2, 3, 5, 9, 17, 33]
+    rows = [1, 2, 5, 17, 33]  # every table entry's kind: 1- and 2-row FMA, 16/32/64 tiles
     default = gemm_failures(layer, x, rows, bf16_input, mates=0, batch_invariant=False)
     assert default, "the default mode's tables must change a row's bits (else this test is vacuous)"
     assert gemm_failures(layer, x, rows, bf16_input, mates=3, batch_invariant=True) == []
@@ -75,12 +75,12 @@ def test_gemm_rows_keep_their_bits(monkeypatch, bf16_input):
 
 def test_chain_tokens_keep_their_bits():
     """The tiny chain in the mode: a token's every output at M = 1 (the mixes fused
-    in the consumer) and M = 33 (the mixes kernel aside, in the consumer's order)
-    and among random batch-mates, against the step of 34 tokens."""
-    ab = AttentionBoundary(MODELS["tiny"], 1, 0, None, "cpu", 34, seed=2, batch_invariant=True)
+    in the consumer) and among random batch-mates, against the step of 33 tokens
+    (the mixes kernel aside, in the consumer's order)."""
+    ab = AttentionBoundary(MODELS["tiny"], 1, 0, None, "cpu", 33, seed=2, batch_invariant=True)
     try:
         assert ab.all_reduce.batch_invariant
-        assert chain_failures(ab, ab.make_inputs(34, seed=5), [1, 33], mates=1) == []
+        assert chain_failures(ab, ab.make_inputs(33, seed=5), [1], mates=1) == []
     finally:
         ab.close()
 

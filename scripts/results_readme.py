@@ -13,8 +13,8 @@ Kinds read: the bench (``decode-boundary bench``: per M the fused µs, every
 baseline, the fastest baseline and the gain, fused / floor), the GEMM table (per
 shape and M: ours, cuBLAS BF16, the floor), the timeline (per M the step and each
 kernel's span), the all-reduce comparison (per M each path, its fastest tactic),
-``tune --batch-invariant`` (each slot's chosen order, its cost, per M the mode's µs
-against the default's) and pytest logs (the summary line). Each bench file's
+``tune --batch-invariant`` (each slot's chosen order, the cost that chose it, per M
+the mode's µs against the default's) and pytest logs (the summary line). Each bench file's
 baselines are named, with whether the user-built steps (today's headline baselines)
 are among them; a file run before the GEMM rebuild, one that one GPU cannot
 regenerate, and a command naming a script since replaced each get a line saying so.
@@ -23,6 +23,7 @@ regenerate, and a command naming a script since replaced each get a line saying 
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable
@@ -265,8 +266,10 @@ def allreduce_section(data: dict) -> list[str]:
 
 def tune_invariant_section(data: dict) -> list[str]:
     """Per tuned run (the chain, each projection outside it): the chosen order of
-    each GEMM slot, its cost (the geometric mean over M of the mode's µs over the
-    default's) and, per M, the mode's µs with it against the default's."""
+    each GEMM slot, the cost that chose it (the lowest median of the alternating
+    rounds, else the median of the winner's timings; a cost is the geometric mean
+    over M of the mode's µs over the default's) and, per M, the median of the
+    mode's µs with it against the default's."""
     header, rows = None, []
     for run in data.get("runs", []):
         winner = run.get("winner") or {}
@@ -275,12 +278,17 @@ def tune_invariant_section(data: dict) -> list[str]:
         if header is None:
             header = ["GEMM slots", "orders (block, split-K, warps, K-piece)", "cost",
                       *(f"M = {m}: mode / default µs" for m in default)]
-        mode = timed[-1] if timed else {}
+        rounds = [v for v in (run.get("alternating") or {}).values() if v]
+        costs = [t["cost"] for t in timed if isinstance(t.get("cost"), int | float)]
+        cost = min(map(statistics.median, rounds)) if rounds else \
+            (statistics.median(costs) if costs else None)
         orders = "; ".join(f"{slot} ({', '.join(str(v) for v in o.values())})"
                            for slot, o in winner.items())
-        cells = [f"{fmt(mode.get('us', {}).get(m))} / {fmt(us)}" for m, us in default.items()]
-        rows.append([", ".join(winner) or MISSING, orders or MISSING,
-                     fmt(mode.get("cost"), 3), *cells])
+        cells = []
+        for m, us in default.items():
+            mode = [t["us"][m] for t in timed if isinstance(t.get("us", {}).get(m), int | float)]
+            cells.append(f"{fmt(statistics.median(mode) if mode else None)} / {fmt(us)}")
+        rows.append([", ".join(winner) or MISSING, orders or MISSING, fmt(cost, 3), *cells])
     if not rows:
         return ["No tuned runs recorded."]
     return table(header, rows)

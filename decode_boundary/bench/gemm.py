@@ -117,6 +117,30 @@ def random_layer(n: int, k: int, groups: int, device: torch.device) -> Mxfp8Line
         for _ in range(groups)])
 
 
+def cancelling(n: int, k: int, rows: int, groups: int = 1, device: torch.device | str = "cpu",
+               generator: torch.Generator | None = None) -> tuple[Mxfp8Linear, torch.Tensor]:
+    """A (grouped) MXFP8 layer [N, K] in all and BF16 rows [rows, groups * K]
+    whose products cancel: in each group, K-group 0 and the one half K later
+    carry the same large values with opposite weights, so the FP32 sum's bits
+    depend on where the large terms meet the small ones. MXFP8 products of
+    ordinary data have so few bits that their FP32 sums are often exact, and
+    then every summation order gives the same bits: a check of a row's bits
+    against another order needs data like this to be able to fail."""
+    if k < 64 or k % 64:
+        raise ValueError(f"k must be a positive multiple of 64, got {k}")
+    half = k // 2
+    linears, columns = [], []
+    for _ in range(groups):
+        w = torch.randn(n // groups, k, generator=generator, device=device)
+        w[:, half:half + 32] = -w[:, :32]
+        x = torch.randn(rows, k, generator=generator, device=device)
+        x[:, :32] = x[:, half:half + 32] = \
+            torch.randn(rows, 32, generator=generator, device=device) * 2.0 ** 14
+        linears.append(Mxfp8Linear.from_float(w.bfloat16()))
+        columns.append(x)
+    return Mxfp8Linear.grouped(linears), torch.cat(columns, dim=1).bfloat16()
+
+
 # Row counts that also time Inductor's max-autotune BF16 GEMM (one autotuned compile
 # per shape and M: slow), the rows where the GEMM targets compare with it.
 INDUCTOR_ROWS = (1, 16, 32, 64)

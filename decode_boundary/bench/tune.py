@@ -96,8 +96,8 @@ def gemm_candidates(n: int, k: int, groups: int, rows: int) -> list[Tactic]:
     (``tactics.sweep_tactics``), its register-footprint variants
     (``FMA_FOOTPRINTS`` / ``DOT_FOOTPRINTS``): in the chain a GEMM's programs
     start only where the kernel before them has left registers free; and
-    batch-invariant mode's tactic at this M (``tactics.invariant_tactic``): the
-    default mode may take whatever the mode runs, so it is never the slower."""
+    batch-invariant mode's tactic at this M (``tactics.invariant_tactic``), so a
+    tune takes it where the mode's GEMM is the faster one."""
     base = default_tactic(n, k, rows, groups)
     footprints = FMA_FOOTPRINTS if base.rows_tile < 16 else DOT_FOOTPRINTS
     out = [*tactics.sweep_tactics(n, k, rows, groups),
@@ -154,7 +154,8 @@ def descend(candidates: dict[str, list], time_with: Callable[[dict], float],
 
 def alternate(ways: dict[str, dict], time_with: Callable[[dict], float],
               rounds: int) -> dict[str, list[float]]:
-    """µs of each way (a choice for every slot) in ``rounds`` rounds A, B, A, B, ..."""
+    """The cost (what ``time_with`` returns) of each way (a choice for every
+    slot) in ``rounds`` rounds A, B, A, B, ..."""
     samples: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(rounds):
         for name, choice in ways.items():

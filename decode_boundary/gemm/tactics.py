@@ -237,13 +237,14 @@ def _o(block_n, split_k, num_warps=4, chunk_k=128) -> ReductionOrder:
     return ReductionOrder(block_n, split_k, num_warps, chunk_k)
 
 
-# (N, K, groups) -> the one order of batch-invariant mode, chosen inside the chain by
-# decode-boundary tune --batch-invariant (bench/tune_invariant.py: the geometric mean over
-# M of the mode's step over the default's); each line says why it wins.
+# (N, K, groups) -> the one order of batch-invariant mode. V4.1-Flash's TP-4 shapes: chosen
+# inside its chain by decode-boundary tune --batch-invariant (bench/tune_invariant.py: the
+# geometric mean over M of the mode's step over the default's); V4-Pro's wo_b: a standalone
+# sweep's, not yet tuned in a chain. Each line says why it is there.
 INVARIANT_ORDERS: dict[tuple[int, int, int], ReductionOrder] = {
     (5120, 2048, 1): _o(64, 4),  # wo_b at TP 4: the tables' 16-64-row order
     (8192, 1280, 1): _o(64, 3),  # wq_b at TP 4: 3 splits lose at 1 row, 5 at 32-64 rows more
-    (1792, 5120, 1): _o(64, 10),  # fused_wqa_wkv: 10 splits beside the aside mixes at 32-64 rows
+    (1792, 5120, 1): _o(64, 10),  # fused_wqa_wkv: the descent's pick, level with 14 splits
     (2048, 4096, 2): _o(64, 11),  # wo_a at TP 4: 11 splits; the tables' 8 lose at 32-64 rows
     (7168, 4096, 1): _o(64, 11),  # V4-Pro wo_b at TP 4: the 16-row order
 }

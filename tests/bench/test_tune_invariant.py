@@ -11,10 +11,10 @@ import random
 
 import pytest
 import torch
-from invariance_checks import cancelling
 
 from decode_boundary import cli
 from decode_boundary.bench import tune_invariant as ti
+from decode_boundary.bench.gemm import cancelling
 from decode_boundary.gemm import selected_tactic, tactics
 from decode_boundary.gemm.tactics import (
     INVARIANT_ORDERS,
@@ -163,7 +163,7 @@ def test_tune_alone_in_the_interpreter(monkeypatch):
 def test_alone_failures_catch_an_order_that_follows_m(monkeypatch):
     """The lone projection's check fails where the mode's order changed with
     the row count (split-K 1 for one row, 4 above): it cannot pass vacuously."""
-    layer, x = cancelling(96, 512, 4, torch.Generator().manual_seed(4))
+    layer, x = cancelling(96, 512, 4, generator=torch.Generator().manual_seed(4))
     assert ti.alone_failures(layer, x, [1, 2], "probe") == []
 
     def follows_m(n, k, rows, groups=1):

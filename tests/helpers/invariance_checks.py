@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from decode_boundary.gemm import Mxfp8Linear, mxfp8_mm
+from decode_boundary.gemm import mxfp8_mm
 from decode_boundary.mxfp8.format import unswizzle_scales
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
@@ -19,20 +19,6 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     if t.element_size() == 1:
         return t.view(torch.uint8)
     return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
-
-
-def cancelling(n: int, k: int, rows: int, gen: torch.Generator):
-    """A layer and BF16 rows whose products cancel: K-group 0 and the group half
-    K later carry the same large values with opposite weights, so the FP32
-    sum's bits depend on where the large terms meet the small ones (MXFP8
-    products of ordinary data have so few bits that their FP32 sums are often
-    exact, and then every order gives the same bits)."""
-    half = k // 2
-    w = torch.randn(n, k, generator=gen)
-    w[:, half:half + 32] = -w[:, :32]
-    x = torch.randn(rows, k, generator=gen)
-    x[:, :32] = x[:, half:half + 32] = torch.randn(rows, 32, generator=gen) * 2.0 ** 14
-    return Mxfp8Linear.from_float(w.bfloat16()), x.bfloat16()
 
 
 def gemm_failures(layer, x: torch.Tensor, rows: list[int], bf16_input: bool, mates: int,

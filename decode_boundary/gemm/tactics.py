@@ -261,18 +261,10 @@ def dot_tile(rows: int) -> int:
 def heuristic_order(n: int, k: int, groups: int = 1) -> ReductionOrder:
     """The order of a shape ``INVARIANT_ORDERS`` does not hold: 64 weight rows
     (wgmma) x ~384-element K-slices in 128-wide pieces, 4 warps, as the tables'
-    tensor-core entries; narrower blocks and other splits until one fits."""
-    if k % 32 or k <= 0 or n <= 0 or groups < 1 or n % groups or (n // groups) % 16:
-        raise ValueError(f"no MXFP8 GEMM tactic for N={n}, K={k}, groups={groups} "
-                         "(need K % 32 == 0 and (N / groups) % 16 == 0)")
-    split = _split_for(k, 384)
-    for block_n in (64, 32, 16):
-        for sp in (split, *SPLIT_KS):
-            for chunk in (128, 64, 256):
-                order = _o(block_n, sp, 4, chunk)
-                if fits(with_tile(order, DOT_TILES[-1]), n, k, groups):
-                    return order
-    raise ValueError(f"no MXFP8 GEMM tactic fits N={n}, K={k}, groups={groups}")
+    tensor-core entries; narrower blocks and other splits until one fits (at
+    the 64-row tile, the largest the order runs on)."""
+    _check_shape(n, k, groups)
+    return order_of(_first_fitting_dot(n, k, groups, DOT_TILES[-1], _split_for(k, 384)))
 
 
 def with_tile(order: ReductionOrder, rows_tile: int) -> Tactic:
@@ -338,18 +330,34 @@ def heuristic_tactic(n: int, k: int, rows: int, groups: int = 1) -> Tactic:
     4 warps; more rows on tensor cores, 64 weight rows (wgmma) x a
     ~384-element K-slice in 128-wide pieces, 4 warps. Falls back to narrower
     blocks and more splits until one fits."""
+    _check_shape(n, k, groups)
+    if rows > 2:
+        tile = 16 if rows <= 16 else 32 if rows <= 32 else 64
+        return _first_fitting_dot(n, k, groups, tile, _split_for(k, 384 if tile < 64 else 512))
+    base = [_t(block_n, rows, split, 4, chunk) for split in (1, 2, 4, 8, 16)
+            for block_n in (8, 4) for chunk in (1024, 2048, 4096)]
+    return _first_fitting(base, n, k, groups)
+
+
+def _check_shape(n: int, k: int, groups: int) -> None:
+    """``ValueError`` for a shape no MXFP8 GEMM tactic can take."""
     if k % 32 or k <= 0 or n <= 0 or groups < 1 or n % groups or (n // groups) % 16:
         raise ValueError(f"no MXFP8 GEMM tactic for N={n}, K={k}, groups={groups} "
                          "(need K % 32 == 0 and (N / groups) % 16 == 0)")
-    if rows <= 2:
-        base = [_t(block_n, rows, split, 4, chunk) for split in (1, 2, 4, 8, 16)
-                for block_n in (8, 4) for chunk in (1024, 2048, 4096)]
-    else:
-        tile = 16 if rows <= 16 else 32 if rows <= 32 else 64
-        split = _split_for(k, 384 if tile < 64 else 512)
-        base = [_t(block_n, tile, sp, 4, chunk) for block_n in (64, 32, 16)
-                for sp in (split, *SPLIT_KS) for chunk in (128, 64, 256)]
-    for t in base:
+
+
+def _first_fitting_dot(n: int, k: int, groups: int, tile: int, split: int) -> Tactic:
+    """The first tensor-core tactic on ``tile`` that fits: 64 weight rows, then
+    32 and 16; ``split`` K-slices, then every split of ``SPLIT_KS``; 128-wide
+    pieces, then 64 and 256; 4 warps."""
+    return _first_fitting([_t(block_n, tile, sp, 4, chunk) for block_n in (64, 32, 16)
+                           for sp in (split, *SPLIT_KS) for chunk in (128, 64, 256)],
+                          n, k, groups)
+
+
+def _first_fitting(candidates: list[Tactic], n: int, k: int, groups: int) -> Tactic:
+    """The first of ``candidates`` that fits (N, K, groups)."""
+    for t in candidates:
         if fits(t, n, k, groups):
             return t
     raise ValueError(f"no MXFP8 GEMM tactic fits N={n}, K={k}, groups={groups}")

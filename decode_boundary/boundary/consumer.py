@@ -41,8 +41,7 @@ from .consumer_kernel import (
 )
 from .consumer_tactics import (
     ConsumerTactic,
-    check_invariant_tactic,
-    consumer_tactic,
+    chosen_tactic,
     fuses_mixes,
     side_stream_possible,
 )
@@ -250,11 +249,8 @@ def prepare_consume(
                          f"collapse {getattr(mixes, 'collapse', None)!r}")
     fused = isinstance(mixes, MhcMixes) and mixes_stream is None and \
         fuses_mixes(m, hc, mixes.collapse)
-    tactic = ConsumerTactic(*(tactic or consumer_tactic(m, hidden,
-                                                        mixes.collapse if fused else None,
-                                                        batch_invariant)))
-    if batch_invariant:
-        check_invariant_tactic(tactic, hidden)
+    tactic = chosen_tactic(tactic, m, hidden, mixes.collapse if fused else None,
+                           batch_invariant)
     check_tactic(tactic, hidden, mode, fused, isinstance(mixes, MhcMixes) and not fused)
     if not isinstance(combine_mixes, bool):
         raise ValueError(f"combine_mixes must be a bool, got {combine_mixes!r}")

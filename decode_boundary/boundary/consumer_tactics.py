@@ -150,6 +150,19 @@ def consumer_tactic(m: int, hidden: int, fused: Collapse | None = None,
     return runs_as(entry, hidden)
 
 
+def chosen_tactic(pinned: tuple | None, m: int, hidden: int, fused: Collapse | None,
+                  batch_invariant: bool) -> ConsumerTactic:
+    """The consumer's tactic for M tokens: ``pinned`` (a :class:`ConsumerTactic`
+    or a tuple of its fields) where given, else :func:`consumer_tactic`; in
+    batch-invariant mode a pinned one of another shape than its own is refused
+    (:func:`check_invariant_tactic`). The one rule the all-reduce's plan, its
+    deferred finish and the consumer's launcher apply."""
+    tactic = ConsumerTactic(*(pinned or consumer_tactic(m, hidden, fused, batch_invariant)))
+    if batch_invariant:
+        check_invariant_tactic(tactic, hidden)
+    return tactic
+
+
 def check_invariant_tactic(tactic: ConsumerTactic, hidden: int) -> None:
     """``ValueError`` for a consumer tactic batch-invariant mode cannot run
     (another shape than ``INVARIANT_CONSUMER``, as it runs)."""

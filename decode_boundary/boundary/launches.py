@@ -34,7 +34,7 @@ from .consumer import (
 )
 from .consumer_inputs import MhcMixes, WaitTimeout
 from .consumer_kernel import FULL, Mode
-from .consumer_tactics import consumer_tactic, fuses_mixes
+from .consumer_tactics import chosen_tactic, fuses_mixes
 from .finalize_kernel import check_finalize_inputs, finalize_publish
 from .mailbox import Mailbox
 from .mixes_in_flight import MixesInFlight
@@ -167,8 +167,7 @@ class Launches:
         mix_params = MhcMixes(torch.empty(0, **f32), torch.empty(3, **f32),
                               torch.empty((2 + hc) * hc, **f32), spec.hc_eps,
                               spec.hc_sinkhorn_iters, spec.collapse)
-        tactic = self.settings.tactic or consumer_tactic(m, h, spec.collapse,
-                                                         spec.batch_invariant)
+        tactic = chosen_tactic(self.settings.tactic, m, h, spec.collapse, spec.batch_invariant)
         bound = wait_bound(self.wait_bound.seconds, device)  # a WaitTimeout, converted
         outputs = (torch.empty(m, hc, **f32), torch.empty(m, hc, **f32),
                    torch.empty(m, hc, hc, **f32))

@@ -23,8 +23,7 @@ from .consumer_kernel import FULL, MODES, PLAIN, RESIDUAL_ONLY, Collapse, Mode
 from .consumer_tactics import (
     ConsumerTactic,
     auto_placement,
-    check_invariant_tactic,
-    consumer_tactic,
+    chosen_tactic,
     fused_collapse,
 )
 from .spec import BoundarySpec
@@ -91,9 +90,7 @@ def variant_plan(spec: BoundarySpec, pinned: ConsumerTactic | None, rows: int, m
     its own)."""
     collapse = spec.collapse if mode == FULL else None
     fused = fused_collapse(rows, spec.hc, collapse, placement)
-    tactic = pinned or consumer_tactic(rows, spec.hidden, fused, spec.batch_invariant)
-    if spec.batch_invariant:
-        check_invariant_tactic(tactic, spec.hidden)
+    tactic = chosen_tactic(pinned, rows, spec.hidden, fused, spec.batch_invariant)
     return StepPlan(MODES[mode], rows, inputs, placement, collapse, fused, tactic,
                     spec.batch_invariant)
 

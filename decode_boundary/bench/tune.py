@@ -310,25 +310,44 @@ def gemm_slots(config: BoundaryConfig, tp: int) -> dict[str, tuple[int, int, int
     return {"+".join(names): shape for shape, names in by_shape.items()}
 
 
+def projections_outside_chain(model: str, tp_shapes: int, chain: dict[str, tuple]
+                              ) -> dict[str, tuple[int, int, int]]:
+    """The model's projections whose shape no GEMM slot of ``chain``
+    (:func:`gemm_slots`) has, by name: tuned alone."""
+    return {name: shape for name, shape in MODELS[model].projection_shapes(tp_shapes).items()
+            if shape not in chain.values()}
+
+
+@contextmanager
+def swapped(table: dict, entries: dict) -> Iterator[None]:
+    """Within the block ``table`` holds ``entries``; after it, what it held
+    before (a key it lacked gone again), also after an error."""
+    saved = {key: table.get(key) for key in entries}
+    table.update(entries)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                table.pop(key, None)
+            else:
+                table[key] = value
+
+
 @contextmanager
 def pinned(ab, shapes: dict[str, tuple], rows: int, choice: dict) -> Iterator[None]:
     """Within the block the chain runs ``choice``: each GEMM slot's tactic in
     ``tactics.TABLE`` at ``rows``' bucket (what ``mxfp8_mm`` reads), the
     consumer's (if it has one) pinned on ``ab``'s all-reduce; the tables as
     they were after it."""
-    saved = {shape: tactics.TABLE.get(shape) for shape in shapes.values()}
-    for slot, shape in shapes.items():
-        tactics.TABLE[shape] = {**(saved[shape] or {}), row_bucket(rows): choice[slot]}
+    entries = {shape: {**tactics.TABLE.get(shape, {}), row_bucket(rows): choice[slot]}
+               for slot, shape in shapes.items()}
     if "consumer" in choice:
         ab.all_reduce.tactic = runs_as(choice["consumer"], ab.config.hidden)
     try:
-        yield
+        with swapped(tactics.TABLE, entries):
+            yield
     finally:
-        for shape, entry in saved.items():
-            if entry is None:
-                tactics.TABLE.pop(shape, None)
-            else:
-                tactics.TABLE[shape] = entry
         if "consumer" in choice:
             ab.all_reduce.tactic = None
 
@@ -403,9 +422,7 @@ def tune(model: str, tp_shapes: int, rows: Sequence[int], rounds: int = ROUNDS,
     counts = tune_rows(rows)
     ab, views = one_gpu_boundary(SimpleNamespace(model=model, tp_shapes=tp_shapes,
                                                  rows=counts), seed=5)
-    chain = set(gemm_slots(ab.config, ab.tp).values())
-    alone = {name: shape for name, shape in MODELS[model].projection_shapes(tp_shapes).items()
-             if shape not in chain}
+    alone = projections_outside_chain(model, tp_shapes, gemm_slots(ab.config, ab.tp))
     try:
         runs = []
         for m in counts:
@@ -415,6 +432,12 @@ def tune(model: str, tp_shapes: int, rows: Sequence[int], rounds: int = ROUNDS,
         return runs
     finally:
         ab.close()
+
+
+def runs_json(runs: list[dict]) -> list[dict]:
+    """The runs as the JSON holds them: shapes as lists, winners as dicts."""
+    return [{**r, "shapes": {s: list(v) for s, v in r["shapes"].items()},
+             "winner": {s: t._asdict() for s, t in r["winner"].items()}} for r in runs]
 
 
 def run(model: str, tp_shapes: int, rows: Sequence[int] | None, rounds: int, out: Path,
@@ -428,8 +451,6 @@ def run(model: str, tp_shapes: int, rows: Sequence[int] | None, rounds: int, out
     result = new_result("tune", command, environment(False, []),
                         {"model": model, "tp_shapes": tp_shapes, "rounds": rounds,
                          "rows": [r["rows"] for r in runs]})
-    result["runs"] = [{**r, "shapes": {s: list(v) for s, v in r["shapes"].items()},
-                       "winner": {s: t._asdict() for s, t in r["winner"].items()}}
-                      for r in runs]
+    result["runs"] = runs_json(runs)
     result["table_lines"], result["failures"] = lines, failures
     return write_json(result, out / f"tune-{model}-tp{tp_shapes}.json"), lines, failures

@@ -46,14 +46,22 @@ from decode_boundary.bench.timing import graph_time_us, rotated_copies
 from decode_boundary.gemm import mxfp8_mm, tactics
 from decode_boundary.gemm.reference import check_mxfp8_mm
 from decode_boundary.gemm.tactics import ReductionOrder, invariant_candidates, with_tile
-from decode_boundary.model.config import MODELS
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
 from .gemm import cancelling, random_layer
 from .harness import one_gpu_boundary, verify_rows
 from .paths import build, join_all
 from .report import environment, new_result, write_json
-from .tune import ROUNDS, TABLE_BUCKETS, choose, gemm_reason, gemm_slots
+from .tune import (
+    ROUNDS,
+    TABLE_BUCKETS,
+    choose,
+    gemm_reason,
+    gemm_slots,
+    projections_outside_chain,
+    runs_json,
+    swapped,
+)
 
 _ORDER_LINE = re.compile(r"^    \((\d+), (\d+), (\d+)\): _o\([\d, ]+\),  # (.+)$")
 
@@ -81,17 +89,9 @@ def pinned_orders(shapes: dict[str, tuple], choice: dict[str, ReductionOrder]
     """Within the block the mode runs ``choice``: each slot's order in
     ``tactics.INVARIANT_ORDERS`` (what ``mxfp8_mm`` reads per call); the orders
     as they were after it."""
-    saved = {shape: tactics.INVARIANT_ORDERS.get(shape) for shape in shapes.values()}
-    for slot, shape in shapes.items():
-        tactics.INVARIANT_ORDERS[shape] = choice[slot]
-    try:
+    with swapped(tactics.INVARIANT_ORDERS,
+                 {shape: choice[slot] for slot, shape in shapes.items()}):
         yield
-    finally:
-        for shape, order in saved.items():
-            if order is None:
-                tactics.INVARIANT_ORDERS.pop(shape, None)
-            else:
-                tactics.INVARIANT_ORDERS[shape] = order
 
 
 def _costed(shapes: dict[str, tuple], counts: list[int], default_us: dict[int, float],
@@ -195,9 +195,7 @@ def tune(model: str, tp_shapes: int, rows: Sequence[int], rounds: int = ROUNDS,
     ab, views = one_gpu_boundary(SimpleNamespace(model=model, tp_shapes=tp_shapes,
                                                  rows=counts), seed=5)
     ab.batch_invariant_twin().precompile(counts)
-    chain = set(gemm_slots(ab.config, ab.tp).values())
-    alone = {name: shape for name, shape in MODELS[model].projection_shapes(tp_shapes).items()
-             if shape not in chain}
+    alone = projections_outside_chain(model, tp_shapes, gemm_slots(ab.config, ab.tp))
     try:
         runs = [tune_chain(ab, views, counts, rounds, log)]
         runs += [tune_alone(name, shape, counts, rounds, ab.device, log)
@@ -258,9 +256,7 @@ def run(model: str, tp_shapes: int, rows: Sequence[int] | None, rounds: int, out
     result = new_result("tune-batch-invariant", command, environment(False, []),
                         {"model": model, "tp_shapes": tp_shapes, "rounds": rounds,
                          "rows": runs[0]["rows"]})
-    result["runs"] = [{**r, "shapes": {s: list(v) for s, v in r["shapes"].items()},
-                       "winner": {s: o._asdict() for s, o in r["winner"].items()}}
-                      for r in runs]
+    result["runs"] = runs_json(runs)
     result["table_lines"], result["failures"] = [], failures
     path = out / f"tune-{model}-tp{tp_shapes}-batch-invariant.json"
     write_json(result, path)  # the timings are kept whatever the lines do

@@ -170,7 +170,7 @@ class PublishingMxfp8Linear:
         so a rank still compiling cannot make a peer's consumer wait past its
         bound. Batch-invariant mode is the all-reduce's."""
         invariant = self.all_reduce.batch_invariant
-        tactic = selected_tactic(linear, rows, invariant)
+        tactic = selected_tactic(linear, rows, invariant, backend="triton")  # its epilogue
         k, n = linear.weight.shape
         self.all_reduce.compile_variants({
             ("publishing_gemm", n, k, tactic, bf16_input):

@@ -36,10 +36,12 @@ from collections.abc import Iterable
 import torch
 
 from decode_boundary.env import batch_invariant as resolve_batch_invariant
+from decode_boundary.env import use_pdl
 from decode_boundary.mixes.handoff import NextMixes
 from decode_boundary.mxfp8.format import QuantizedActivation, check_quantized
 from decode_boundary.mxfp8.quantize_kernel import quantize_mxfp8
 
+from . import dispatch
 from .launcher import (
     empty_mxfp8,
     launch_low_latency,
@@ -47,7 +49,7 @@ from .launcher import (
     warmup_low_latency,
     weight_operands,
 )
-from .tactics import PROLOGUE_MAX_ROWS, Tactic, tactic_for
+from .tactics import PROLOGUE_MAX_ROWS, Tactic
 
 
 def _shape(layer) -> tuple[int, int, int]:
@@ -79,16 +81,29 @@ def _refusal(layer) -> str | None:
     return None
 
 
-def selected_tactic(layer_or_shape, rows: int, batch_invariant: bool | None = None) -> Tactic:
+def selected_tactic(layer_or_shape, rows: int, batch_invariant: bool | None = None,
+                    backend: str | None = None, device: torch.device | str | None = None):
     """The tactic ``mxfp8_mm`` runs for ``rows`` rows of MXFP8 or BF16
-    activations alike (it never depends on the input kind): the table's
-    tactic, else the heuristic (``tactics.default_tactic``); in
+    activations alike (it never depends on the input kind): on the CuTe DSL
+    kernel a ``hopper.tactics.HopperTactic``, on the Triton twin a ``Tactic``
+    (each names its kernel: ``.backend``), as ``dispatch.select`` decides for
+    ``backend`` (None: ``DECODE_BOUNDARY_GEMM_BACKEND``, else auto). The twin's
+    is the table's tactic, else the heuristic (``tactics.default_tactic``); in
     batch-invariant mode (module docstring; None: the environment's) the
     shape's one order (``tactics.invariant_tactic``).
-    ``layer_or_shape`` is a layer or an (N, K) / (N, K, groups) tuple."""
-    n, k, groups = (*layer_or_shape, 1)[:3] if isinstance(layer_or_shape, tuple) \
-        else _shape(layer_or_shape)
-    return tactic_for(n, k, rows, groups, resolve_batch_invariant(batch_invariant))
+    ``layer_or_shape`` is a layer or an (N, K) / (N, K, groups) tuple;
+    ``device``: where it runs (default: a layer's weight's, else the current
+    CUDA device where there is one, else the CPU)."""
+    if isinstance(layer_or_shape, tuple):
+        n, k, groups = (*layer_or_shape, 1)[:3]
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) \
+                if torch.cuda.is_available() else torch.device("cpu")
+    else:
+        n, k, groups = _shape(layer_or_shape)
+        device = device or layer_or_shape.weight.device
+    return dispatch.select(n, k, rows, groups, resolve_batch_invariant(batch_invariant),
+                           backend, torch.device(device))
 
 
 def _activation(layer, x):
@@ -144,6 +159,12 @@ def _run(layer, x, tactic_for, mixes: NextMixes | None = None, mxfp8_out: bool =
     tactic = tactic_for(rows)
     if tactic is None:
         return None
+    if dispatch.is_cute(tactic):
+        if mixes is not None:
+            raise ValueError("finish_mixes needs the Triton twin's epilogue: pass "
+                             "backend='triton' (the CuTe kernel has no mixes finish)")
+        out = _finish(layer, _run_cute(layer, a, rows, tactic), dtype, shape)
+        return quantize_mxfp8(out) if mxfp8_out else out
     finish = mixes.launch_args(device) if mixes is not None else None
     if mxfp8_out and _epilogue_quantizes(layer, tactic, dtype):
         out = empty_mxfp8(rows, n, device)
@@ -157,27 +178,42 @@ def _run(layer, x, tactic_for, mixes: NextMixes | None = None, mxfp8_out: bool =
     return quantize_mxfp8(out) if mxfp8_out else out
 
 
+def _run_cute(layer, a, rows: int, tactic) -> torch.Tensor:
+    """BF16 [rows, N] of the CuTe kernel; a BF16 ``a`` is quantized first by
+    ``quantize_mxfp8`` (the bits the twin's prologue gives), so either input
+    kind gives the same output."""
+    from .hopper import launcher as cute_launcher  # imports the DSL: dispatch chose it
+
+    qa = quantize_mxfp8(a) if isinstance(a, torch.Tensor) else a
+    storage = layer.weight.t()
+    out = torch.empty(rows, storage.shape[0], dtype=torch.bfloat16, device=storage.device)
+    return cute_launcher.launch(storage, layer.weight_scale, getattr(layer, "groups", 1),
+                                qa.data, qa.scale, out, tactic, use_pdl(storage.device))
+
+
 def _mark_finished(mixes: NextMixes | None) -> None:
     if mixes is not None:
         mixes.mark_finished()
 
 
-def _traced_mm(layer, x, invariant: bool) -> torch.Tensor:
+def _traced_mm(layer, x, invariant: bool, backend: str) -> torch.Tensor:
     """``mxfp8_mm`` while torch.compile traces: one ``decode_boundary::mxfp8_mm``."""
     groups = getattr(layer, "groups", 1)
     if isinstance(x, QuantizedActivation):
         out = torch.ops.decode_boundary.mxfp8_mm(x.data, x.scale, layer.weight,
-                                                 layer.weight_scale, groups, invariant)
+                                                 layer.weight_scale, groups, invariant,
+                                                 backend)
         shape, dtype = x.orig_shape, x.orig_dtype
     else:
         out = torch.ops.decode_boundary.mxfp8_mm(x.reshape(-1, x.shape[-1]), None, layer.weight,
-                                                 layer.weight_scale, groups, invariant)
+                                                 layer.weight_scale, groups, invariant,
+                                                 backend)
         shape, dtype = x.shape, x.dtype
     return _finish(layer, out, dtype, shape)
 
 
 def mxfp8_mm(layer, x, *, finish_mixes: NextMixes | None = None, mxfp8_out: bool = False,
-             batch_invariant: bool | None = None):
+             batch_invariant: bool | None = None, backend: str | None = None):
     """``layer``'s GEMM of ``x`` with the selected tactic (any row count).
     ``finish_mixes``: the next mHC mixes of the all-reduce call right before
     this GEMM on the stream (its result's ``mixes``); where that call left
@@ -190,8 +226,12 @@ def mxfp8_mm(layer, x, *, finish_mixes: NextMixes | None = None, mxfp8_out: bool
     GEMM's own epilogue where :func:`mxfp8_out_in_epilogue` (no quantizer
     launch, no BF16 round trip), else quantized after the GEMM.
     ``batch_invariant``: batch-invariant mode (module docstring); None reads
-    ``DECODE_BOUNDARY_BATCH_INVARIANT`` now."""
+    ``DECODE_BOUNDARY_BATCH_INVARIANT`` now. ``backend``: ``"auto"``,
+    ``"triton"`` or ``"cute"`` (``dispatch``; None reads
+    ``DECODE_BOUNDARY_GEMM_BACKEND`` now); a call that finishes mixes runs the
+    twin in auto mode (only it has that epilogue)."""
     invariant = resolve_batch_invariant(batch_invariant)
+    backend = dispatch.resolve_backend(backend)
     weight_operands(layer)  # malformed weights raise here
     if finish_mixes is not None and not isinstance(finish_mixes, NextMixes):
         raise ValueError(f"finish_mixes must be the NextMixes of an all-reduce call, got "
@@ -205,10 +245,12 @@ def mxfp8_mm(layer, x, *, finish_mixes: NextMixes | None = None, mxfp8_out: bool
     if finish_mixes is not None and torch.compiler.is_compiling():
         raise ValueError("finish_mixes needs an eager launch of a layer the kernel takes "
                          "(mxfp8_eligible)")
+    if finish_mixes is not None and backend == "auto":
+        backend = "triton"
     if not torch.compiler.is_compiling():
-        return _run(layer, x, lambda rows: selected_tactic(layer, rows, invariant), finish_mixes,
-                    mxfp8_out)
-    out = _traced_mm(layer, x, invariant)
+        return _run(layer, x, lambda rows: selected_tactic(layer, rows, invariant, backend),
+                    finish_mixes, mxfp8_out)
+    out = _traced_mm(layer, x, invariant, backend)
     return quantize_mxfp8(out) if mxfp8_out else out
 
 
@@ -217,18 +259,20 @@ def _epilogue_quantizes(layer, tactic: Tactic, dtype: torch.dtype) -> bool:
     ``mxfp8_mm`` returns: no bias added after it, an output in BF16 or FP32
     (exact from BF16; FP16 would round it again), whole groups per program."""
     return (layer.bias is None and dtype in (torch.bfloat16, torch.float32)
-            and quantized_out_fits(tactic))
+            and not dispatch.is_cute(tactic) and quantized_out_fits(tactic))
 
 
 def mxfp8_out_in_epilogue(layer, rows: int, dtype: torch.dtype = torch.bfloat16,
-                          batch_invariant: bool | None = None) -> bool:
+                          batch_invariant: bool | None = None,
+                          backend: str | None = None) -> bool:
     """Whether ``mxfp8_mm(layer, x, mxfp8_out=True)`` of ``rows`` rows of
     ``dtype`` writes the MXFP8 output from the GEMM's epilogue (an eager launch
     of a layer the kernel takes, no bias, a BF16 or FP32 input, a selected
     tactic of whole 32-column groups per program); elsewhere it quantizes
     after the GEMM, one launch more."""
     return (rows > 0 and not torch.compiler.is_compiling() and mxfp8_eligible(layer)
-            and _epilogue_quantizes(layer, selected_tactic(layer, rows, batch_invariant), dtype))
+            and _epilogue_quantizes(layer, selected_tactic(layer, rows, batch_invariant, backend),
+                                    dtype))
 
 
 def shape_representatives(layers: Iterable) -> list:
@@ -244,7 +288,7 @@ def shape_representatives(layers: Iterable) -> list:
 def precompile(layer, rows_list: Iterable[int], publish=None, bf16_input: bool | None = None,
                stream: torch.cuda.Stream | None = None,
                finish_mixes: NextMixes | None = None, mxfp8_out: bool = False,
-               batch_invariant: bool | None = None):
+               batch_invariant: bool | None = None, backend: str | None = None):
     """Compile the kernels ``mxfp8_mm`` (or, with ``publish``, the publishing
     launch) uses for each row count and allocate their split-K scratch,
     launching nothing (but the quantizer, once, where a BF16 input of that many
@@ -259,8 +303,13 @@ def precompile(layer, rows_list: Iterable[int], publish=None, bf16_input: bool |
     all-reduce's ``deferred_finish(rows)``; one row count). ``mxfp8_out``:
     the variant writing an MXFP8 output, at the row counts where
     :func:`mxfp8_out_in_epilogue` (and the quantizer where it is not).
-    ``batch_invariant``: the mode's tactics (None: the environment's, read now)."""
+    ``batch_invariant``: the mode's tactics (None: the environment's, read now).
+    ``backend``: as ``mxfp8_mm``'s (a CuTe variant compiles once per process
+    for every row count; no scratch)."""
     invariant = resolve_batch_invariant(batch_invariant)
+    backend = dispatch.resolve_backend(backend)
+    if (finish_mixes is not None or publish is not None) and backend == "auto":
+        backend = "triton"
     if not mxfp8_eligible(layer):
         return
     rows_list = list(rows_list)
@@ -277,12 +326,32 @@ def precompile(layer, rows_list: Iterable[int], publish=None, bf16_input: bool |
                 # launch on zeros, writing only its own outputs), not under capture.
                 _load_quantizer(rows, groups * k, layer.weight.device)
                 bf16 = False
-            tactic = selected_tactic(layer, rows, invariant)
+            tactic = selected_tactic(layer, rows, invariant, backend)
+            if dispatch.is_cute(tactic):
+                _precompile_cute(layer, rows, tactic, bf16, mxfp8_out, publish, finish)
+                continue
             in_epilogue = mxfp8_out and _epilogue_quantizes(layer, tactic, torch.bfloat16)
             if mxfp8_out and not in_epilogue:  # quantized after the GEMM
                 _load_quantizer(rows, n, layer.weight.device)
             warmup_low_latency(layer, rows, tactic, publish, bf16, stream, finish,
                                mxfp8_out=in_epilogue)
+
+
+def _precompile_cute(layer, rows: int, tactic, bf16: bool, mxfp8_out: bool, publish,
+                     finish) -> None:
+    """``precompile`` of a CuTe variant: its one compile (every M), and the
+    quantizer where the input or the output is quantized around it."""
+    if publish is not None or finish is not None:
+        raise ValueError("publish and finish_mixes need the Triton twin's epilogues: pass "
+                         "backend='triton'")
+    from .hopper import launcher as cute_launcher
+
+    n, k, groups = _shape(layer)
+    cute_launcher.compiled(n, k, groups, tactic, use_pdl(layer.weight.device))
+    if bf16:
+        _load_quantizer(rows, groups * k, layer.weight.device)
+    if mxfp8_out:
+        _load_quantizer(rows, n, layer.weight.device)
 
 
 def _load_quantizer(rows: int, width: int, device: torch.device) -> None:

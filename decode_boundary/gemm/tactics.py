@@ -50,6 +50,11 @@ class Tactic(NamedTuple):
     # group-sum pass (CUDA cores) per piece. Part of the summation order.
     chunk_k: int = 256
 
+    @property
+    def backend(self) -> str:
+        """The kernel a tactic runs (``hopper.tactics.HopperTactic``: ``"cute"``)."""
+        return "triton"
+
 
 LOW_BATCH_MAX_ROWS = 8
 # Above this many rows a BF16 input is quantized by quantize_mxfp8 first: every

@@ -86,6 +86,12 @@ def _random_linear(n: int, k: int, seed: int, device: torch.device) -> Mxfp8Line
     weight = (torch.randn(n, k, generator=gen) * WEIGHT_STD).to(torch.bfloat16)
     return Mxfp8Linear.from_float(weight.to(device))
 
+# The chain's GEMMs run the Triton twin: its epilogues (wo_a's MXFP8 hand-off, wo_b's
+# publish, fused_wqa_wkv's mixes finish) keep the step at four launches, and one backend
+# for the fused and unfused paths keeps their bits equal. The CuTe kernel has only the
+# BF16 epilogue so far (gemm/dispatch.py).
+GEMM_BACKEND = "triton"
+
 
 class AttentionBoundary:
     """Weights, all-reduce and publisher of one rank's attention boundary.
@@ -205,7 +211,7 @@ class AttentionBoundary:
         it on every rank before the first step, so no rank's consumer waits on
         a peer that is still compiling, and before capturing CUDA graphs."""
         rows_list = list(rows_list)
-        inv = dict(batch_invariant=self.batch_invariant)
+        inv = dict(batch_invariant=self.batch_invariant, backend=GEMM_BACKEND)
         gemm_precompile(self.wo_a, rows_list, bf16_input=True, **inv)  # attention output: BF16
         handoff = [r for r in rows_list if mxfp8_out_in_epilogue(self.wo_a, r, **inv)]
         gemm_precompile(self.wo_a, handoff, bf16_input=True, mxfp8_out=True,
@@ -320,8 +326,10 @@ class AttentionBoundary:
         # for a quantizer launch; unfused, wo_b takes BF16 (quantized in its
         # prologue, or by the quantizer above PROLOGUE_MAX_ROWS): the same bits.
         inv = self.batch_invariant
-        handoff = fused and mxfp8_out_in_epilogue(self.wo_a, inputs.rows, batch_invariant=inv)
-        o = mxfp8_mm(self.wo_a, inputs.attn_out, mxfp8_out=handoff, batch_invariant=inv)
+        handoff = fused and mxfp8_out_in_epilogue(self.wo_a, inputs.rows, batch_invariant=inv,
+                                                  backend=GEMM_BACKEND)
+        o = mxfp8_mm(self.wo_a, inputs.attn_out, mxfp8_out=handoff, batch_invariant=inv,
+                     backend=GEMM_BACKEND)
         return self.wo_b_published(o, fused)
 
     def wo_b_published(self, o: torch.Tensor, fused: bool = True) -> torch.Tensor:
@@ -331,7 +339,8 @@ class AttentionBoundary:
         rows = o.rows if isinstance(o, QuantizedActivation) else o.shape[0]
         if fused and self.publisher.supports(self.wo_b, rows):
             return self.publisher(self.wo_b, o)
-        partial = mxfp8_mm(self.wo_b, o, batch_invariant=self.batch_invariant)
+        partial = mxfp8_mm(self.wo_b, o, batch_invariant=self.batch_invariant,
+                           backend=GEMM_BACKEND)
         self.all_reduce.publish(partial)
         return partial
 
@@ -343,7 +352,7 @@ class AttentionBoundary:
         mixes kernel on the side stream instead."""
         result = self.reduce(inputs, partial, self.mixes_choice(mixes_aside))
         q = mxfp8_mm(self.fused_wqa_wkv, result.mxfp8, finish_mixes=result.mixes,
-                     batch_invariant=self.batch_invariant)
+                     batch_invariant=self.batch_invariant, backend=GEMM_BACKEND)
         return BoundaryOutputs(result.residual_out, result.layer_input, q, *result.mixes)
 
     def reduce(self, inputs: BoundaryInputs, partial: torch.Tensor,

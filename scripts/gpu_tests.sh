@@ -28,6 +28,7 @@ PARTS=(
   "compile|tests/model/test_compile_gpu.py||torch.compile and CUDA graphs of the step"
   "tune|tests/bench/test_tune.py tests/bench/test_tune_invariant.py||the tune command inside the chain, and in batch-invariant mode"
   "invariant|tests/gemm/test_batch_invariant_gpu.py||batch-invariant mode: the GEMMs and the chain, every bit over M and batch-mates"
+  "cute|tests/gemm/test_cute_gemm_gpu.py||the CuTe DSL GEMM (needs the hopper extra, or the bundle on the device): bar, bits, graphs, op, streams, batch invariance"
 )
 OPT_IN=exhaustive  # the one part `all` leaves out: name it to run it
 usage() {

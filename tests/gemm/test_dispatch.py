@@ -138,3 +138,33 @@ def test_import_loads_neither_triton_nor_the_dsl():
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
                    env={"TRITON_INTERPRET": "1", "PATH": "/usr/bin:/bin",
                         "PYTHONPATH": str(PACKAGE)})
+
+
+def test_cute_launcher_names_each_malformed_operand():
+    """The CuTe launcher's contract checks (before any compile or launch): each
+    error names the argument. The kernel reads the weights in FlashInfer's own
+    layout (no repacked copy), so there is none to round-trip."""
+    from decode_boundary.gemm.hopper.launcher import check_operands
+    from decode_boundary.mxfp8.format import mxfp8_scale_bytes
+
+    n, k, rows = 256, 512, 5
+    t = ht.HopperTactic(1, 8, 1, 4)
+    w = torch.zeros(n, k, dtype=torch.float8_e4m3fn)
+    ws = torch.zeros(mxfp8_scale_bytes(n, k), dtype=torch.uint8)
+    a = torch.zeros(rows, k, dtype=torch.float8_e4m3fn)
+    a_s = torch.zeros(mxfp8_scale_bytes(rows, k), dtype=torch.uint8)
+    out = torch.zeros(rows, n, dtype=torch.bfloat16)
+    check_operands(w, ws, 1, a, a_s, out, t)
+    bad = {
+        "weight must be contiguous": (w.t().contiguous().t(), ws, a, a_s, out, t),
+        "weight_scale must be": (w, ws[:-16], a, a_s, out, t),
+        "does not fit": (w, ws, a, a_s, out, t._replace(split_k=8)),
+        "activation data must be": (w, ws, a[:, :256], a_s, out, t),
+        "activation scale must hold": (w, ws, a, a_s[:100], out, t),
+        "out must be contiguous bfloat16": (w, ws, a, a_s, out.float(), t),
+        "16-byte aligned": (w, ws, a, a_s, torch.zeros(rows * n + 1, dtype=torch.bfloat16)[1:]
+                            .view(rows, n), t),
+    }
+    for message, (w_, ws_, a_, as_, out_, t_) in bad.items():
+        with pytest.raises(ValueError, match=message):
+            check_operands(w_, ws_, 1, a_, as_, out_, t_)

@@ -14,7 +14,9 @@ that blocks the host on a peer gives up after a timeout and raises
   and a rank that left a barrier out because it aborted its step is back in
   step after the reset. A rank that signalled an abort (:func:`signal_abort`)
   counts as arrived where the caller allows it (compile barriers: an aborting
-  rank compiles nothing and publishes its poison instead).
+  rank compiles nothing and publishes its poison instead); the barrier says
+  which ranks it counted so (:class:`Met`). A key may carry a value that every
+  rank reads once all arrived (``share``: what ``reset`` agrees on).
 * :func:`wait_work`: a collective's ``Work`` waited with a timeout (the
   gather transport on CPU / gloo); after a failure (gloo reports a dead peer
   at once: "Connection closed by peer") or a timeout, a presence check over
@@ -30,6 +32,13 @@ same ``RuntimeError`` wording; a peer whose mark stays fresh (alive, e.g. still
 compiling) is waited for up to the wait's own bound. :func:`start_heartbeat`
 starts this process's mark on a group.
 
+The order (:mod:`.collective_order`): every wait but the presence check has a
+position (its tag and its number, :func:`number`), written to the store once it
+has waited a moment; ranks found waiting at different positions raise
+``CollectiveMismatch`` (a ``RuntimeError``) within seconds, on every rank,
+instead of waiting out their bounds. The gather transport's all-gathers are
+numbered too (tag ``gather``), though only those over gloo wait on the host.
+
 Group state (epoch, per-tag sequence numbers) is per process group name and
 shared by every all-reduce on that group: collective calls happen in the same
 order on every rank, which is what keeps the numbers equal.
@@ -41,17 +50,21 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from ..env import logger
 from . import liveness
+from .collective_order import CollectiveMismatch, Position, PositionWatch, position_key
 
 POLL_MIN_S, POLL_MAX_S = 0.0005, 0.02  # store polling: back off from 0.5 ms to 20 ms
 # A collective's completion is polled from WORK_POLL_MIN_S up (doubling to POLL_MAX_S):
 # a step's all-gather over gloo then costs at most about twice its own time.
 WORK_POLL_MIN_S = 2e-5
+# The waits of reset(collective=True): they never raise a mismatch (reset is its cure).
+RESET_TAGS = ("reset-a", "reset-b")
 
 
 @dataclass
@@ -69,8 +82,33 @@ def _state(group) -> _GroupState:
     return _STATE.setdefault(group.group_name, _GroupState())
 
 
+def number(group, tag: str) -> int:
+    """The next number of a ``tag`` wait on ``group`` in this epoch (every rank
+    takes the numbers of a tag in the same order: its collectives')."""
+    state = _state(group)
+    seq = state.seq.get(tag, 0)
+    state.seq[tag] = seq + 1
+    return seq
+
+
 def _prefix(group, epoch: int) -> str:
     return f"decode_boundary/{group.group_name}/e{epoch}"
+
+
+def _watch(group, store, me: int, tag: str, seq: int, what: str,
+           raises: bool = True) -> PositionWatch:
+    epoch = _state(group).epoch
+    return PositionWatch(store, _prefix(group, epoch), me,
+                         Position(tag, seq, epoch, what, raises and tag not in RESET_TAGS))
+
+
+class Met(NamedTuple):
+    """A passed barrier: ``by_abort``, the ranks counted as arrived by their
+    abort (they never reached it); ``shared``, with ``share``, every rank's
+    value (None for a rank counted by its abort)."""
+
+    by_abort: list[int]
+    shared: dict[int, str | None]
 
 
 def _store():
@@ -98,15 +136,17 @@ def start_heartbeat(group, owner) -> liveness.Hold | None:
 
 
 def _arrivals(group, tag: str, timeout_s: float, what: str, aborts_arrive: bool,
-              liveness_s: float | None = None) -> tuple[list[int], dict[int, str]]:
-    """Set this rank's key of the next ``tag`` barrier, poll for the others'
-    until ``timeout_s`` or until a pending peer is judged gone by its liveness
-    mark (bound ``liveness_s``); returns the ranks still missing (empty: all
-    arrived) and those judged gone, with why."""
+              liveness_s: float | None = None, share: str | None = None
+              ) -> tuple[list[int], dict[int, str], Met]:
+    """Set this rank's key of the next ``tag`` barrier (to ``share``), poll for
+    the others' until ``timeout_s`` or until a pending peer is judged gone by
+    its liveness mark (bound ``liveness_s``); returns the ranks still missing
+    (empty: all arrived), those judged gone, with why, and what was met. Ranks
+    waiting elsewhere raise ``CollectiveMismatch`` (module docstring; not the
+    presence check, which follows a failed collective)."""
     me, ranks = _me(group)
     state = _state(group)
-    seq = state.seq.get(tag, 0)
-    state.seq[tag] = seq + 1
+    seq = number(group, tag)
     base = f"{_prefix(group, state.epoch)}/{tag}{seq}/"
     abort_base = f"{_prefix(group, state.epoch)}/abort/"
     store = _store()
@@ -114,31 +154,49 @@ def _arrivals(group, tag: str, timeout_s: float, what: str, aborts_arrive: bool,
     # by constructing the next one: there "closed" is no verdict.
     watch = liveness.PeerWatch(group.group_name, store, liveness.bound(liveness_s),
                                closed_is_gone=tag != "construct")
+    order = None if tag == "presence" else _watch(group, store, me, tag, seq, what)
     gone: dict[int, str] = {}
+    by_abort: list[int] = []
     try:
-        store.set(base + str(me), "1")
+        store.set(base + str(me), "1" if share is None else share)
         pending = [r for r in range(ranks) if r != me]
         deadline = time.monotonic() + timeout_s
         delay = POLL_MIN_S
         while True:
             pending = [r for r in pending if not store.check([base + str(r)])]
             if pending and aborts_arrive:
-                pending = [r for r in pending if not store.check([abort_base + str(r)])]
+                aborted = [r for r in pending if store.check([abort_base + str(r)])]
+                # A rank that passed this barrier before it aborted had set its key
+                # first: look again, so such a rank is never counted by its abort.
+                aborted = [r for r in aborted if not store.check([base + str(r)])]
+                by_abort += aborted
+                pending = [r for r in pending if r not in aborted]
             if not pending or time.monotonic() >= deadline:
                 break
             gone = watch.gone(pending)
             if gone:
                 break
+            if order is not None:
+                order.check(pending)
             time.sleep(delay)
             delay = min(2 * delay, POLL_MAX_S)
+        if order is not None:
+            order.leave()
+        shared: dict[int, str | None] = {}
         if not pending:
+            if share is not None:
+                shared = {r: None if r in by_abort else
+                          share if r == me else store.get(base + str(r)).decode()
+                          for r in range(ranks)}
             # Everyone has passed this barrier, hence my previous one: its key can go.
             if state.last_key is not None:
                 store.delete_key(state.last_key)
             state.last_key = base + str(me)
+    except CollectiveMismatch:
+        raise
     except RuntimeError as error:
         raise _store_error(me, what, error) from error
-    return pending, gone
+    return pending, gone, Met(sorted(by_abort), shared)
 
 
 def _gone_text(gone: dict[int, str]) -> str:
@@ -146,13 +204,16 @@ def _gone_text(gone: dict[int, str]) -> str:
 
 
 def barrier(group, timeout_s: float, tag: str, what: str, aborts_arrive: bool = False,
-            liveness_s: float | None = None) -> None:
+            liveness_s: float | None = None, share: str | None = None) -> Met:
     """Every rank of ``group`` reaches this ``tag`` barrier within ``timeout_s``
     seconds, or ``RuntimeError`` naming the ranks that did not (module
     docstring): at once for a rank judged gone by its liveness mark (bound
-    ``liveness_s``). ``aborts_arrive``: a rank that signalled an abort in this
-    epoch counts as arrived."""
-    missing, gone = _arrivals(group, tag, timeout_s, what, aborts_arrive, liveness_s)
+    ``liveness_s``); ``CollectiveMismatch`` within seconds where the ranks wait
+    in different collectives. ``aborts_arrive``: a rank that signalled an abort
+    in this epoch counts as arrived. ``share``: this rank's value, read by
+    every rank once all arrived (:class:`Met`)."""
+    missing, gone, met = _arrivals(group, tag, timeout_s, what, aborts_arrive, liveness_s,
+                                   share)
     me, _ = _me(group)
     if gone:
         alive = [r for r in missing if r not in gone]
@@ -166,6 +227,7 @@ def barrier(group, timeout_s: float, tag: str, what: str, aborts_arrive: bool = 
             f"decode_boundary rank {me}: rank(s) {missing} did not reach {what} within "
             f"{timeout_s:g} s (dead, hung, or still busy in an earlier call); nothing was "
             "changed on this rank. If they are dead, the group cannot continue: recreate it")
+    return met
 
 
 def signal_abort(group, why: str) -> None:
@@ -184,50 +246,77 @@ def signal_abort(group, why: str) -> None:
 
 def next_epoch(group) -> None:
     """After a completed collective reset (every rank calls it there): a new
-    epoch, every tag's sequence back to 0, this rank's abort key gone."""
+    epoch, every tag's sequence back to 0, this rank's abort key and position
+    gone."""
     state = _state(group)
+    me, _ = _me(group)
+    stale = [position_key(_prefix(group, state.epoch), me)]
     if state.abort_key is not None:
+        stale.append(state.abort_key)
+    for key in stale:
         with contextlib.suppress(Exception):  # a stale key of an old epoch is never read
-            _store().delete_key(state.abort_key)
+            _store().delete_key(key)
     state.epoch += 1
     state.seq.clear()
     state.abort_key = None
 
 
-def wait_work(work, group, timeout_s: float, what: str, liveness_s: float | None = None) -> None:
-    """Wait for a collective's ``work`` at most ``timeout_s`` seconds; on a
-    failure or timeout, name the ranks that do not reach a presence check
+def wait_work(work, group, timeout_s: float, what: str, seq: int,
+              liveness_s: float | None = None, in_reset: bool = False) -> None:
+    """Wait for a collective's ``work``, the all-gather number ``seq`` of the
+    epoch (:func:`number`, tag ``gather``), at most ``timeout_s`` seconds; on
+    a failure or timeout, name the ranks that do not reach a presence check
     within ``timeout_s`` either (the survivors all get there), and raise
     ``RuntimeError``. A wait longer than ``liveness.CHECK_S`` also reads the
     peers' liveness marks and raises at once for one judged gone (bound
     ``liveness_s``); so does the presence check. The group is then unusable
-    (its collective sequence is broken): recreate it.
+    (its collective sequence is broken): recreate it. A wait that finds the
+    ranks in different collectives raises ``CollectiveMismatch`` within
+    seconds with ``work`` still pending (the caller keeps it for the reset to
+    wait for; ``in_reset``: that wait, which never raises a mismatch).
 
     Polled (``is_completed``, backing off to ``POLL_MAX_S``) rather than waited
     with a timeout: an expired timed wait aborts an NCCL communicator, and the
-    marks are read between polls. A step's usual wait reads no mark."""
+    marks are read between polls. A step's usual wait reads no mark and
+    writes no position."""
     me, ranks = _me(group)
+    peers = [r for r in range(ranks) if r != me]
     start = time.monotonic()
     watch, gone, missing, failure = None, {}, None, None
+    order = None
     delay = WORK_POLL_MIN_S
     while not work.is_completed():
         now = time.monotonic()
         if now - start >= timeout_s:
             failure = f"not completed within {timeout_s:g} s"
             break
-        if now - start >= liveness.CHECK_S:  # still running: is a peer gone?
-            if watch is None:
-                watch = liveness.PeerWatch(group.group_name, _store(),
-                                           liveness.bound(liveness_s))
-            try:
-                gone = watch.gone([r for r in range(ranks) if r != me])
-            except RuntimeError as error:
-                raise _store_error(me, what, error) from None
-            if gone:
-                failure = "the collective was still running"
-                break
+        try:
+            if order is None:
+                order = _watch(group, _store(), me, "gather", seq, what, not in_reset)
+            order.check(peers)
+            if now - start >= liveness.CHECK_S:  # still running: is a peer gone?
+                if watch is None:
+                    watch = liveness.PeerWatch(group.group_name, _store(),
+                                               liveness.bound(liveness_s))
+                gone = watch.gone(peers)
+        except CollectiveMismatch:
+            raise
+        except RuntimeError as error:
+            raise _store_error(me, what, error) from None
+        if gone:
+            failure = "the collective was still running"
+            break
         time.sleep(delay)
         delay = min(2 * delay, POLL_MAX_S)
+    if order is not None and order.written:
+        try:
+            if failure is None:  # completed: by the abort of a peer that found a mismatch?
+                order.check(peers, now_too=True)
+            order.leave()
+        except CollectiveMismatch:
+            raise
+        except RuntimeError as error:
+            raise _store_error(me, what, error) from None
     if failure is None:
         try:
             work.wait()  # completed: returns at once, or raises its failure
@@ -236,7 +325,7 @@ def wait_work(work, group, timeout_s: float, what: str, liveness_s: float | None
             failure = error  # gloo: "Connection closed by peer"
     if not gone:
         try:
-            missing, gone = _arrivals(group, "presence", timeout_s, what, False, liveness_s)
+            missing, gone, _ = _arrivals(group, "presence", timeout_s, what, False, liveness_s)
         except RuntimeError as error:
             failure = f"{failure}; {error}"
     if gone:

@@ -23,6 +23,7 @@ from .. import env
 from ..mixes.handoff import MixesPlacement, NextMixes, current_stream_id
 from ..mxfp8.format import QuantizedActivation
 from . import host_wait, ops
+from .collective_order import CollectiveMismatch
 from .consumer import (
     ConsumerLaunch,
     ConsumerResult,
@@ -42,7 +43,7 @@ from .plan import StepInputs, StepPlan, check_partial, plan_step, variant_plan
 from .publish_kernel import publish
 from .result import BoundaryResult
 from .spec import BoundarySpec, Settings
-from .step_guard import StepGuard
+from .step_guard import PendingGather, StepGuard
 from .transport import all_gather
 
 
@@ -85,17 +86,24 @@ class Launches:
 
     def gather(self, x: torch.Tensor, gathered: torch.Tensor) -> None:
         """The gather transport's publish: every rank's partial into
-        ``gathered`` (bounded over gloo: ``host_timeout_s``)."""
+        ``gathered`` (bounded over gloo: ``host_timeout_s``). Numbered like
+        every host collective (:func:`.host_wait.number`); one left pending by
+        a collective mismatch is the reset's to wait for."""
         spec, settings = self.spec, self.settings
         flat = gathered.view(-1, x.shape[1])
+        seq = host_wait.number(spec.group, "gather")
         if x.device.type == "cuda" and "nccl" in str(dist.get_backend(spec.group)).lower():
             # Stream-ordered, no host wait: bounded by the group's own timeout.
             all_gather(flat, x, spec.group)
-        else:
-            work = all_gather(flat, x, spec.group, async_op=True)
+            return
+        work = all_gather(flat, x, spec.group, async_op=True)
+        try:
             host_wait.wait_work(work, spec.group, settings.host_timeout,
-                                "the gather transport's all-gather",
+                                "the gather transport's all-gather", seq,
                                 settings.liveness_timeout_s)
+        except CollectiveMismatch:
+            self.guard.pending_gather = PendingGather(seq, work, (flat, x))
+            raise
 
     def prepare(self, x: torch.Tensor, plan: StepPlan) -> tuple[ConsumerLaunch,
                                                                  torch.Tensor | None]:

@@ -14,9 +14,22 @@ launching, and then the group is barriered once: the first use of a variant is
 collective (every rank makes the same calls, as it must anyway). Inside a CUDA
 graph capture neither may happen: capturing a variant that is not compiled
 raises and asks for ``precompile`` (or an eager warm-up call) first.
+
+Whether a variant still needs its barrier must be the same on every rank, or
+one rank enters the compile barrier while its peers enter the step's
+all-gather (issue 60). So a variant counts as compiled only once every rank
+met its barrier: a barrier that counted a rank by its abort (that rank
+compiled nothing) leaves its variants to be barriered again at their next
+use, on every rank; a rank whose step failed enters no compile barrier until
+its reset; and ``reset(collective=True)`` keeps only the variants every rank
+has (their keys' digests shared at its first barrier), whatever left them
+different.
 """
 
 from __future__ import annotations
+
+import hashlib
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -34,6 +47,22 @@ from .spec import BoundarySpec, Settings
 COMPILE_TIMEOUT_S = 900.0
 
 
+class PendingGather(NamedTuple):
+    """An all-gather this rank entered and did not wait for (an abort's, or
+    one left by a collective mismatch): ``seq``, its number (tag ``gather``),
+    and the tensors to keep alive until ``reset`` waits for ``work``."""
+
+    seq: int
+    work: object
+    tensors: tuple
+
+
+def variant_digest(key: tuple) -> str:
+    """A variant key's digest, the same in every process (its repr holds
+    strings, numbers, dtypes, enums and tactics, no addresses)."""
+    return hashlib.sha1(repr(key).encode()).hexdigest()[:16]
+
+
 class StepGuard:
     """The step state of one rank's all-reduce of ``spec`` over ``box``, its
     host waits bounded by ``settings`` (module docstring)."""
@@ -44,7 +73,7 @@ class StepGuard:
         self.settings = settings
         self.published: torch.Tensor | None = None
         self.failed: str | None = None  # why a step of this rank failed
-        self.abort_work: tuple | None = None  # gather transport: an abort's all-gather
+        self.pending_gather: PendingGather | None = None  # reset waits for it
         self.last_rows = 1  # M of the last accepted step (an abort's guess in that transport)
         self.compiled: set[tuple] = set()
 
@@ -83,33 +112,39 @@ class StepGuard:
             raise RuntimeError(f"BoundaryAllReduce rank {spec.rank}: {error}")
 
     def barrier(self, tag: str | None = None, timeout_s: float | None = None,
-                aborts_arrive: bool = False) -> None:
+                aborts_arrive: bool = False, share: str | None = None) -> host_wait.Met:
         """This rank's device work done, then every rank of the group here. With
         a ``tag`` (compile, reset): both bounded (``host_timeout_s``, or
         ``timeout_s``), a rank missing named in a ``RuntimeError``, over tagged
         store barriers (:mod:`.host_wait`: barriers of different purposes never
-        pair). Without (``close(collective=True)``): a device sync, a store
-        barrier bounded the same way, then the group's own ``dist.barrier``.
-        Either way a rank judged dead by its liveness mark is named at once."""
+        pair; ``share``: a value every rank reads). Without
+        (``close(collective=True)``): a device sync, a store barrier bounded the
+        same way, then the group's own ``dist.barrier``. Either way a rank
+        judged dead by its liveness mark is named at once, and ranks waiting in
+        different collectives raise ``CollectiveMismatch`` within seconds."""
         spec, settings = self.spec, self.settings
+        met = host_wait.Met([], {})  # a single process: nobody to meet
         if tag is None:
             if spec.device.type == "cuda":
                 torch.cuda.synchronize(spec.device)
             if spec.multi_process:
-                host_wait.barrier(spec.group, settings.host_timeout, "close",
-                                  "the close barrier of BoundaryAllReduce",
-                                  liveness_s=settings.liveness_timeout_s)
+                met = host_wait.barrier(spec.group, settings.host_timeout, "close",
+                                        "the close barrier of BoundaryAllReduce",
+                                        liveness_s=settings.liveness_timeout_s)
                 dist.barrier(group=spec.group)
-            return
+            return met
         timeout_s = settings.host_timeout if timeout_s is None else timeout_s
         what = f"the {tag} barrier of BoundaryAllReduce"
         host_wait.sync_device(spec.device, timeout_s, what)
         if spec.multi_process:
-            host_wait.barrier(spec.group, timeout_s, tag, what, aborts_arrive,
-                              settings.liveness_timeout_s)
+            met = host_wait.barrier(spec.group, timeout_s, tag, what, aborts_arrive,
+                                    settings.liveness_timeout_s, share)
+        return met
 
     def compile_variants(self, compilers: dict, force_barrier: bool = False) -> None:
-        """``BoundaryAllReduce.compile_variants``."""
+        """``BoundaryAllReduce.compile_variants``: refused while a step of this
+        rank failed (its peers counted it as arrived: module docstring)."""
+        self.refuse_if_failed()
         new = [key for key in compilers if key not in self.compiled]
         if new and self.spec.capturing:
             raise RuntimeError(
@@ -119,12 +154,14 @@ class StepGuard:
         for key in new:
             if not env.interpret_mode():  # nothing to compile in the interpreter
                 compilers[key]()
-            self.compiled.add(key)
         if new or force_barrier:
             # Ranks compile at different speeds: a longer bound than host_timeout_s. A
-            # rank that aborted this step compiles nothing: it counts as arrived.
-            self.barrier("compile", max(self.settings.host_timeout, COMPILE_TIMEOUT_S),
-                         aborts_arrive=True)
+            # rank that aborted this step compiles nothing: it counts as arrived, and
+            # these variants stay to be barriered at their next use, on every rank.
+            met = self.barrier("compile", max(self.settings.host_timeout, COMPILE_TIMEOUT_S),
+                               aborts_arrive=True)
+            if not met.by_abort:
+                self.compiled.update(new)
 
     def abort(self, error: Exception, like: object, published: bool) -> None:
         """Abort this step after ``error`` rejected it (docs/FAILURES.md), before
@@ -153,8 +190,10 @@ class StepGuard:
         else:
             rows = getattr(like, "shape", (0,))[0] if getattr(like, "ndim", 0) == 2 else 0
             rows = rows if 0 < rows <= spec.capacity else self.last_rows
-            # Kept alive until reset waits for it.
-            self.abort_work = poison_gather(spec.group, spec.tp, rows, spec.hidden, spec.device)
+            # The step's all-gather, with this rank's poison: kept until reset waits for it.
+            seq = host_wait.number(spec.group, "gather")
+            work, *tensors = poison_gather(spec.group, spec.tp, rows, spec.hidden, spec.device)
+            self.pending_gather = PendingGather(seq, work, tuple(tensors))
         box.status.bitwise_or_(ABORT_BIT | 1 << spec.rank)
         if spec.multi_process:
             host_wait.signal_abort(spec.group, why)
@@ -162,14 +201,21 @@ class StepGuard:
                        "raise RuntimeError naming it; call reset(collective=True) on every rank")
 
     def rearm(self) -> None:
-        """The collective part of ``reset(collective=True)``: wait for an aborted
-        step's all-gather, barrier, re-arm the mailbox, barrier, allow steps."""
+        """The collective part of ``reset(collective=True)``: wait for an
+        all-gather left pending (an aborted step's), barrier (sharing the
+        compiled variants: each rank keeps those every rank has), re-arm the
+        mailbox, barrier, allow steps."""
         spec, settings = self.spec, self.settings
-        work, self.abort_work = self.abort_work, None
-        if work is not None:
-            host_wait.wait_work(work[0], spec.group, settings.host_timeout,
-                                "the aborted step's all-gather", settings.liveness_timeout_s)
-        self.barrier("reset-a")
+        pending, self.pending_gather = self.pending_gather, None
+        if pending is not None:
+            host_wait.wait_work(pending.work, spec.group, settings.host_timeout,
+                                "the aborted step's all-gather", pending.seq,
+                                settings.liveness_timeout_s, in_reset=True)
+        digests = {variant_digest(key): key for key in self.compiled}
+        met = self.barrier("reset-a", share=" ".join(sorted(digests)))
+        if met.shared:
+            everyone = set.intersection(*(set(v.split()) for v in met.shared.values()))
+            self.compiled = {key for digest, key in digests.items() if digest in everyone}
         self.mailbox.rearm()
         self.barrier("reset-b")
         self.failed = None

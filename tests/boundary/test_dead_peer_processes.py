@@ -25,12 +25,11 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from boundary_inputs import random_step
+from boundary_inputs import matches_reference, random_step
 from survivors import report_and_exit, run_ranks, timed_error
 
 from decode_boundary.boundary import liveness
 from decode_boundary.boundary.all_reduce import BoundaryAllReduce
-from decode_boundary.boundary.reference import consumer_ref
 from decode_boundary.boundary.step_guard import COMPILE_TIMEOUT_S, StepGuard
 
 HIDDEN, HC, CAP, EPS = 64, 2, 4, 1e-6
@@ -50,13 +49,7 @@ def _step(ar, d: dict, rank: int):
 
 
 def _exact(d: dict, out) -> bool:
-    """residual_out bit-exact against the FP64-ordered reference, layer_input
-    within one BF16 ulp (the norm's FP32 sum order is the kernel's own)."""
-    ref_res, ref_layer, _ = consumer_ref(list(d["xs"]), d["residual"], d["post"], d["comb"],
-                                         d["pre"], d["gamma"], EPS)
-    res, layer = out.residual_out, out.layer_input
-    return torch.equal(res.view(torch.int16), ref_res.view(torch.int16)) and bool(
-        (layer.float() - ref_layer.float()).abs().le(ref_layer.float().abs() * 2**-7).all())
+    return matches_reference(d, out, EPS)
 
 
 def _join(rank: int, port: int) -> BoundaryAllReduce:

@@ -18,3 +18,17 @@ def random_step(m, tp, seed, *, hc, h):
         pre=torch.rand(m, hc, generator=g),
         gamma=(1 + 0.1 * torch.randn(h, generator=g)).bfloat16(),
     )
+
+
+def matches_reference(d, out, eps) -> bool:
+    """A full step's ``out`` (a BoundaryResult) for the inputs ``d`` of
+    :func:`random_step`: residual_out bit-exact against the FP64-ordered
+    reference, layer_input within one BF16 ulp (the norm's FP32 sum order is
+    the kernel's own)."""
+    from decode_boundary.boundary.reference import consumer_ref
+
+    ref_res, ref_layer, _ = consumer_ref(list(d["xs"]), d["residual"], d["post"], d["comb"],
+                                         d["pre"], d["gamma"], eps)
+    res, layer = out.residual_out, out.layer_input
+    return torch.equal(res.view(torch.int16), ref_res.view(torch.int16)) and bool(
+        (layer.float() - ref_layer.float()).abs().le(ref_layer.float().abs() * 2**-7).all())

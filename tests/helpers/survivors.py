@@ -15,18 +15,25 @@ import torch.multiprocessing as mp
 from decode_boundary.bench.launch import stop_processes
 
 
-def run_ranks(target, world: int, args: tuple, reports: int, timeout_s: float,
-              exit_s: float = 0.0):
-    """Start ``target(rank, *args, results)`` for every rank (spawned), wait for
-    ``reports`` (rank, report) items on the queue or ``timeout_s``, give the
-    processes ``exit_s`` to exit on their own, then kill what is still alive.
-    Returns ({rank: report}, the processes)."""
+def start_ranks(target, world: int, args: tuple) -> tuple[list, object]:
+    """Spawn ``target(rank, *args, results)`` for every rank (daemon
+    processes); returns them and the ``results`` queue."""
     spawn = mp.get_context("spawn")
     results = spawn.Queue()
     procs = [spawn.Process(target=target, args=(r, *args, results), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
+    return procs, results
+
+
+def run_ranks(target, world: int, args: tuple, reports: int, timeout_s: float,
+              exit_s: float = 0.0):
+    """Start ``target(rank, *args, results)`` for every rank (spawned), wait for
+    ``reports`` (rank, report) items on the queue or ``timeout_s``, give the
+    processes ``exit_s`` to exit on their own, then kill what is still alive.
+    Returns ({rank: report}, the processes)."""
+    procs, results = start_ranks(target, world, args)
     got = {}
     deadline = time.monotonic() + timeout_s
     try:

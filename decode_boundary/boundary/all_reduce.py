@@ -375,7 +375,9 @@ class BoundaryAllReduce:
         """Compile every kernel variant this instance may launch for each M in
         ``rows`` (an int or an iterable), launching nothing, then barrier the
         group (every mixes placement of a call with mixes). Collective. Call
-        it before capturing CUDA graphs."""
+        it before capturing CUDA graphs. Refused (``RuntimeError``) while a
+        step of this rank failed since the last ``reset(collective=True)``:
+        its peers' barriers count such a rank as arrived."""
         rows = [rows] if isinstance(rows, int) else list(rows)
         self._guard.mailbox  # noqa: B018  (raises once closed)
         compilers = self.launches.every_variant(rows)
@@ -396,8 +398,10 @@ class BoundaryAllReduce:
     def reset(self, collective: bool = False) -> None:
         """Drop an unreduced publish. ``collective=True`` (every rank must call
         it): also re-arm the mailbox (sentinel fill), the stage words, the norm
-        scratch and status, and allow steps again after a failure. Its waits
-        (an aborted step's all-gather, the device, two barriers) are bounded by
+        scratch and status, keep only the kernel variants every rank has
+        compiled (so every rank enters the next step's host collectives
+        alike), and allow steps again after a failure. Its waits (an aborted
+        step's all-gather, the device, two barriers) are bounded by
         ``host_timeout_s`` each: a rank that does not arrive is named in a
         ``RuntimeError`` (a dead peer: recreate the group)."""
         self._guard.mailbox  # noqa: B018  (raises once closed)
@@ -495,7 +499,8 @@ class BoundaryAllReduce:
 
     def compile_variants(self, compilers: dict, force_barrier: bool = False) -> None:
         """Compile the variants (key -> compile-only call) not compiled yet, then
-        barrier the group if anything was new (see the module docstring).
+        barrier the group if anything was new (see the module docstring;
+        refused while a step of this rank failed, as :meth:`precompile`).
         Collective. Producers that publish into this mailbox themselves (the
         publishing GEMM) register their kernels here too, so no rank's first
         publish waits on another rank's compiler."""

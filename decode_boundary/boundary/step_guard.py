@@ -59,7 +59,9 @@ class PendingGather(NamedTuple):
 
 def variant_digest(key: tuple) -> str:
     """A variant key's digest, the same in every process (its repr holds
-    strings, numbers, dtypes, enums and tactics, no addresses)."""
+    strings, numbers, dtypes, enums and tactic tuples, no addresses; a key
+    whose repr differed across processes would be dropped at every reset on
+    every rank alike: compiled again, never divergent)."""
     return hashlib.sha1(repr(key).encode()).hexdigest()[:16]
 
 

@@ -350,6 +350,29 @@ def write_json(result: dict, path: Path) -> Path:
     return path
 
 
+def _plot_breakdown(bx, breakdown: dict) -> None:
+    """One horizontal bar per path, its stages stacked left to right, each in a
+    colour of its own and named in the legend below the axes with its µs (no text
+    on the bars, so no two labels can overlap at any M); each bar's total at its end."""
+    paths = [p for p in breakdown if p != "rows"]
+    colours = iter(bench_extra("matplotlib.pyplot").get_cmap("tab20").colors * 2)
+    for y, p in enumerate(paths):
+        left = 0.0
+        for name, us in breakdown[p].items():
+            bx.barh(y, us, left=left, height=0.6, color=next(colours),
+                    label=f"{p}: {name}, {us:.1f} µs")
+            left += us
+        bx.text(left, y, f" {left:.1f} µs", va="center", fontsize=7)
+    bx.set_yticks(range(len(paths)), paths, fontsize=8)
+    bx.invert_yaxis()  # the first path on top, as in the legend
+    bx.set_xlabel("µs, each stage timed alone")
+    bx.set_xlim(0, 1.25 * max(sum(breakdown[p].values()) for p in paths))
+    bx.set_title(f"where the time goes, M = {breakdown['rows']}", fontsize=9)
+    bx.grid(alpha=0.3, axis="x")
+    bx.legend(fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1,
+              frameon=False)
+
+
 def plot_latency(result: dict, path: Path) -> Path:
     """PNG: µs per boundary vs M, one line per path, the floor dashed; beside
     it, where the run timed one, the per-kernel breakdown of fused vs the
@@ -383,19 +406,7 @@ def plot_latency(result: dict, path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     if breakdown:
-        bx = axes[0][1]
-        paths = [p for p in breakdown if p != "rows"]
-        for i, p in enumerate(paths):
-            bottom = 0.0
-            for name, us in breakdown[p].items():
-                bx.bar(i, us, bottom=bottom, width=0.6)
-                bx.text(i, bottom + us / 2, f"{name}\n{us:.1f}", ha="center", va="center",
-                        fontsize=6.5)
-                bottom += us
-        bx.set_xticks(range(len(paths)), paths)
-        bx.set_ylabel("µs, each stage timed alone")
-        bx.set_title(f"where the time goes, M = {breakdown['rows']}", fontsize=9)
-        bx.grid(alpha=0.3, axis="y")
+        _plot_breakdown(axes[0][1], breakdown)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)

@@ -364,7 +364,7 @@ class Mxfp8WgmmaGemm:
 def _exp2(byte) -> cutlass.Float32:
     """2^(byte - 127) as FP32, by its bits (byte 0 reads 0, as the twin's)."""
     bits = cute.make_rmem_tensor(cute.make_layout(1), cutlass.Int32)
-    bits[0] = cutlass.Int32(byte) << 23
+    bits[0] = (cutlass.Int32(byte) & 0xFF) << 23  # the byte is unsigned: no sign extension
     return cute.recast_tensor(bits, cutlass.Float32)[0]
 
 

@@ -17,13 +17,13 @@ raises and asks for ``precompile`` (or an eager warm-up call) first.
 
 Whether a variant still needs its barrier must be the same on every rank, or
 one rank enters the compile barrier while its peers enter the step's
-all-gather (issue 60). So a variant counts as compiled only once every rank
-met its barrier: a barrier that counted a rank by its abort (that rank
-compiled nothing) leaves its variants to be barriered again at their next
-use, on every rank; a rank whose step failed enters no compile barrier until
-its reset; and ``reset(collective=True)`` keeps only the variants every rank
-has (their keys' digests shared at its first barrier), whatever left them
-different.
+all-gather, each waiting for the other. So a variant counts as compiled only
+once every rank met its barrier: a barrier that counted a rank by its abort
+(that rank compiled nothing) leaves its variants to be barriered again at
+their next use, on every rank; a rank whose step failed enters no compile
+barrier until its reset; and ``reset(collective=True)`` keeps only the
+variants every rank has (their keys' digests shared at its first barrier),
+whatever left them different.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """Recovery across real processes on CPU (gloo, Triton interpreter, the gather
 transport): after a refused input on any rank and ``reset(collective=True)``
 on every rank, the next steps give the reference bits on every rank, and
-every host collective of a step is entered by every rank in one order
-(issue 60: a rank that never compiled the refused step's variant entered the
-compile barrier at the next step while its peer entered the all-gather).
+every host collective of a step is entered by every rank in one order (the
+hang this guards against: a rank that never compiled the refused step's
+variant entered the compile barrier at the next step while its peer, which
+had, entered the all-gather).
 
-* Refusal patterns (tp = 2): the issue's (rank 1's ``post`` of the wrong shape
-  at the first step of M = 3), on rank 0 instead, at a new M and at a compiled
+* Refusal patterns (tp = 2): the reported one (rank 1's ``post`` of the wrong
+  shape at the first step of M = 3), on rank 0 instead, at a new M and at a compiled
   M, two in a row, right after a reset, ``precompile`` after a refusal.
 * The guard (tp = 2 and 3): ranks forced into different collectives (a rank
   that forgot its compiled variants: the compile barrier against the
@@ -42,6 +43,7 @@ HIDDEN, HC, CAP, EPS = 64, 2, 4, 1e-6
 CASE_S = 30.0  # a case (or a step of the random run) that takes longer is a hang
 STEP_S = 10.0  # the longest any step (with its reset) may wait
 HOST_TIMEOUT_S = 20.0
+STEP, RESET = "step", ("reset",)  # the ops of a case (_op)
 
 
 # ----------------------------------------------------------------------- one rank's side
@@ -50,7 +52,7 @@ HOST_TIMEOUT_S = 20.0
 def _bad(kind: str, kw: dict) -> dict:
     """A call's arguments ``kw`` with one input that its checks refuse."""
     m = kw["x"].shape[0]
-    if kind == "post":  # the issue's: refused by the consumer's layout checks
+    if kind == "post":  # as reported: refused by the consumer's layout checks
         return {"post": torch.rand(m, HC + 1)}
     if kind == "residual":  # refused by the plan
         return {"residual": kw["residual"][:, :1].contiguous()}
@@ -111,23 +113,25 @@ def _force(ar, rank: int, world: int, how: str) -> None:
         host_wait.number(ar.group, "compile")
 
 
-def _run_ops(ar, rank: int, world: int, ops: list[tuple], seed: int) -> list[tuple]:
-    """Each op's outcome: ("step", m, bad), ("reset",), ("precompile", rows),
+def _op(ar, rank: int, world: int, op: tuple, seed: int):
+    """One op of a case: (STEP, m, bad), RESET, ("precompile", rows) or
     ("force", how)."""
-    report = []
-    for i, op in enumerate(ops):
-        if op[0] == "step":
-            call = lambda op=op, i=i: _step(ar, rank, world, op[1], seed + i, op[2])  # noqa: E731
-        elif op[0] == "reset":
-            call = lambda: ar.reset(collective=True)  # noqa: E731
-        elif op[0] == "precompile":
-            call = lambda op=op: ar.precompile(op[1])  # noqa: E731
-        else:
-            call = lambda op=op: _force(ar, rank, world, op[1])  # noqa: E731
-        report.append(_outcome(call))
+    if op[0] == STEP:
+        return _step(ar, rank, world, op[1], seed, op[2])
+    if op == RESET:
+        return ar.reset(collective=True)
+    if op[0] == "precompile":
+        return ar.precompile(op[1])
+    return _force(ar, rank, world, op[1])
+
+
+def _run_ops(ar, rank: int, world: int, ops: list[tuple], seed: int) -> list:
+    """Each op's :func:`_outcome`, then a digest of the variants compiled at
+    the end (the host state every rank must agree on)."""
+    report = [_outcome(lambda i=i, op=op: _op(ar, rank, world, op, seed + i))
+              for i, op in enumerate(ops)]
     digests = sorted(variant_digest(key) for key in ar.compiled_variants)
-    report.append(hashlib.sha1(" ".join(digests).encode()).hexdigest())  # the host state
-    return report
+    return [*report, hashlib.sha1(" ".join(digests).encode()).hexdigest()]
 
 
 def _patterns_rank(rank: int, port: int, world: int, cases: dict, results) -> None:
@@ -158,8 +162,8 @@ def _fault_rank(rank: int, port: int, world: int, seed: int, steps: int, results
         return dict(m=m, bad=bad, kind=kind, value=value, reset=reset, seconds=seconds)
 
     cases = [(f"step {i}", lambda i=i: step(i)) for i in range(steps)]
-    ops = [("step", 3, None), ("force", "forget compiled"), ("step", 3, None), ("reset",),
-           ("step", 3, None)]
+    ops = [(STEP, 3, None), ("force", "forget compiled"), (STEP, 3, None), RESET,
+           (STEP, 3, None)]
     cases.append(("forced mismatch", lambda: _run_ops(ar, rank, world, ops, seed)))
     report_cases(rank, results, cases)
 
@@ -212,9 +216,8 @@ def _check_mismatch(outs: dict[int, tuple], where: dict[int, str], context) -> d
     return {rank: seen.pop() for rank, seen in named.items()}
 
 
-STEP, RESET = "step", ("reset",)
 PATTERNS = {
-    "the issue's: rank 1 refuses the first step of M = 3":
+    "reported: rank 1 refuses the first step of M = 3":
         [(STEP, 3, (1, "post")), RESET, (STEP, 3, None), (STEP, 3, None)],
     "rank 0 refuses": [(STEP, 3, (0, "post")), RESET, (STEP, 3, None), (STEP, 3, None)],
     "a refusal at the first step of a new M":

@@ -13,11 +13,12 @@ access) and clears it when it leaves; while it waits, it reads the positions
 of the peers it waits for every ``CHECK_S``:
 
 * a peer waiting at another position for ``GRACE_S`` while this rank waits at
-  its own: neither can pass (a peer that merely passed this position first, or
-  is about to reach it, moves on within one poll of a few milliseconds, far
-  inside ``GRACE_S``). :class:`CollectiveMismatch` names every rank and where
-  it waits, and this rank's key then says so, so each peer raises at its next
-  read without waiting out ``GRACE_S`` itself;
+  its own: neither can pass. (Ranks at neighbouring positions for a moment,
+  one already past a barrier that the other has not yet seen complete, part
+  within one poll of a few milliseconds, far inside ``GRACE_S``.)
+  :class:`CollectiveMismatch` names every rank and where it waits, and this
+  rank's key then says so, so each peer raises at its next read without
+  waiting out ``GRACE_S`` itself;
 * a peer whose key says it raised such an error (it keeps saying so until the
   reset): the same error, at once;
 * a peer that is not waiting (computing, compiling, between calls): no verdict,

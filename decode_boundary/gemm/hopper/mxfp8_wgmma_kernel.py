@@ -235,6 +235,8 @@ class Mxfp8WgmmaGemm:
         acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.rows, self.tokens)),
                                     cutlass.Float32)
         acc.fill(0.0)
+        # Every wgmma adds to the accumulator (the atom's default overwrites it).
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
 
         consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                 self.stages)

@@ -1,7 +1,8 @@
 """Every CuTe DSL kernel variant compiles for sm_90a on a machine without a GPU
 (``CUTE_DSL_ARCH=sm_90a``), and its PTX holds what the schedule needs: the TMA
 ring (``cp.async.bulk.tensor``), BF16 wgmma with a register A operand (one
-``{...}`` register list for A, no shared-memory descriptor), PDL's grid wait,
+``{...}`` register list for A, no shared-memory descriptor) that accumulates
+(its scale-d predicate the constant 1), PDL's grid wait,
 the split-K exchange over distributed shared memory where it splits, and no
 local memory (a spill or a stack array would show as ``.local``). One
 subprocess: the DSL reads the target architecture when it is imported."""
@@ -31,7 +32,7 @@ VARIANTS = [
 ]
 
 SCRIPT = """
-import json, pathlib, sys
+import json, pathlib, re, sys
 from decode_boundary.gemm.hopper import launcher
 from decode_boundary.gemm.hopper.tactics import HopperTactic
 launcher.COMPILE_OPTIONS += " --keep-ptx"
@@ -43,9 +44,14 @@ for n, k, g, t in json.loads(sys.argv[2]):
     text = ptx.read_text()
     ptx.unlink()
     wgmma = [line for line in text.splitlines() if "wgmma.mma_async" in line]
+    # Each wgmma's scale-d predicate (accumulate, not overwrite) is set from a register:
+    # it must be the constant 1 (the atom's default, 0, kept only the last k16 step).
+    flags = set(re.findall(r"setp.ne.b32 p, (%r[0-9]+), 0;\s*wgmma", text))
+    accumulates = bool(flags) and all(
+        re.search(r"mov.b32\s+" + re.escape(f) + r", 1;", text) for f in flags)
     report.append(dict(
         tma=text.count("cp.async.bulk.tensor"), wgmma=len(wgmma),
-        bf16=all(".f32.bf16.bf16" in line for line in wgmma),
+        bf16=all(".f32.bf16.bf16" in line for line in wgmma), accumulates=accumulates,
         a_in_registers=all(line.count("{") == 2 for line in wgmma),
         grid_wait="griddepcontrol.wait" in text, dsmem=text.count("ld.shared::cluster"),
         cluster_barrier="barrier.cluster" in text, local=text.count(".local")))
@@ -65,6 +71,7 @@ def test_every_variant_compiles_for_sm90a(tmp_path):
     for (n, k, g, t), r in zip(VARIANTS, report, strict=True):
         what = (n, k, g, t, r)
         assert r["tma"] > 0 and r["wgmma"] > 0 and r["bf16"] and r["a_in_registers"], what
+        assert r["accumulates"], what
         assert r["grid_wait"] and r["local"] == 0, what
         split = t[2]
         assert (r["dsmem"] > 0 and r["cluster_barrier"]) == (split > 1), what

@@ -83,11 +83,13 @@ def _h(warpgroups: int, tokens: int, split_k: int, stages: int = 0) -> HopperTac
     return t if stages else t._replace(stages=max_stages(t))
 
 
-# (N, K, groups) -> {row bucket: tactic}; buckets above 64 take the 64 entry. Filled from
-# measurements against the twin (docs/PERFORMANCE.md); each line says why it is there.
+# (N, K, groups) -> {row bucket: tactic}; buckets above 64 take the 64 entry. An entry is a
+# measured win over the twin's tabled tactic; each line says why it is there. Empty: on the
+# H100 the twin was faster at every TP-4 shape and row count measured (docs/PERFORMANCE.md).
 TABLE: dict[tuple[int, int, int], dict[int, HopperTactic]] = {}
 
-# (N, K, groups) -> batch-invariant mode's split on the CuTe path (the tile follows M).
+# (N, K, groups) -> batch-invariant mode's split on the CuTe path (the tile follows M); a
+# shape here runs the CuTe kernel at every M in the mode's auto dispatch. Empty, as TABLE.
 INVARIANT_SPLITS: dict[tuple[int, int, int], int] = {}
 
 

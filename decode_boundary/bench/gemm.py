@@ -22,7 +22,7 @@ from decode_boundary.bench.timing import (
     rotated_copies,
 )
 from decode_boundary.env import logger
-from decode_boundary.gemm import launch_low_latency, mxfp8_mm
+from decode_boundary.gemm import dispatch, launch_low_latency, mxfp8_mm
 from decode_boundary.gemm.linear import Mxfp8Linear
 from decode_boundary.gemm.tactics import Tactic
 from decode_boundary.mxfp8.format import QuantizedActivation, mxfp8_scale_bytes
@@ -37,12 +37,14 @@ def mxfp8_weight_bytes(n: int, k: int) -> int:
 
 
 def time_ours(layer, a: torch.Tensor | QuantizedActivation, tactic: Tactic | None = None,
-              copies: list | None = None) -> float:
+              copies: list | None = None, backend: str | None = None) -> float:
     """µs per call of our GEMM on ``a`` (BF16, or MXFP8): ``mxfp8_mm`` (its own
-    tactic choice) or, with ``tactic``, that tactic's launch."""
+    tactic choice, on ``backend``: ``gemm.dispatch``) or, with ``tactic``, that
+    tactic's launch of the Triton kernel."""
     copies = copies or rotated_copies(layer)
     if tactic is None:
-        return graph_time_us([functools.partial(mxfp8_mm, c, a) for c in copies])
+        return graph_time_us([functools.partial(mxfp8_mm, c, a, backend=backend)
+                              for c in copies])
     rows = a.shape[0] if isinstance(a, torch.Tensor) else a.rows
     out = torch.empty(rows, layer.weight.shape[1], dtype=torch.bfloat16,
                       device=layer.weight.device)
@@ -148,14 +150,17 @@ INDUCTOR_ROWS = (1, 16, 32, 64)
 
 def gemm_table(shapes: Sequence[tuple], rows: Sequence[int], device: torch.device,
                stage=lambda label: None) -> dict:
-    """Per (shape, rows): our MXFP8 GEMM on MXFP8 input, cuBLAS BF16, Inductor
-    BF16 (at ``INDUCTOR_ROWS``, else None) and cuBLAS FP8 row-wise (GEMM only:
-    activations quantized beforehand), in µs, and the floor. Returns
+    """Per (shape, rows): our MXFP8 GEMM on MXFP8 input (``ours``: what
+    ``mxfp8_mm`` selects; ``cute``: the CuTe DSL kernel forced, where it can run
+    on ``device``, else None), cuBLAS BF16, Inductor BF16 (at ``INDUCTOR_ROWS``,
+    else None) and cuBLAS FP8 row-wise (GEMM only: activations quantized
+    beforehand), in µs, and the floor. Returns
     ``{"copy_rate_gbps", "gemms": [{"name", "n", "k", "groups", "rows",
     "floor_us", "us"}]}``. ``stage(label)``: called as each (shape, M) begins
     (``report.progress``)."""
     rate = copy_rate(device)
     entries = []
+    cute = dispatch.cute_refusal(torch.device(device)) is None
     for name, n, k, *rest in shapes:
         groups = rest[0] if rest else 1
         layer = random_layer(n, k, groups, device)
@@ -166,7 +171,9 @@ def gemm_table(shapes: Sequence[tuple], rows: Sequence[int], device: torch.devic
                   + (" (Inductor autotunes its BF16 GEMM)" if m in INDUCTOR_ROWS else ""))
             x = torch.randn(m, groups * k, device=device).bfloat16()
             xg = x.view(m, groups, k).transpose(0, 1)  # [G, M, K] for the bmm
-            us = {"ours": time_ours(layer, quantize_mxfp8(x), copies=ours),
+            qa = quantize_mxfp8(x)
+            us = {"ours": time_ours(layer, qa, copies=ours),
+                  "cute": time_ours(layer, qa, copies=ours, backend="cute") if cute else None,
                   "cublas_bf16": time_cublas_bf16(xg, bf16),
                   "inductor_bf16": (time_inductor_bf16(xg, bf16) if m in INDUCTOR_ROWS
                                     else None),

@@ -305,7 +305,7 @@ def mixes_table(result: dict) -> Table:
 
 def gemm_table(result: dict) -> Table:
     table = _table(_title(result, "GEMM µs (median, cold L2)"))
-    for col in ("GEMM", "N x K", "M", "ours", "cuBLAS BF16", "Inductor BF16",
+    for col in ("GEMM", "N x K", "M", "ours", "CuTe DSL", "cuBLAS BF16", "Inductor BF16",
                 "cuBLAS FP8 row-wise", "floor", "ours / floor", "FP8 / ours"):
         table.add_column(col, justify="right")
     for g in result["gemms"]:
@@ -315,7 +315,8 @@ def gemm_table(result: dict) -> Table:
             f"{groups} x {g['n'] // groups} x {g['k']}"
         table.add_row(
             g["name"], shape, str(g["rows"]),
-            f"{us['ours']:.1f}", f"{us['cublas_bf16']:.1f}", _us(us.get("inductor_bf16")),
+            f"{us['ours']:.1f}", _us(us.get("cute")), f"{us['cublas_bf16']:.1f}",
+            _us(us.get("inductor_bf16")),
             f"{us['cublas_fp8_rowwise']:.1f}",
             f"{g['floor_us']:.1f}", f"{us['ours'] / g['floor_us']:.2f}",
             f"{us['cublas_fp8_rowwise'] / us['ours']:.2f}x",

@@ -31,7 +31,7 @@ VARIANTS = [
     (2048, 4096, 2, (2, 32, 2, 4)),
 ]
 
-SCRIPT = """
+SCRIPT = r"""
 import json, pathlib, re, sys
 from decode_boundary.gemm.hopper import launcher
 from decode_boundary.gemm.hopper.tactics import HopperTactic

@@ -154,7 +154,8 @@ def gemm_table(shapes: Sequence[tuple], rows: Sequence[int], device: torch.devic
     ``mxfp8_mm`` selects; ``cute``: the CuTe DSL kernel forced, where it can run
     on ``device``, else None), cuBLAS BF16, Inductor BF16 (at ``INDUCTOR_ROWS``,
     else None) and cuBLAS FP8 row-wise (GEMM only: activations quantized
-    beforehand), in µs, and the floor. Returns
+    beforehand), in µs, and the floor; with the CuTe kernel, each of its
+    variants' compile seconds (``cute_compile_seconds``). Returns
     ``{"copy_rate_gbps", "gemms": [{"name", "n", "k", "groups", "rows",
     "floor_us", "us"}]}``. ``stage(label)``: called as each (shape, M) begins
     (``report.progress``)."""
@@ -180,4 +181,11 @@ def gemm_table(shapes: Sequence[tuple], rows: Sequence[int], device: torch.devic
                   "cublas_fp8_rowwise": time_cublas_fp8_rowwise(layer, xg)}
             entries.append({"name": name, "n": n, "k": k, "groups": groups, "rows": m,
                             "floor_us": mxfp8_weight_bytes(n, k) / rate * 1e6, "us": us})
-    return {"copy_rate_gbps": rate / 1e9, "gemms": entries}
+    result = {"copy_rate_gbps": rate / 1e9, "gemms": entries}
+    if cute:  # one compile per (shape, tactic), every M: what each cost this process
+        from decode_boundary.gemm.hopper import launcher as cute_launcher
+
+        result["cute_compile_seconds"] = {
+            f"{n}x{k}x{g} {tuple(t)}": round(seconds, 3)
+            for (n, k, g, t, _), seconds in cute_launcher.COMPILE_SECONDS.items()}
+    return result

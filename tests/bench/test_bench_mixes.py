@@ -1,5 +1,6 @@
-"""The bench's two ways of the next mixes (``bench.mixes``) on the tiny config
-in the interpreter, the timer stubbed so every timed call runs once: each way
+"""The bench's two ways of the next mixes (``bench.mixes``) on the micro config
+(tests/helpers/small_models.py: ``tiny``'s structure, smaller) in the
+interpreter, the timer stubbed so every timed call runs once: each way
 computes the same mixes (within MIXES_ATOL) and, for V4, the same layer input,
 every weight copy is used, and the table reports the JSON's numbers."""
 
@@ -7,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from small_models import MICRO
 
 import decode_boundary.bench.mixes as mixes
 from decode_boundary.bench import report
@@ -20,7 +22,7 @@ from decode_boundary.mxfp8.format import dequantize_mxfp8
 def test_both_ways_compute_the_same(collapse, monkeypatch):
     monkeypatch.setattr(mixes, "_compiled", lambda fn, backend: torch.compile(
         fn, dynamic=False, fullgraph=True, backend="aot_eager"))
-    ab = AttentionBoundary(dataclasses.replace(MODELS["tiny"], collapse_pre=collapse), 1, 0,
+    ab = AttentionBoundary(dataclasses.replace(MICRO, collapse_pre=collapse), 1, 0,
                            None, torch.device("cpu"), 4, seed=5)
     views = ab.weight_copies(2)
     ran = {}

@@ -8,7 +8,8 @@ transport), and the liveness marks that make it possible.
   10 s, far inside their own bounds (900 s, ``host_timeout_s``). A rank frozen
   between steps (SIGSTOP: gloo sees no closed connection) is named by the
   all-gather's wait itself.
-* A rank that sleeps 30 s inside its first compile (and later, longer than the
+* A rank that sleeps 15 s (three liveness bounds, past the 10 s in which a dead
+  rank is named) inside its first compile (and later, longer than the
   liveness bound, before a collective close) is waited for, never named, and
   the step is exact.
 
@@ -36,7 +37,7 @@ HIDDEN, HC, CAP, EPS = 64, 2, 4, 1e-6
 TARGET_S = 10.0  # the target: every survivor names the dead rank within this
 HOST_TIMEOUT_S = 120.0  # far above the target: only the liveness marks can name it in time
 COMPILE_S = 2.0  # the survivor's simulated compile while its peer dies
-SLOW_S = 30.0  # the slow rank's first compile
+SLOW_S = 3 * liveness.LIVENESS_TIMEOUT_S  # the slow rank's first compile: 15 s > TARGET_S
 
 
 def _inputs(seed: int, m: int) -> dict:

@@ -5,7 +5,9 @@ import dataclasses
 
 import pytest
 import torch
+from small_models import MICRO
 
+from decode_boundary.common.contract import STAGES
 from decode_boundary.gemm import mxfp8_out_in_epilogue
 from decode_boundary.gemm.tactics import PROLOGUE_MAX_ROWS
 from decode_boundary.model.chain import AttentionBoundary
@@ -35,12 +37,18 @@ def test_fused_matches_unfused_and_reference(tiny_boundary, rows):
     assert check_outputs(fused, tiny_boundary.reference(inputs)) == []
 
 
-def test_consecutive_steps_rotate_stages(tiny_boundary):
-    """Three fused steps in a row walk the three mailbox stages; each stays exact."""
-    for step in range(4):
-        inputs = tiny_boundary.make_inputs(2, seed=100 + step)
-        fused = tiny_boundary(inputs, fused=True)
-        assert check_outputs(fused, tiny_boundary.reference(inputs)) == []
+def test_consecutive_steps_rotate_stages():
+    """STAGES + 1 fused steps in a row on a fresh boundary walk the three mailbox
+    stages and wrap back to the first; each stays exact. The micro config
+    (tests/helpers/small_models.py): the rotation does not depend on the shapes."""
+    ab = AttentionBoundary(MICRO, 1, 0, None, torch.device("cpu"), capacity=4, seed=3)
+    try:
+        for step in range(STAGES + 1):
+            inputs = ab.make_inputs(2, seed=100 + step)
+            fused = ab(inputs, fused=True)
+            assert check_outputs(fused, ab.reference(inputs)) == []
+    finally:
+        ab.close()
 
 
 def test_check_outputs_catches_a_wrong_answer(tiny_boundary):
@@ -246,11 +254,12 @@ def test_mixes_aside_in_the_chain(monkeypatch):
     MIXES_ATOL of the spec of residual_out; ``"auto"`` is inline below
     MIXES_ASIDE_MIN_ROWS (here patched to 4), aside from it.
     V4's collapse needs the mixes in the consumer: there the flag changes
-    nothing, bit for bit."""
+    nothing, bit for bit. The micro config (tests/helpers/small_models.py): the
+    dispatch does not depend on the shapes."""
     from decode_boundary.boundary import consumer_tactics
     from decode_boundary.model.checks import check_mixes
 
-    ranks = simulated_boundaries(MODELS["tiny"], 2, capacity=8, seed=7)
+    ranks = simulated_boundaries(MICRO, 2, capacity=8, seed=7)
     assert ranks[0].mixes_aside_possible
     for rows in (1, 6):
         inputs = [b.make_inputs(rows, seed=20 + rows) for b in ranks]
@@ -277,7 +286,7 @@ def test_mixes_aside_in_the_chain(monkeypatch):
         for bad in ("yes", 0, None):  # refused before anything is published
             with pytest.raises(ValueError, match="mixes_aside must be True, False or 'auto'"):
                 ranks[0](inputs[0], mixes_aside=bad)
-    same = simulated_boundaries(dataclasses.replace(MODELS["tiny"], collapse_pre="same"), 1,
+    same = simulated_boundaries(dataclasses.replace(MICRO, collapse_pre="same"), 1,
                                 capacity=4, seed=7)[0]
     assert not same.mixes_aside_possible
     inputs = same.make_inputs(3, seed=2)

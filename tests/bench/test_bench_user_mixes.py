@@ -4,14 +4,17 @@ kernel for the mixes (``bench.user_mixes_kernel``) against the pure-torch spec
 NaN-poisoned outputs), its refusals, and the step itself — inline, aside, and
 V4's inline-only — checked as the bench checks it (``check_baseline``, the
 mixes within MIXES_ATOL of the spec of its own residual_out). CPU: the
-interpreter, the graphs traced with aot_eager; GPU: compiled, at DSV4.1-Flash's
-TP-4 shapes, under the bench's timer (a CUDA graph with the side stream)."""
+interpreter, the graphs traced with aot_eager, the steps on the micro config
+(tests/helpers/small_models.py: tiny's hidden and hc, narrower projections);
+GPU: compiled, at DSV4.1-Flash's TP-4 shapes, under the bench's timer (a CUDA
+graph with the side stream)."""
 
 import dataclasses
 import os
 
 import pytest
 import torch
+from small_models import MICRO
 
 from decode_boundary.bench.baselines import BASELINE_RTOL, check_baseline, collapse_rmsnorm
 from decode_boundary.bench.paths import applies, baselines_for, build, join_all, paths_for
@@ -95,8 +98,7 @@ def test_kernel_refuses_what_it_cannot_take():
 
 @pytest.fixture(scope="module")
 def boundaries():
-    made = {collapse: AttentionBoundary(dataclasses.replace(MODELS["tiny"],
-                                                            collapse_pre=collapse),
+    made = {collapse: AttentionBoundary(dataclasses.replace(MICRO, collapse_pre=collapse),
                                         1, 0, None, torch.device("cpu"), capacity=8, seed=11)
             for collapse in ("previous", "same")}
     yield made

@@ -116,10 +116,11 @@ def test_parts_rotate_over_enough_copies(monkeypatch):
 
 def test_the_ways_are_checked_before_timing(monkeypatch):
     """``check_ways`` fails a way whose mixes are off the spec (here: the spec
-    nudged by 1e-4) and names it, for every way that computes mixes."""
+    nudged by 1e-4) and names it, for every way that computes mixes (on the
+    micro config: tiny's hidden and hc)."""
     monkeypatch.setattr(mixes, "_compiled", lambda fn, backend: torch.compile(
         fn, dynamic=False, fullgraph=True, backend="aot_eager"))
-    ab = AttentionBoundary(MODELS["tiny"], 1, 0, None, torch.device("cpu"), 4, seed=5)
+    ab = AttentionBoundary(MICRO, 1, 0, None, torch.device("cpu"), 4, seed=5)
     timer = mixes.MixesTimer(ab.weight_copies(1), [2])
     steps = timer.steps(ab.make_inputs(2, seed=2))
     assert mixes.check_ways(steps, ab, timer.same) == []

@@ -167,14 +167,15 @@ def test_cooperative_launches_give_the_serial_bits(collapse, early,
             assert_same_bits(a, b, what)
 
 
-@pytest.mark.parametrize("m", [3, 37])
+@pytest.mark.parametrize("m", [3, 33])
 def test_mixes_kernel_after_the_consumer(m, monkeypatch):
     """Beyond ``MIXES_FUSED_MAX_ROWS`` (here 0) V4.1's mixes come from the mixes
     kernel: within the bar of the spec of the consumer's own residual_out, on
     one poisoned scratch reused by two steps (the second takes none of the
     first's shares: they carry the older generation), 3 token groups at M =
-    37; everything else is the consumer without mixes, bit for bit. V4's
-    collapse stays fused (it needs the pre inside the consumer)."""
+    33 (the fewest tokens for 3 groups of 16, the last partial); everything
+    else is the consumer without mixes, bit for bit. V4's collapse stays fused
+    (it needs the pre inside the consumer)."""
     monkeypatch.setattr(consumer_tactics, "MIXES_FUSED_MAX_ROWS", 0)
     assert not fuses_mixes(m, HC, "previous") and fuses_mixes(m, HC, "same")
     s = scratch(m=m)

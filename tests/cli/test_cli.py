@@ -15,6 +15,7 @@ import matplotlib.image
 import pytest
 import torch
 import torch.distributed as dist
+from small_models import MICRO
 
 from decode_boundary import cli
 from decode_boundary.bench import report
@@ -378,8 +379,12 @@ def test_verify_without_gpu_runs_in_the_interpreter(tmp_path):
 
 
 def test_verify_fails_with_exit_1_on_a_wrong_answer(capsys, monkeypatch):
+    """A wrong answer (check_outputs patched to fail) is named per path and
+    exits 1; the interpreter's model is the micro config here
+    (tests/helpers/small_models.py), the verdict does not depend on it."""
     import decode_boundary.bench.harness as harness
 
+    monkeypatch.setitem(cli.MODELS, cli.INTERPRETER_MODEL, MICRO)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(harness, "check_outputs", lambda out, ref: ["q: injected"])
     assert cli.main(["verify", "--rows", "1"]) == 1

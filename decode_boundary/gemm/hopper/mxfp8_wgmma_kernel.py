@@ -60,9 +60,9 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-K_TILE = 128  # K per pipeline stage: four scale groups, one 512-byte scale block
-SCALE_BLOCK = 512  # bytes of one 128-row x 4-group block of the swizzled scales
-GROUP = 32
+from decode_boundary.mxfp8.format import GROUP
+
+from .tactics import K_TILE, SCALE_BLOCK
 
 
 class Mxfp8WgmmaGemm:
@@ -193,6 +193,7 @@ class Mxfp8WgmmaGemm:
         tass, tgas = cpasync.tma_partition(tma_as, 0, one, cute.group_modes(sas, 0, 2),
                                            cute.group_modes(gas, 0, 2))
 
+        loads = (tma_w, tgw, tws, tma_ws, tgws, twss, tma_a, tga, tas, tma_as, tgas, tass)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, self.split_k))
         prefetch = min(self.stages, self.k_tiles)
         producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
@@ -201,11 +202,7 @@ class Mxfp8WgmmaGemm:
             # Weights first, before the grid wait: no kernel in flight writes them.
             for i in cutlass.range_constexpr(prefetch):
                 ring.producer_acquire(producer)
-                bar = ring.producer_get_barrier(producer)
-                kt = kt0 + i
-                cute.copy(tma_w, tgw[(None, kt)], tws[(None, producer.index)], tma_bar_ptr=bar)
-                cute.copy(tma_ws, tgws[(None, row_tile * self.w_k_tiles + kt)],
-                          twss[(None, producer.index)], tma_bar_ptr=bar)
+                self.load_weight(ring, producer, kt0 + i, row_tile, loads)
                 producer.advance()
         if cutlass.const_expr(self.use_pdl):
             cute.arch.griddepcontrol_wait()
@@ -215,11 +212,7 @@ class Mxfp8WgmmaGemm:
         a_row_tile = m0 // 128
         if warp == 0:
             for i in cutlass.range_constexpr(prefetch):
-                bar = ring.producer_get_barrier(a_state)
-                cute.copy(tma_a, tga[(None, a_kt0 + i)], tas[(None, a_state.index)],
-                          tma_bar_ptr=bar)
-                cute.copy(tma_as, tgas[(None, a_row_tile * self.a_k_tiles + a_kt0 + i)],
-                          tass[(None, a_state.index)], tma_bar_ptr=bar)
+                self.load_activation(ring, a_state, a_kt0 + i, a_row_tile, loads)
                 a_state.advance()
         if cutlass.const_expr(self.use_pdl):
             cute.arch.griddepcontrol_launch_dependents()
@@ -240,8 +233,7 @@ class Mxfp8WgmmaGemm:
 
         consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                 self.stages)
-        operands = (tiled_mma, tcsw, tccw, frag_b, sa, sas_flat, sws_flat, sb, tma_w, tgw, tws,
-                    tma_ws, tgws, twss, tma_a, tga, tas, tma_as, tgas, tass)
+        operands = (tiled_mma, tcsw, tccw, frag_b, sa, sas_flat, sws_flat, sb, loads)
         where = (kt0, a_kt0, row_tile, a_row_tile, warp, tidx, m0, n0)
         # Pairs of K-tiles alternate the two register fragments and BF16 tiles
         # (static indices), then an odd tail.
@@ -270,8 +262,7 @@ class Mxfp8WgmmaGemm:
         registers and the BF16 tile, and no MMA reads the stage itself. A
         register fragment is rewritten two tiles after the MMAs that read it,
         past this thread's ``wait_group(1)``."""
-        (tiled_mma, tcsw, tccw, frag_b, sa, sas, sws, sb, tma_w, tgw, tws, tma_ws, tgws, twss,
-         tma_a, tga, tas, tma_as, tgas, tass) = operands
+        tiled_mma, tcsw, tccw, frag_b, sa, sas, sws, sb, loads = operands
         kt0, a_kt0, row_tile, a_row_tile, warp, tidx, m0, n0 = where
         ring.consumer_wait(consumer)
         stage = consumer.index
@@ -285,9 +276,7 @@ class Mxfp8WgmmaGemm:
         scaled.store(raw.load().to(cutlass.Float32))
         for i in cutlass.range_constexpr(cute.size(scaled)):
             r, c = tccw[i]
-            r = (n0 + r) % 128
-            byte = sws[(r % 32) * 16 + r // 32 * 4 + c // GROUP, stage]
-            scaled[i] = scaled[i] * _exp2(byte)
+            scaled[i] = scaled[i] * _exp2(sws[_block_offset(n0 + r, c // GROUP), stage])
         frag.store(scaled.load().to(cutlass.BFloat16))
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=2, number_of_threads=self.threads)
@@ -300,19 +289,31 @@ class Mxfp8WgmmaGemm:
         warpgroup.commit_group()
         if warp == 0 and producer.count < self.k_tiles:
             ring.producer_acquire(producer)
-            bar = ring.producer_get_barrier(producer)
-            nkt = kt0 + producer.count
-            cute.copy(tma_w, tgw[(None, nkt)], tws[(None, producer.index)], tma_bar_ptr=bar)
-            cute.copy(tma_ws, tgws[(None, row_tile * self.w_k_tiles + nkt)],
-                      twss[(None, producer.index)], tma_bar_ptr=bar)
-            cute.copy(tma_a, tga[(None, a_kt0 + producer.count)], tas[(None, producer.index)],
-                      tma_bar_ptr=bar)
-            cute.copy(tma_as, tgas[(None, a_row_tile * self.a_k_tiles + a_kt0 +
-                                    producer.count)],
-                      tass[(None, producer.index)], tma_bar_ptr=bar)
+            self.load_weight(ring, producer, kt0 + producer.count, row_tile, loads)
+            self.load_activation(ring, producer, a_kt0 + producer.count, a_row_tile, loads)
             producer.advance()
         warpgroup.wait_group(1)
         return consumer, producer
+
+    @cute.jit
+    def load_weight(self, ring, state, kt, row_tile, loads):
+        """TMA of K-tile ``kt``'s weight tile and its scale block into ``state``'s
+        stage (issued before the grid wait too: no kernel in flight writes them)."""
+        tma_w, tgw, tws, tma_ws, tgws, twss = loads[:6]
+        bar = ring.producer_get_barrier(state)
+        cute.copy(tma_w, tgw[(None, kt)], tws[(None, state.index)], tma_bar_ptr=bar)
+        cute.copy(tma_ws, tgws[(None, row_tile * self.w_k_tiles + kt)],
+                  twss[(None, state.index)], tma_bar_ptr=bar)
+
+    @cute.jit
+    def load_activation(self, ring, state, a_kt, a_row_tile, loads):
+        """TMA of the activation's K-tile ``a_kt`` and its scale block into
+        ``state``'s stage, on the barrier its weight tile's bytes also count on."""
+        tma_a, tga, tas, tma_as, tgas, tass = loads[6:]
+        bar = ring.producer_get_barrier(state)
+        cute.copy(tma_a, tga[(None, a_kt)], tas[(None, state.index)], tma_bar_ptr=bar)
+        cute.copy(tma_as, tgas[(None, a_row_tile * self.a_k_tiles + a_kt)],
+                  tass[(None, state.index)], tma_bar_ptr=bar)
 
     @cute.jit
     def upcast_activation(self, sa, sas, sb, stage, half, tidx, m0):
@@ -324,8 +325,7 @@ class Mxfp8WgmmaGemm:
             if c < chunks:
                 t = c // (K_TILE // 8)
                 k = (c % (K_TILE // 8)) * 8
-                r = (m0 + t) % 128
-                s = _exp2(sas[(r % 32) * 16 + r // 32 * 4 + k // GROUP, stage])
+                s = _exp2(sas[_block_offset(m0 + t, k // GROUP), stage])
                 for j in cutlass.range_constexpr(8):
                     x = sa[(t, k + j, stage)].to(cutlass.Float32) * s
                     sb[(t, k + j, half)] = x.to(cutlass.BFloat16)
@@ -360,6 +360,14 @@ class Mxfp8WgmmaGemm:
                     out[m0 + t, n0 + r] = total.to(cutlass.BFloat16)
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
+
+
+@cute.jit
+def _block_offset(row, group):
+    """Byte of (``row``, 32-group ``group`` of the tile) in a 512-byte block of the
+    128x4-swizzled scales: ``mxfp8.format.swizzled_scale_offset`` within one block."""
+    r = row % 128
+    return (r % 32) * 16 + r // 32 * 4 + group
 
 
 @cute.jit

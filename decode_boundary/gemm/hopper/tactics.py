@@ -18,7 +18,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from decode_boundary.gemm.tactics import row_bucket
+
 K_TILE = 128  # K per ring stage: four 32-groups, one 512-byte block of swizzled scales
+SCALE_BLOCK = 512  # bytes of one 128-row x 4-group block of the swizzled scales: one TMA box
 SMEM_BYTES = 227 * 1024  # shared memory per CTA on sm_90
 TOKENS = (8, 16, 32, 64)  # activation rows per CTA: wgmma N
 WARPGROUPS = (1, 2)
@@ -41,7 +44,7 @@ def smem_bytes(t: HopperTactic) -> int:
     activation e4m3 tiles, two scale blocks), two BF16 activation tiles, the
     split-K exchange, barriers and alignment."""
     rows = 64 * t.warpgroups
-    ring = t.stages * ((rows + t.tokens) * K_TILE + 2 * 512)
+    ring = t.stages * ((rows + t.tokens) * K_TILE + 2 * SCALE_BLOCK)
     exchange = rows * t.tokens * 4 if t.split_k > 1 else 0
     return ring + 2 * t.tokens * K_TILE * 2 + exchange + 4096
 
@@ -95,8 +98,6 @@ INVARIANT_SPLITS: dict[tuple[int, int, int], int] = {}
 
 def table_tactic(n: int, k: int, rows: int, groups: int = 1) -> HopperTactic | None:
     """TABLE's tactic at ``rows`` rows, with the tokens tile of ``rows``, or None."""
-    from decode_boundary.gemm.tactics import row_bucket
-
     return TABLE.get((n, k, groups), {}).get(min(row_bucket(rows), 64))
 
 
